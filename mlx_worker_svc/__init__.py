@@ -1,0 +1,1 @@
+"""mlx-worker-svc: a gRPC model worker for MLX."""

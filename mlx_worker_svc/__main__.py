@@ -1,0 +1,5 @@
+"""`python -m mlx_worker_svc` runs the `mlx-worker` command line."""
+
+from mlx_worker_svc.cli import main
+
+raise SystemExit(main())

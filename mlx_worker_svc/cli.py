@@ -1,0 +1,134 @@
+"""The `mlx-worker` command line: `serve` and `convert-gguf`.
+
+`serve` starts the gRPC worker (health answers at once; with --auto-init the
+worker also runs its own lifecycle so Generate works without a scheduler).
+`convert-gguf` turns a llama GGUF file into an MLX model directory, or, with
+no file, builds the embedded default model (SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from mlx_worker_svc.domain import DeviceKind, LoadSpec
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.server import ServerConfig, WorkerServer
+    from mlx_worker_svc.worker import DeviceArgs
+
+    model = args.model
+    if model is None:
+        from mlx_worker_svc.embedded import ensure_default_model
+
+        model = str(ensure_default_model(show_progress=True))
+    config = ServerConfig(host=args.host, port=args.port, grace_seconds=args.grace_seconds)
+    server = WorkerServer(config)
+    try:
+        port = server.start()
+    except OSError as exc:
+        logging.error("%s", exc)
+        return 2
+    server.install_signal_handlers()
+    print(f"mlx-worker listening on {args.host}:{port}", flush=True)
+    if args.auto_init:
+        worker = server.worker
+        try:
+            device = worker.init_device(DeviceArgs(kind=DeviceKind(args.device)))
+            loaded, _ = worker.load_model(LoadSpec(model=model, max_model_len=args.max_model_len))
+            tokens = args.max_num_batched_tokens or (256 if device.kind is DeviceKind.CPU else 2048)
+            profile = worker.determine_memory(args.memory_utilization, tokens, args.block_size)
+            blocks = args.num_blocks or max(profile.suggested_num_blocks, 1)
+            worker.init_cache(blocks, args.block_size)
+            worker.warm_up([1], [16])
+        except Exception as exc:
+            logging.error("auto-init failed: %s", exc)
+            server.shutdown(grace_seconds=1.0, abort=True)
+            server.wait()
+            return 1
+        print(
+            f"ready: {loaded.info.model_type} from {loaded.info.model_path} on {device.name} "
+            f"({device.kind.value}), {blocks} KV blocks of {profile.block_size} tokens",
+            flush=True,
+        )
+    server.wait()
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    if args.gguf is None:
+        from mlx_worker_svc.embedded import ensure_default_model
+
+        print(ensure_default_model(show_progress=True))
+        return 0
+    if args.out is None:
+        print("convert-gguf: --out is required with a GGUF file", file=sys.stderr)
+        return 2
+    from mlx_worker_svc.engine.gguf import convert_gguf
+
+    def progress(stage: str, fraction: float) -> None:
+        print(f"\r{stage}: {fraction * 100:5.1f}%", end="", file=sys.stderr, flush=True)
+
+    out = convert_gguf(Path(args.gguf), Path(args.out), progress=progress)
+    print(file=sys.stderr)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the gRPC worker")
+    serve.add_argument(
+        "--model", help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any)")
+    serve.add_argument(
+        "--auto-init",
+        action="store_true",
+        help="run InitDevice..WarmUp at start so Generate works at once",
+    )
+    serve.add_argument("--device", choices=[k.value for k in DeviceKind], default="auto")
+    serve.add_argument("--max-model-len", type=int, default=0, help="cap the context length")
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="profiling size for auto-init (default 256 on CPU, 2048 on GPU)",
+    )
+    serve.add_argument("--memory-utilization", type=float, default=0.9)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument(
+        "--num-blocks", type=int, default=0, help="KV blocks for auto-init (default: suggested)"
+    )
+    serve.add_argument(
+        "--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM (default 30)"
+    )
+    serve.set_defaults(func=_serve)
+
+    convert = sub.add_parser(
+        "convert-gguf", help="convert a llama GGUF file (default: build the embedded model)"
+    )
+    convert.add_argument("gguf", nargs="?", help="GGUF file (omit to build the default model)")
+    convert.add_argument("--out", help="output model directory")
+    convert.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The inference engine: model loading, conversion and execution on MLX."""

@@ -1,0 +1,116 @@
+"""Measuring memory: activation peak, bytes per KV block, warm-up shapes.
+
+Every figure comes from running the loaded model, not from a formula: the
+activation peak from a profiling forward at the step's token budget, and the
+bytes of one KV block from a real cache filled with one block of tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_worker_svc.domain import MemoryProfile, ModelInfo
+from mlx_worker_svc.engine.batch import merge_caches
+from mlx_worker_svc.engine.device import memory_facts
+
+
+def _filled_bytes(cache: list[Any]) -> int:
+    """Bytes of the KV actually held (a cache's buffers grow in steps)."""
+    total = 0
+    for layer in cache:
+        offset = getattr(layer, "offset", None)
+        for array in layer.state:
+            if not isinstance(array, mx.array):
+                continue
+            if isinstance(offset, int) and array.ndim == 4 and array.shape[2] >= offset:
+                total += int(array[..., :offset, :].nbytes)
+            else:
+                total += int(array.nbytes)
+    return total
+
+
+def bytes_per_block(model: nn.Module, block_size: int) -> int:
+    """Bytes one block of `block_size` tokens takes in this model's KV cache."""
+    cache = make_prompt_cache(model)
+    model(mx.zeros((1, block_size), dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return _filled_bytes(cache)
+
+
+def profile(
+    model: nn.Module,
+    info: ModelInfo,
+    *,
+    memory_utilization: float,
+    max_num_batched_tokens: int,
+    block_size: int,
+) -> MemoryProfile:
+    """Profiles a forward of `max_num_batched_tokens` and sizes the KV budget."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((1, max_num_batched_tokens), dtype=mx.uint32), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    peak = mx.get_peak_memory()
+    del logits, cache
+    mx.clear_cache()
+    activation = max(int(peak) - int(before), 0)
+    per_block = bytes_per_block(model, block_size)
+    total, recommended = memory_facts()
+    allowed = int(recommended * memory_utilization)
+    available = max(allowed - info.weight_bytes - activation, 0)
+    return MemoryProfile(
+        total_memory_bytes=total,
+        recommended_working_set_bytes=recommended,
+        weight_bytes=info.weight_bytes,
+        activation_peak_bytes=activation,
+        available_kv_bytes=available,
+        bytes_per_block=per_block,
+        block_size=block_size,
+        suggested_num_blocks=available // per_block if per_block else 0,
+    )
+
+
+def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]) -> int:
+    """Runs each prefill length and decode batch size once; returns shapes run."""
+    shapes = 0
+    for length in prefill_lengths:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((1, length), dtype=mx.uint32), cache=cache))
+        shapes += 1
+    for size in batch_sizes:
+        caches = []
+        for _ in range(size):
+            cache = make_prompt_cache(model)
+            model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)
+            caches.append(cache)
+        batch = merge_caches(caches)
+        mx.eval(model(mx.zeros((size, 1), dtype=mx.uint32), cache=batch))
+        shapes += 1
+    mx.clear_cache()
+    return shapes
+
+
+def deep_check(model: nn.Module) -> int:
+    """A 1-token forward; returns its duration in ns (raises if the engine fails)."""
+    start = time.perf_counter_ns()
+    logits = model(mx.zeros((1, 1), dtype=mx.uint32))
+    mx.eval(logits)
+    if not bool(mx.all(mx.isfinite(logits)).item()):
+        raise RuntimeError("deep check: the model produced non-finite logits")
+    return time.perf_counter_ns() - start
+
+
+def release() -> None:
+    """Returns MLX's cached buffers to the system (after freeing model or KV)."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()

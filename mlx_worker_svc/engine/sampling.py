@@ -1,0 +1,141 @@
+"""Per-request sampling: logits processors, seeded sampling and logprobs.
+
+Each request owns a `RequestSampler` built once from its SamplingParams.
+Processing follows vLLM's order: min_tokens masking, logit_bias, penalties
+(repetition over prompt + output, presence and frequency over output), then
+temperature, top_k, top_p and min_p on the scaled distribution. Logprobs are
+reported from the raw model logits (vLLM's default), so they do not depend on
+the sampling knobs. A request with a seed draws from its own PRNG key, split
+once per sampled token, so its tokens do not depend on its batch neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlx_worker_svc.domain import SamplingParams, TokenLogprobs
+
+
+class RequestSampler:
+    """Turns one request's logits row into its next token."""
+
+    def __init__(self, params: SamplingParams, *, eos_ids: frozenset[int], vocab_size: int):
+        self.params = params
+        self.vocab_size = vocab_size
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked |= eos_ids
+        self._min_tokens_mask = (
+            mx.array(sorted(blocked), dtype=mx.uint32) if blocked and params.min_tokens else None
+        )
+        self._bias_ids = self._bias_values = None
+        if params.logit_bias:
+            ids = sorted(params.logit_bias)
+            self._bias_ids = mx.array(ids, dtype=mx.uint32)
+            self._bias_values = mx.array([params.logit_bias[i] for i in ids], dtype=mx.float32)
+        self.uses_history = (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        self.trivial = (
+            params.greedy
+            and not self.uses_history
+            and self._bias_ids is None
+            and self._min_tokens_mask is None
+            and params.logprobs is None
+        )
+
+    def process(self, logits: mx.array, tokens: Sequence[int], prompt_len: int) -> mx.array:
+        """Applies the logits processors to one row of shape [V]."""
+        p = self.params
+        num_output = len(tokens) - prompt_len
+        if self._min_tokens_mask is not None and num_output < p.min_tokens:
+            logits = logits.at[self._min_tokens_mask].add(-float("inf"))
+        if self._bias_ids is not None and self._bias_values is not None:
+            logits = logits.at[self._bias_ids].add(self._bias_values.astype(logits.dtype))
+        if p.repetition_penalty != 1.0 and tokens:
+            seen = mx.array(sorted(set(tokens)), dtype=mx.uint32)
+            picked = logits[seen]
+            penalised = mx.where(
+                picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
+            )
+            logits[seen] = penalised
+        if (p.presence_penalty or p.frequency_penalty) and num_output > 0:
+            output = mx.array(list(tokens[prompt_len:]), dtype=mx.uint32)
+            counts = mx.zeros((self.vocab_size,), dtype=mx.float32).at[output].add(1.0)
+            penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            logits = logits - penalty[: logits.shape[-1]].astype(logits.dtype)
+        return logits
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """Samples a token id (0-d array) from a processed row of shape [V]."""
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logits, axis=-1)
+        scaled = logits.astype(mx.float32) * (1.0 / p.temperature)
+        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        if 0 < p.top_k < self.vocab_size:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        if p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if self._key is None:
+            return mx.random.categorical(logprobs)
+        self._key, sub = mx.random.split(self._key)
+        return mx.random.categorical(logprobs, key=sub)
+
+
+def _ints(values: mx.array) -> list[int]:
+    return [int(v) for v in cast(list[int], values.tolist())]
+
+
+def _floats(values: mx.array) -> list[float]:
+    return [float(v) for v in cast(list[float], values.tolist())]
+
+
+def _top_logprobs(logprobs: mx.array, token: int, n: int) -> TokenLogprobs:
+    value = logprobs[token]
+    rank = _ints((logprobs > value).sum()[None])[0] + 1
+    top: tuple[tuple[int, float], ...] = ()
+    if n > 0:
+        ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+        pairs = zip(_ints(ids), _floats(logprobs[ids]), strict=True)
+        top = tuple(sorted(pairs, key=lambda kv: -kv[1]))
+    return TokenLogprobs(token_id=token, logprob=_floats(value[None])[0], rank=rank, top=top)
+
+
+def sample_rows(
+    logits: mx.array,
+    samplers: Sequence[RequestSampler],
+    histories: Sequence[tuple[Sequence[int], int]],
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Samples one token per row of `logits` [B, V].
+
+    `histories[i]` is (tokens so far, prompt length) of row i. Returns the
+    token ids and, for rows that asked for them, their logprobs.
+    """
+    if all(s.trivial for s in samplers):
+        return _ints(mx.argmax(logits, axis=-1)), [None] * len(samplers)
+    chosen = []
+    for i, sampler in enumerate(samplers):
+        row = logits[i]
+        if not sampler.trivial:
+            row = sampler.process(row, *histories[i])
+        chosen.append(sampler.choose(row))
+    tokens = _ints(mx.stack(chosen))
+    infos: list[TokenLogprobs | None] = []
+    for i, sampler in enumerate(samplers):
+        n = sampler.params.logprobs
+        if n is None:
+            infos.append(None)
+            continue
+        raw = logits[i].astype(mx.float32)
+        infos.append(_top_logprobs(raw - mx.logsumexp(raw), tokens[i], n))
+    return tokens, infos

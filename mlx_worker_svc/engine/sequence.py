@@ -1,0 +1,86 @@
+"""Per-request engine state and the validated form of one step.
+
+A `Sequence` is everything the worker remembers about a request between
+steps: its tokens (prompt, then sampled or appended ones), how many of them
+have KV computed, its sampler, and where its KV lives (a private cache while
+its prompt is being prefilled, a row of the decode batch afterwards, nothing
+while preempted). A `Work` is a step after validation: applying it cannot fail
+for a reason the caller could have avoided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_worker_svc.domain import FinishReason, Origin, SamplingParams
+from mlx_worker_svc.engine.sampling import RequestSampler
+
+RequestKey = tuple[Origin, str]
+
+
+@dataclass
+class Sequence:
+    key: RequestKey
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    sampler: RequestSampler
+    num_computed: int = 0
+    cache: list[Any] | None = None
+    preempted: bool = False
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def finish_reason(self, eos_ids: frozenset[int], max_context: int) -> FinishReason | None:
+        """The stopping rule the last sampled token fired, if any."""
+        if self.num_output <= 0:
+            return None
+        last = self.tokens[-1]
+        p = self.params
+        if self.num_output >= p.min_tokens:
+            if not p.ignore_eos and last in eos_ids:
+                return FinishReason.EOS
+            if last in p.stop_token_ids:
+                return FinishReason.STOP_TOKEN
+        if p.max_tokens is not None and self.num_output >= p.max_tokens:
+            return FinishReason.LENGTH
+        if len(self.tokens) >= max_context:
+            return FinishReason.CONTEXT_LENGTH
+        return None
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    key: RequestKey
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass
+class Work:
+    """A validated step: removals first, then additions, then computation."""
+
+    finished: list[RequestKey] = field(default_factory=list)
+    preempted: list[RequestKey] = field(default_factory=list)
+    new: list[NewSequence] = field(default_factory=list)
+    appends: list[tuple[RequestKey, tuple[int, ...], bool]] = field(default_factory=list)
+    scheduled: dict[RequestKey, int] = field(default_factory=dict)
+
+    def merge(self, other: Work) -> Work:
+        return Work(
+            finished=self.finished + other.finished,
+            preempted=self.preempted + other.preempted,
+            new=self.new + other.new,
+            appends=self.appends + other.appends,
+            scheduled={**self.scheduled, **other.scheduled},
+        )
+
+    @property
+    def touched(self) -> list[RequestKey]:
+        """Keys that get an output: new, appended-to or scheduled requests."""
+        keys = [n.key for n in self.new] + [a[0] for a in self.appends]
+        keys += [k for k in self.scheduled if k not in keys]
+        return list(dict.fromkeys(keys))

@@ -1,0 +1,89 @@
+"""Text in and out: tokenizing prompts and chats, and streaming detokenization.
+
+Wraps the tokenizer mlx-lm loads (a Hugging Face tokenizer behind
+`TokenizerWrapper`) so the worker never touches it directly, and turns
+tokenizer failures into InvalidArgument with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_worker_svc.domain import ChatMessage
+from mlx_worker_svc.errors import FailedPrecondition, InvalidArgument
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def encode_text(tokenizer: TokenizerWrapper, text: str, *, add_special_tokens: bool) -> list[int]:
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def render_chat(
+    tokenizer: TokenizerWrapper,
+    messages: Sequence[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+) -> tuple[list[int], str]:
+    """Token ids and text of `messages` rendered through the chat template."""
+    if not tokenizer.has_chat_template:
+        raise FailedPrecondition("the loaded model has no chat template; send plain text")
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}"
+            )
+    payload = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            payload, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # jinja errors carry the template's own message
+        raise InvalidArgument(
+            f"messages could not be rendered by the chat template: {exc}"
+        ) from exc
+    return encode_text(tokenizer, str(text), add_special_tokens=False), str(text)
+
+
+def decode(tokenizer: TokenizerWrapper, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+    return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+class TextStream:
+    """Incremental detokenization of one request's output.
+
+    Decodes a small window (the previous piece plus the new tokens) rather
+    than the whole output, and holds text back while it ends in an incomplete
+    character, so the concatenated pieces equal `decode(all tokens)`.
+    """
+
+    def __init__(self, tokenizer: TokenizerWrapper, *, skip_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_ids
+        self._tokens: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return str(self._tokenizer.decode(self._tokens[start:end]))
+
+    def add(self, token: int) -> str:
+        """Adds a token; returns the text it completed (may be empty)."""
+        if token in self._skip:
+            return ""
+        self._tokens.append(token)
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._tokens)
+        return after[len(before) :]
+
+    def finish(self) -> str:
+        """Returns text held back waiting for more tokens."""
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix)
+        self._prefix = self._read = len(self._tokens)
+        return after[len(before) :]

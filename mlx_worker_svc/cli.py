@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             device = worker.init_device(DeviceArgs(kind=DeviceKind(args.device)))
             loaded, _ = worker.load_model(LoadSpec(model=model, max_model_len=args.max_model_len))
-            tokens = args.max_num_batched_tokens or (256 if device.kind is DeviceKind.CPU else 2048)
+            tokens = args.max_num_batched_tokens or (32 if device.kind is DeviceKind.CPU else 2048)
             profile = worker.determine_memory(args.memory_utilization, tokens, args.block_size)
             blocks = args.num_blocks or max(profile.suggested_num_blocks, 1)
             worker.init_cache(blocks, args.block_size)
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=0,
-        help="profiling size for auto-init (default 256 on CPU, 2048 on GPU)",
+        help="profiling size for auto-init (default: 32 on CPU, 2048 on GPU)",
     )
     serve.add_argument("--memory-utilization", type=float, default=0.9)
     serve.add_argument("--block-size", type=int, default=16)

@@ -30,7 +30,7 @@ from mlx_worker_svc.domain import (
     TokenLogprobs,
     WorkerState,
 )
-from mlx_worker_svc.errors import InvalidArgument, Unimplemented
+from mlx_worker_svc.errors import InvalidArgument
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _STATES = {
@@ -135,8 +135,6 @@ def kv_usage(usage: KVUsage) -> pb.KVUsage:
 
 def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
     """Converts and range-checks sampling parameters (errors name `where.<field>`)."""
-    if message.HasField("prompt_logprobs"):
-        raise Unimplemented(f"{where}.prompt_logprobs is not supported yet")
     params = SamplingParams(
         temperature=message.temperature if message.HasField("temperature") else 1.0,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
@@ -154,7 +152,7 @@ def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
-        prompt_logprobs=None,
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
     )
     params.validate(where)
     return params

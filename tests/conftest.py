@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up
-from mlx_worker_svc.embedded import ensure_default_model
 from tiny_model import build_tiny_model
 
+from mlx_worker_svc.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.server import ServerConfig, WorkerServer
 

@@ -25,12 +25,13 @@ from mlx_worker_svc.domain import (
     SamplingParams,
     StepPlan,
     StepTimings,
+    TokenLogprobs,
 )
 from mlx_worker_svc.engine.batch import DecodeBatch
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling, plan_step
-from mlx_worker_svc.engine.sampling import RequestSampler, sample_rows
+from mlx_worker_svc.engine.sampling import RequestSampler, prompt_logprobs, sample_rows
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
 
@@ -191,7 +192,9 @@ class ModelRunner:
             samples = end == len(seq.tokens)
             private_end = end - 1 if samples else end
             if private_end > seq.num_computed:
-                self._prefill(seq, private_end)
+                scored = self._prefill(seq, private_end)
+                if scored:
+                    outputs[key].prompt_logprobs.extend(scored)
             if samples:
                 sampling.append(key)
         finished = self._decode(sampling, outputs) if sampling else []
@@ -210,18 +213,32 @@ class ModelRunner:
         )
         return StepOutcome(outputs=outputs, timings=timings)
 
-    def _prefill(self, seq: Sequence, end: int) -> None:
-        """Computes KV for tokens [num_computed, end) into the request's private cache."""
+    def _prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
+        """Computes KV for tokens [num_computed, end) into the request's private cache.
+
+        Returns the prompt logprobs these positions produce, when the request
+        asked for them (the logits at position i score prompt token i + 1).
+        """
         if seq.key in self.batch:
             seq.cache = self.batch.extract({seq.key})[seq.key]
         if seq.cache is None:
             seq.cache = make_prompt_cache(self.model)
+        scored: list[TokenLogprobs] = []
+        want = seq.params.prompt_logprobs
         while seq.num_computed < end:
-            stop = min(end, seq.num_computed + PREFILL_STEP)
-            chunk = mx.array(seq.tokens[seq.num_computed : stop], dtype=mx.uint32)[None]
-            self.model(chunk, cache=seq.cache)
+            start, stop = seq.num_computed, min(end, seq.num_computed + PREFILL_STEP)
+            chunk = mx.array(seq.tokens[start:stop], dtype=mx.uint32)[None]
+            logits = self.model(chunk, cache=seq.cache)
+            # Score prompt tokens once: not again when a preempted request recomputes.
+            last = min(stop, seq.prompt_len - 1)
+            first = max(start, seq.prompt_scored)
+            if want is not None and first < last:
+                rows = logits[0, first - start : last - start]
+                scored += prompt_logprobs(rows, seq.tokens[first + 1 : last + 1], want)
+                seq.prompt_scored = last
             mx.eval([c.state for c in seq.cache])
             seq.num_computed = stop
+        return scored
 
     def _decode(
         self, keys: list[RequestKey], outputs: dict[RequestKey, RequestOutput]

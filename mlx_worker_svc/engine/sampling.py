@@ -111,6 +111,31 @@ def _top_logprobs(logprobs: mx.array, token: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id=token, logprob=_floats(value[None])[0], rank=rank, top=top)
 
 
+def prompt_logprobs(logits: mx.array, targets: Sequence[int], n: int) -> list[TokenLogprobs]:
+    """Logprobs of `targets[i]` under `logits[i]` ([T, V]) with the top-n of each row."""
+    raw = logits.astype(mx.float32)
+    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    ids = mx.array(list(targets), dtype=mx.uint32)[:, None]
+    chosen = mx.take_along_axis(logprobs, ids, axis=-1)
+    ranks = (logprobs > chosen).sum(axis=-1) + 1
+    top_ids = mx.argpartition(-logprobs, kth=n - 1, axis=-1)[:, :n] if n > 0 else None
+    top_values = mx.take_along_axis(logprobs, top_ids, axis=-1) if top_ids is not None else None
+    chosen_list = _floats(chosen.reshape(-1))
+    rank_list = _ints(ranks)
+    rows: list[TokenLogprobs] = []
+    id_rows = cast(list[list[int]], top_ids.tolist()) if top_ids is not None else []
+    value_rows = cast(list[list[float]], top_values.tolist()) if top_values is not None else []
+    for i, token in enumerate(targets):
+        top: tuple[tuple[int, float], ...] = ()
+        if n > 0:
+            pairs = zip(id_rows[i], value_rows[i], strict=True)
+            top = tuple((int(t), float(v)) for t, v in sorted(pairs, key=lambda kv: -kv[1]))
+        rows.append(
+            TokenLogprobs(token_id=int(token), logprob=chosen_list[i], rank=rank_list[i], top=top)
+        )
+    return rows
+
+
 def sample_rows(
     logits: mx.array,
     samplers: Sequence[RequestSampler],

@@ -29,6 +29,8 @@ class Sequence:
     num_computed: int = 0
     cache: list[Any] | None = None
     preempted: bool = False
+    # Prompt tokens whose logprob has been reported (prompt_logprobs).
+    prompt_scored: int = 0
 
     @property
     def num_output(self) -> int:

@@ -1,0 +1,219 @@
+"""Sampling on the tiny model: seeds, logprobs, prompt logprobs, penalties, bias."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from driver import drive
+from mlx_lm import load
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.WorkerServiceStub
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 20, [42], [9, 8, 7, 6, 5, 4, 3, 2]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path) -> object:
+    loaded, _ = load(str(tiny_dir))
+    return loaded
+
+
+def _log_softmax(model: object, tokens: list[int]) -> np.ndarray:
+    """Single-sequence reference: log-softmax of every position's logits."""
+    logits = model(mx.array(tokens)[None])[0].astype(mx.float32)  # type: ignore[operator]
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(out)
+
+
+def _epoch(stub: Stub) -> int:
+    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+
+def _run(
+    stub: Stub, prompts: list[list[int]], params: list[pb.SamplingParams], chunk: int | None = None
+) -> list[list[pb.RequestOutput]]:
+    """Drives the prompts together; returns every output message per request, in order."""
+    epoch = _epoch(stub)
+    ids = [f"s{i}" for i in range(len(prompts))]
+    total = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
+    computed = dict.fromkeys(ids, 0)
+    messages: dict[str, list[pb.RequestOutput]] = {rid: [] for rid in ids}
+    live = set(ids)
+    new = [
+        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=sp)
+        for rid, p, sp in zip(ids, prompts, params, strict=True)
+    ]
+    step = 0
+    while live:
+        scheduled = {}
+        for rid in live:
+            remaining = total[rid] - computed[rid]
+            scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
+        new_ids = {n.req_id for n in new}
+        response = stub.Execute(
+            pb.ExecuteRequest(
+                step_id=step,
+                worker_epoch=epoch,
+                new_requests=new,
+                cached_requests=[
+                    pb.CachedRequest(req_id=r, num_computed_tokens=computed[r])
+                    for r in live
+                    if r not in new_ids
+                ],
+                num_scheduled_tokens=scheduled,
+            )
+        )
+        new, step = [], step + 1
+        for out in response.outputs:
+            messages[out.req_id].append(out)
+            computed[out.req_id] = out.num_computed_tokens
+            total[out.req_id] += len(out.sampled_token_ids)
+            if out.finish_reason:
+                live.discard(out.req_id)
+    return [messages[rid] for rid in ids]
+
+
+def _tokens(messages: list[pb.RequestOutput]) -> list[int]:
+    return [t for m in messages for t in m.sampled_token_ids]
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_stub: Stub) -> None:
+    seeded = pb.SamplingParams(
+        temperature=0.8, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True
+    )
+    alone = _tokens(_run(tiny_stub, [PROMPTS[0]], [seeded])[0])
+    others = [
+        pb.SamplingParams(temperature=t, seed=s, max_tokens=16 - i, ignore_eos=True, top_k=k)
+        for i, (t, s, k) in enumerate(
+            [
+                (1.0, 1, 0),
+                (0.5, 2, 50),
+                (1.3, 3, 0),
+                (0.0, 4, 0),
+                (0.9, 5, 10),
+                (1.0, 6, 0),
+                (0.7, 7, 0),
+            ]
+        )
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(1, 8)]
+    batch = _run(
+        tiny_stub, [*prompts[:3], PROMPTS[0], *prompts[3:]], [*others[:3], seeded, *others[3:]]
+    )
+    assert _tokens(batch[3]) == alone
+    again = _tokens(_run(tiny_stub, [PROMPTS[0]], [seeded])[0])
+    assert again == alone
+    other_seed = pb.SamplingParams(
+        temperature=0.8, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True
+    )
+    assert _tokens(_run(tiny_stub, [PROMPTS[0]], [other_seed])[0]) != alone
+
+
+def test_every_step_logprobs_match_a_single_sequence_reference(
+    tiny_stub: Stub, model: object
+) -> None:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=20)
+    runs = _run(tiny_stub, PROMPTS[:4], [params] * 4, chunk=3)
+    for prompt, messages in zip(PROMPTS[:4], runs, strict=True):
+        tokens = _tokens(messages)
+        infos = [lp for m in messages for lp in m.logprobs]
+        assert len(infos) == len(tokens) == 12
+        reference = _log_softmax(model, prompt + tokens)
+        for k, (token, info) in enumerate(zip(tokens, infos, strict=True)):
+            row = reference[len(prompt) - 1 + k]
+            assert info.token_id == token and info.rank == 1
+            assert abs(info.logprob - row[token]) < 1e-4
+            top_ids = [t.token_id for t in info.top]
+            assert len(top_ids) == 20
+            np.testing.assert_allclose([t.logprob for t in info.top], row[top_ids], atol=1e-4)
+            assert sorted(row, reverse=True)[19] <= info.top[-1].logprob + 1e-4
+
+
+def test_prompt_logprobs_score_every_prompt_token_once(tiny_stub: Stub, model: object) -> None:
+    prompt = list(range(300, 317))
+    params = pb.SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5)
+    messages = _run(tiny_stub, [prompt], [params], chunk=4)[0]
+    scored = [lp for m in messages for lp in m.prompt_logprobs]
+    assert [s.token_id for s in scored] == prompt[1:]
+    reference = _log_softmax(model, prompt)
+    for i, info in enumerate(scored):
+        assert abs(info.logprob - reference[i][prompt[i + 1]]) < 1e-4
+        assert info.rank == 1 + int((reference[i] > reference[i][prompt[i + 1]]).sum())
+        assert len(info.top) == 5
+
+
+def _reference_penalised(
+    model: object,
+    prompt: list[int],
+    n: int,
+    *,
+    rep: float,
+    pres: float,
+    freq: float,
+    bias: dict[int, float],
+) -> list[int]:
+    """Greedy with vLLM's penalty semantics, computed independently with numpy."""
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = np.array(model(mx.array(tokens)[None])[0, -1].astype(mx.float32))  # type: ignore[operator]
+        for token, value in bias.items():
+            logits[token] += value
+        seen = sorted(set(tokens))
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+        counts = np.bincount(tokens[len(prompt) :], minlength=logits.shape[0]).astype(np.float32)
+        logits -= freq * counts + pres * (counts > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    ("rep", "pres", "freq"), [(1.3, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 2.0), (1.2, 0.5, 0.5)]
+)
+def test_penalties_and_bias_follow_vllm_semantics(
+    tiny_stub: Stub, model: object, rep: float, pres: float, freq: float
+) -> None:
+    prompt = [7, 7, 7, 8, 9]
+    bias = {11: 3.0, 12: -2.0}
+    params = pb.SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        ignore_eos=True,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        logit_bias=bias,
+    )
+    got = _tokens(_run(tiny_stub, [prompt], [params])[0])
+    assert got == _reference_penalised(model, prompt, 10, rep=rep, pres=pres, freq=freq, bias=bias)
+
+
+def test_top_k_one_is_greedy_and_samples_stay_in_the_vocabulary(tiny_stub: Stub) -> None:
+    epoch = _epoch(tiny_stub)
+    greedy = drive(
+        tiny_stub,
+        epoch,
+        [PROMPTS[1]],
+        max_tokens=8,
+        params=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    )[0]
+    top1 = _tokens(
+        _run(
+            tiny_stub,
+            [PROMPTS[1]],
+            [pb.SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True)],
+        )[0]
+    )
+    assert top1 == greedy
+    wild = _tokens(
+        _run(
+            tiny_stub,
+            [PROMPTS[1]],
+            [pb.SamplingParams(temperature=2.0, min_p=0.01, max_tokens=8, ignore_eos=True)],
+        )[0]
+    )
+    assert len(wild) == 8 and all(0 <= t < 49152 for t in wild)

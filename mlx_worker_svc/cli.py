@@ -17,8 +17,8 @@ from mlx_worker_svc.domain import DeviceKind, LoadSpec
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.lifecycle import DeviceArgs
     from mlx_worker_svc.server import ServerConfig, WorkerServer
-    from mlx_worker_svc.worker import DeviceArgs
 
     model = args.model
     if model is None:

@@ -9,10 +9,12 @@ tokens, and always ends with exactly one final chunk or one error.
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from mlx_worker_svc.domain import FinishReason, GenerateChunk, RequestOutput
+from mlx_worker_svc.domain import FinishReason, GenerateChunk, Origin, RequestOutput
 from mlx_worker_svc.engine.text import TextStream
 from mlx_worker_svc.errors import WorkerError
 
@@ -77,3 +79,64 @@ class GenerateStream:
                 raise item
             assert isinstance(item, GenerateChunk)
             yield item
+
+
+class StreamTable:
+    """The open Generate streams, keyed by request id.
+
+    Mutated only on the engine thread; `wait_empty` lets another thread (the
+    drain) wait for the last stream to close.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[str, GenerateStream] = {}
+        self._changed = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def ids(self) -> list[str]:
+        """Request ids, oldest first."""
+        return list(self._streams)
+
+    def open(self, stream: GenerateStream) -> None:
+        self._streams[stream.request_id] = stream
+
+    def close(self, request_id: str, error: WorkerError | None = None) -> None:
+        """Ends a stream: ABORTED finish when `error` is None, else the error."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            if error is None:
+                stream.abort(FinishReason.ABORTED)
+            else:
+                stream.fail(error)
+        self._notify()
+
+    def dispatch(self, outputs: dict[tuple[Origin, str], RequestOutput]) -> None:
+        """Pushes a step's Generate outputs to their streams; closes finished ones."""
+        for (origin, request_id), output in outputs.items():
+            stream = self._streams.get(request_id) if origin is Origin.GENERATE else None
+            if stream is None:
+                continue
+            stream.emit(output)
+            if stream.done:
+                self._streams.pop(request_id, None)
+                self._notify()
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Waits until no stream is open; returns whether that happened in time."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._streams:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()

@@ -23,13 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from mlx_worker_svc.domain import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.lifecycle import EXECUTABLE
 from mlx_worker_svc.servicer import WorkerServicer
 from mlx_worker_svc.worker import Worker
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-_EXECUTABLE = (WorkerState.READY, WorkerState.SERVING)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class WorkerServer:
     def _on_state(self, state: WorkerState) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        self._health.set(SERVICE_NAME, serving if state in _EXECUTABLE else not_serving)
+        self._health.set(SERVICE_NAME, serving if state in EXECUTABLE else not_serving)
 
     def start(self) -> int:
         """Binds and starts serving; returns the bound port."""

@@ -19,7 +19,8 @@ from mlx_worker_svc import convert
 from mlx_worker_svc.errors import Unimplemented, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.worker import DeviceArgs, Worker
+from mlx_worker_svc.lifecycle import DeviceArgs
+from mlx_worker_svc.worker import Worker
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -10,17 +10,13 @@ first. Generate requests are scheduled here, between and inside Execute steps.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from mlx_worker_svc.domain import (
     ChatMessage,
     DeviceInfo,
-    DeviceKind,
-    FinishReason,
     GenerateChunk,
     GenerateSpec,
     HealthReport,
@@ -28,7 +24,6 @@ from mlx_worker_svc.domain import (
     LoadSpec,
     MemoryProfile,
     Origin,
-    RequestOutput,
     StepPlan,
     StepResult,
     WorkerState,
@@ -48,32 +43,16 @@ from mlx_worker_svc.errors import (
     Unimplemented,
     WorkerError,
 )
-from mlx_worker_svc.generation import GenerateStream
+from mlx_worker_svc.generation import GenerateStream, StreamTable
+from mlx_worker_svc.lifecycle import DeviceArgs, require
 
 S = WorkerState
-_ORDER = [S.NEW, S.DEVICE_READY, S.MODEL_LOADED, S.MEMORY_PROFILED, S.READY, S.SERVING]
-_NEXT_CALL = {
-    S.NEW: "InitDevice",
-    S.DEVICE_READY: "LoadModel",
-    S.MODEL_LOADED: "DetermineMemory",
-    S.MEMORY_PROFILED: "InitCache",
-    S.SLEEPING: "WakeUp",
-}
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MEMORY_UTILIZATION = 0.9
 # Generate prompts are prefilled in chunks of this many tokens per step, so a
 # long prompt does not stall the requests decoding beside it.
 GENERATE_PREFILL_CHUNK = 512
-
-
-@dataclass(frozen=True)
-class DeviceArgs:
-    kind: DeviceKind = DeviceKind.AUTO
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    distributed_init_method: str = ""
 
 
 class Worker:
@@ -90,9 +69,8 @@ class Worker:
         self._epoch = 0
         self._memory: MemoryProfile | None = None
         self._runner: ModelRunner | None = None
-        self._streams: dict[str, GenerateStream] = {}
+        self._streams = StreamTable()
         self._last_error = ""
-        self._idle = threading.Condition()
         self._engine = EngineLoop(
             self._generate_pending, self._generate_step, on_exit=device_mod.settle_thread
         )
@@ -112,17 +90,7 @@ class Worker:
             self._on_state(state)
 
     def _require(self, call: str, minimum: WorkerState) -> None:
-        """Raises unless the state is `minimum` or later in the lifecycle."""
-        state = self._state
-        if state in (S.DRAINING, S.STOPPED):
-            raise Unavailable(f"{call}: the worker is {state.value} and accepts no new work")
-        if state in _ORDER and _ORDER.index(state) >= _ORDER.index(minimum):
-            return
-        needed = _NEXT_CALL.get(state, "")
-        raise FailedPrecondition(
-            f"{call} needs state {minimum.value} or later; the worker is {state.value}"
-            + (f": call {needed} first" if needed else "")
-        )
+        require(self._state, call, minimum)
 
     def _require_idle(self, call: str) -> None:
         if self._runner is not None and self._runner.seqs:
@@ -243,9 +211,9 @@ class Worker:
         return self._engine.call(lambda: self._execute(plan))
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        if self._state is S.DRAINING and not plan.new_requests:
-            pass  # let the scheduler finish what it started during the grace period
-        else:
+        # While draining, steps for requests already running still run, so the
+        # scheduler can finish them within the grace period; new ones are refused.
+        if not (self._state is S.DRAINING and not plan.new_requests):
             self._require("Execute", S.READY)
         runner = self._need_runner("Execute")
         if plan.worker_epoch != self._epoch:
@@ -272,7 +240,7 @@ class Worker:
         except Exception as exc:
             self._last_error = f"{type(exc).__name__}: {exc}"
             raise
-        self._dispatch(outcome.outputs)
+        self._streams.dispatch(outcome.outputs)
         return outcome
 
     # ------------------------------------------------------------ queries
@@ -363,7 +331,7 @@ class Worker:
                 prompt_tokens=len(prompt),
                 text=text.TextStream(loaded.tokenizer, skip_ids=skip),
             )
-            self._streams[request_id] = stream
+            self._streams.open(stream)
             return stream
 
         stream = self._engine.call(job)
@@ -386,15 +354,9 @@ class Worker:
         return list(spec.prompt_token_ids)
 
     def _end_stream(self, request_id: str, error: WorkerError | None) -> None:
-        stream = self._streams.pop(request_id, None)
         if self._runner is not None:
             self._runner.free((Origin.GENERATE, request_id))
-        if stream is not None:
-            if error is None:
-                stream.abort(FinishReason.ABORTED)
-            else:
-                stream.fail(error)
-        self._notify_idle()
+        self._streams.close(request_id, error)
 
     def _generate_pending(self) -> bool:
         return bool(self._streams) and self._runner is not None
@@ -405,7 +367,7 @@ class Worker:
             return
         work, starved = runner.internal_work(GENERATE_PREFILL_CHUNK)
         if starved:
-            youngest = next(reversed(self._streams))
+            youngest = self._streams.ids()[-1]
             self._end_stream(
                 youngest,
                 ResourceExhausted("the KV budget is full; the request could not continue"),
@@ -414,18 +376,6 @@ class Worker:
         if work.scheduled:
             self._run(runner, work)
 
-    def _dispatch(self, outputs: dict[tuple[Origin, str], RequestOutput]) -> None:
-        for (origin, req_id), output in outputs.items():
-            if origin is not Origin.GENERATE:
-                continue
-            stream = self._streams.get(req_id)
-            if stream is None:
-                continue
-            stream.emit(output)
-            if stream.done:
-                self._streams.pop(req_id, None)
-                self._notify_idle()
-
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:
         """Stops accepting new work; running requests may finish."""
@@ -433,24 +383,13 @@ class Worker:
 
     def wait_generate_idle(self, timeout: float) -> bool:
         """Waits until no Generate stream is open; returns whether it got there."""
-        deadline = time.monotonic() + timeout
-        with self._idle:
-            while self._streams:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
-
-    def _notify_idle(self) -> None:
-        with self._idle:
-            self._idle.notify_all()
+        return self._streams.wait_empty(timeout)
 
     def close(self) -> None:
         """Aborts what is left, frees the model and caches, stops the engine."""
 
         def job() -> None:
-            for request_id in list(self._streams):
+            for request_id in self._streams.ids():
                 self._end_stream(request_id, Aborted("the worker shut down before it finished"))
             if self._runner is not None:
                 self._runner.abort_all()

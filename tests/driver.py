@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -32,6 +33,7 @@ def drive(
     max_tokens: int,
     chunk: int | None = None,
     params: pb.SamplingParams | None = None,
+    before_step: Callable[[pb.ExecuteRequest], None] | None = None,
 ) -> list[list[int]]:
     """Runs all prompts together, chunked prefill of `chunk` tokens (None: whole)."""
     ids = [f"req-{i}" for i in range(len(prompts))]
@@ -56,15 +58,16 @@ def drive(
             for rid in sorted(live)
             if rid not in new_ids
         ]
-        response = stub.Execute(
-            pb.ExecuteRequest(
-                step_id=step,
-                worker_epoch=epoch,
-                new_requests=new,
-                cached_requests=cached,
-                num_scheduled_tokens=scheduled,
-            )
+        request = pb.ExecuteRequest(
+            step_id=step,
+            worker_epoch=epoch,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
         )
+        if before_step is not None:
+            before_step(request)
+        response = stub.Execute(request)
         new = []
         step += 1
         for out in response.outputs:

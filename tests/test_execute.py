@@ -69,6 +69,30 @@ def _step(stub: Stub, epoch: int, step_id: int, **fields: object) -> pb.ExecuteR
     return response
 
 
+def _decode(
+    stub: Stub, epoch: int, req_id: str, computed: int, *, steps: int | None = None
+) -> tuple[list[int], int, int]:
+    """Decodes one request a token per step, `steps` times or until it finishes.
+
+    Returns (tokens, num_computed_tokens, finish_reason).
+    """
+    tokens: list[int] = []
+    reason = pb.FINISH_REASON_UNSPECIFIED
+    done = 0
+    while reason == pb.FINISH_REASON_UNSPECIFIED and (steps is None or done < steps):
+        out = _step(
+            stub,
+            epoch,
+            100 + done,
+            cached_requests=[pb.CachedRequest(req_id=req_id, num_computed_tokens=computed)],
+            num_scheduled_tokens={req_id: 1},
+        ).outputs[0]
+        tokens += out.sampled_token_ids
+        computed, reason = out.num_computed_tokens, out.finish_reason
+        done += 1
+    return tokens, computed, reason
+
+
 def test_stop_rules_finish_and_free(tiny_stub: Stub, reference: list[list[int]]) -> None:
     epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
     first = reference[0]
@@ -92,27 +116,13 @@ def test_stop_rules_finish_and_free(tiny_stub: Stub, reference: list[list[int]])
     assert list(by_id["len"].sampled_token_ids) == first[:1]
     health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
     assert health.num_running_requests == 1  # "len" was freed at once
-    tokens = list(by_id["stop"].sampled_token_ids)
-    computed = by_id["stop"].num_computed_tokens
-    step = 2
-    reason = pb.FINISH_REASON_UNSPECIFIED
-    while reason == pb.FINISH_REASON_UNSPECIFIED:
-        out = _step(
-            tiny_stub,
-            epoch,
-            step,
-            cached_requests=[pb.CachedRequest(req_id="stop", num_computed_tokens=computed)],
-            num_scheduled_tokens={"stop": 1},
-        )
-        tokens += out.outputs[0].sampled_token_ids
-        computed = out.outputs[0].num_computed_tokens
-        reason = out.outputs[0].finish_reason
-        step += 1
+    rest, _, reason = _decode(tiny_stub, epoch, "stop", by_id["stop"].num_computed_tokens)
+    tokens = list(by_id["stop"].sampled_token_ids) + rest
     assert reason == pb.FINISH_REASON_STOP_TOKEN and tokens == first[:3]
     health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
     assert health.num_running_requests == 0 and health.kv.used_blocks == 0
     # The scheduler may still name requests the worker finished on its own.
-    _step(tiny_stub, epoch, step, finished_req_ids=["len", "stop"])
+    _step(tiny_stub, epoch, 50, finished_req_ids=["len", "stop"])
 
 
 def test_eos_stops_unless_ignored(tiny_stub: Stub, reference: list[list[int]]) -> None:
@@ -232,18 +242,8 @@ def test_preempt_and_resume_continues_identically(
         ],
         num_scheduled_tokens={"p": len(PROMPTS[4])},
     )
-    tokens = list(out.outputs[0].sampled_token_ids)
-    computed = out.outputs[0].num_computed_tokens
-    for step in range(2, 8):
-        out = _step(
-            tiny_stub,
-            epoch,
-            step,
-            cached_requests=[pb.CachedRequest(req_id="p", num_computed_tokens=computed)],
-            num_scheduled_tokens={"p": 1},
-        )
-        tokens += out.outputs[0].sampled_token_ids
-        computed = out.outputs[0].num_computed_tokens
+    more, _, _ = _decode(tiny_stub, epoch, "p", out.outputs[0].num_computed_tokens, steps=6)
+    tokens = list(out.outputs[0].sampled_token_ids) + more
     _step(tiny_stub, epoch, 8, preempted_req_ids=["p"])
     health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
     assert health.num_preempted_requests == 1 and health.kv.used_blocks == 0
@@ -258,20 +258,8 @@ def test_preempt_and_resume_continues_identically(
         num_scheduled_tokens={"p": total},
     )
     tokens += out.outputs[0].sampled_token_ids
-    computed = out.outputs[0].num_computed_tokens
-    step = 10
-    while len(tokens) < 24:
-        out = _step(
-            tiny_stub,
-            epoch,
-            step,
-            cached_requests=[pb.CachedRequest(req_id="p", num_computed_tokens=computed)],
-            num_scheduled_tokens={"p": 1},
-        )
-        tokens += out.outputs[0].sampled_token_ids
-        computed = out.outputs[0].num_computed_tokens
-        step += 1
-    assert tokens == reference[4]
+    rest, _, reason = _decode(tiny_stub, epoch, "p", out.outputs[0].num_computed_tokens)
+    assert tokens + rest == reference[4] and reason == pb.FINISH_REASON_LENGTH
 
 
 def test_kv_budget_is_enforced_before_anything_changes(stub: Stub, tiny_dir: Path) -> None:

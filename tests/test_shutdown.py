@@ -58,7 +58,10 @@ def _exit_code(proc: subprocess.Popen[str]) -> int:
     """Waits for the worker to exit; returns its exit code."""
     code = proc.wait(timeout=60)
     assert proc.stdout is not None
+    rest = proc.stdout.read()
     proc.stdout.close()
+    if code != 0:
+        print(rest)
     return code
 
 

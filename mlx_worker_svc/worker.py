@@ -37,6 +37,7 @@ from mlx_worker_svc.engine_loop import EngineLoop
 from mlx_worker_svc.errors import (
     Aborted,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
@@ -373,8 +374,15 @@ class Worker:
                 ResourceExhausted("the KV budget is full; the request could not continue"),
             )
             return
-        if work.scheduled:
+        if not work.scheduled:
+            return
+        try:
             self._run(runner, work)
+        except Exception as exc:
+            # No caller waits on this step: end the streams it carried with the
+            # cause instead of letting the engine thread die for all requests.
+            for _, request_id in work.scheduled:
+                self._end_stream(request_id, Internal(f"Generate step failed: {exc!r}"))
 
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:

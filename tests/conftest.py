@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, dequantized_copy
 
 from mlx_worker_svc.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -23,6 +23,12 @@ def smollm_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_f32_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """SmolLM2 with its 4-bit weights expanded to float32 (fast through BLAS on a CPU)."""
+    return dequantized_copy(smollm_dir, tmp_path_factory.mktemp("smollm-f32") / "model")
 
 
 @pytest.fixture

@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import grpc
 import mlx.core as mx
-from driver import drive, greedy
+import pytest
+from driver import code_of, details_of, drive, greedy
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from mlx_worker_svc.engine.runner import StepOutcome
+from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -105,3 +109,30 @@ def test_cancelled_generate_frees_its_request(tiny_stub: Stub) -> None:
             break
         threading.Event().wait(0.05)
     assert tiny_stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 0
+
+
+def test_a_failing_generate_step_ends_its_stream_and_the_worker_serves_on(
+    tiny_stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_worker_svc.engine.runner import ModelRunner
+
+    real_run = ModelRunner.run
+    calls = {"n": 0}
+
+    def flaky(self: ModelRunner, work: Work) -> StepOutcome:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated MLX failure")
+        return real_run(self, work)
+
+    monkeypatch.setattr(ModelRunner, "run", flaky)
+    request = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(4))
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stub.Generate(request))
+    assert code_of(info.value) == grpc.StatusCode.INTERNAL
+    assert "simulated MLX failure" in details_of(info.value)
+    health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
+    assert health.healthy and health.num_running_requests == 0
+    assert "simulated MLX failure" in health.last_error
+    tokens, _, last = _collect(tiny_stub, request)
+    assert len(tokens) == 4 and last.finish_reason == pb.FINISH_REASON_LENGTH

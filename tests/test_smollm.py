@@ -1,19 +1,25 @@
 """The real SmolLM2-135M-Instruct model: greedy parity with mlx-lm, chat answers.
 
-Parity is the correctness anchor: 16 chat prompts, 64 greedy tokens each,
-driven through Execute at batch sizes 1, 4 and 16 with prefill chunks of the
-whole prompt, 64 and 16 tokens. One request at a time with whole prompts runs
-exactly mlx-lm's computation, so every sequence must be identical. Batched and
-chunked runs change the shapes of the matrix products, so a sequence may leave
-mlx-lm's path where two tokens tie to within float rounding: at least 15 of 16
-must be identical, and every divergence must sit at a near-tie (top-2 logit gap
-below 1e-3 in mlx-lm's own logits), which the test measures.
+Parity is the correctness anchor. On the embedded 4-bit model, as `make serve`
+serves it, 8 chat prompts one at a time with whole prompts run exactly
+mlx-lm's computation: every token must be identical. The full matrix (16
+prompts, 64 tokens, batch sizes 1, 4 and 16, prefill chunks of the whole
+prompt, 64 and 16 tokens) runs on the same weights expanded to float32, which
+MLX runs through BLAS on a CPU (the 4-bit kernels would take most of an hour
+there). Batched and chunked runs change the shapes of the matrix products, so
+a sequence may leave mlx-lm's path where two tokens tie to within rounding: at
+least 15 of 16 must be identical, every divergence must sit at a near-tie (top-2
+logit gap below 1e-3 in mlx-lm's own logits, measured here), and one request
+at a time with whole prompts must match exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,6 +29,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.server import ServerConfig, WorkerServer
 
 pytestmark = pytest.mark.smollm
 Stub = pb_grpc.WorkerServiceStub
@@ -53,33 +60,15 @@ MAX_TOKENS = 64
 NEAR_TIE = 1e-3
 
 
-@pytest.fixture(scope="module")
-def smol(smollm_dir: Path) -> tuple[object, object]:
-    return load(str(smollm_dir))
-
-
-@pytest.fixture(scope="module")
-def chat_prompts(smol: tuple[object, object]) -> list[list[int]]:
-    tokenizer = smol[1]
-    return [
-        list(
-            tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                [{"role": "user", "content": q}], add_generation_prompt=True
-            )
-        )
-        for q in QUESTIONS
-    ]
-
-
-@pytest.fixture(scope="module")
-def reference(smol: tuple[object, object], chat_prompts: list[list[int]]) -> list[list[int]]:
+def _reference(
+    model: object, tokenizer: object, prompts: list[list[int]], n: int
+) -> list[list[int]]:
     """mlx-lm's greedy tokens (what mlx_lm.generate produces), EOS included."""
-    model, tokenizer = smol
     eos = set(tokenizer.eos_token_ids)  # type: ignore[attr-defined]
     refs = []
-    for prompt in chat_prompts:
+    for prompt in prompts:
         tokens = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
             tokens.append(int(token))
             if token in eos:
                 break
@@ -87,22 +76,53 @@ def reference(smol: tuple[object, object], chat_prompts: list[list[int]]) -> lis
     return refs
 
 
-@pytest.fixture(scope="module")
-def smol_server(smollm_dir: Path) -> object:
-    """One worker for the module: the lifecycle is run once."""
-    import grpc
+def _chat(tokenizer: object, questions: list[str]) -> list[list[int]]:
+    return [
+        list(
+            tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": "user", "content": q}], add_generation_prompt=True
+            )
+        )
+        for q in questions
+    ]
 
-    from mlx_worker_svc.server import ServerConfig, WorkerServer
 
+@contextmanager
+def _worker(model_dir: Path) -> Iterator[Stub]:
+    """A worker on loopback that has run the lifecycle on `model_dir`."""
     server = WorkerServer(ServerConfig(port=0, grace_seconds=5.0))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = pb_grpc.WorkerServiceStub(channel)
-    bring_up(stub, smollm_dir)
-    yield stub
-    channel.close()
-    server.shutdown(grace_seconds=1.0, abort=True)
-    assert server.wait(timeout=60)
+    try:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        bring_up(stub, model_dir)
+        yield stub
+    finally:
+        channel.close()
+        server.shutdown(grace_seconds=1.0, abort=True)
+        assert server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def quantized(smollm_dir: Path) -> Iterator[tuple[Stub, object, object]]:
+    model, tokenizer = load(str(smollm_dir))
+    with _worker(smollm_dir) as stub:
+        yield stub, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def float32(smollm_f32_dir: Path) -> Iterator[tuple[Stub, object, object]]:
+    model, tokenizer = load(str(smollm_f32_dir))
+    with _worker(smollm_f32_dir) as stub:
+        yield stub, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def matrix_case(float32: tuple[Stub, object, object]) -> tuple[list[list[int]], list[list[int]]]:
+    """The 16 chat prompts and mlx-lm's 64 greedy tokens for each, float32 model."""
+    _, model, tokenizer = float32
+    prompts = _chat(tokenizer, QUESTIONS)
+    return prompts, _reference(model, tokenizer, prompts, MAX_TOKENS)
 
 
 def _top2_gap(model: object, tokens: list[int]) -> float:
@@ -111,26 +131,38 @@ def _top2_gap(model: object, tokens: list[int]) -> float:
     return first - second
 
 
+def test_execute_matches_mlx_lm_exactly_on_the_4bit_model(
+    quantized: tuple[Stub, object, object],
+) -> None:
+    stub, model, tokenizer = quantized
+    prompts = _chat(tokenizer, QUESTIONS[:8])
+    reference = _reference(model, tokenizer, prompts, 32)
+    epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    got = [drive(stub, epoch, [p], max_tokens=32)[0] for p in prompts]
+    assert got == reference
+    assert any(len(r) == 32 for r in reference)
+
+
 @pytest.mark.parametrize(
     ("batch", "chunk"),
     [(1, None), (4, 64), (16, 16)],
     ids=["batch1-whole", "batch4-chunk64", "batch16-chunk16"],
 )
-def test_execute_greedy_parity_with_mlx_lm(
-    smol_server: Stub,
-    smol: tuple[object, object],
-    chat_prompts: list[list[int]],
-    reference: list[list[int]],
+def test_execute_greedy_parity_matrix(
+    float32: tuple[Stub, object, object],
+    matrix_case: tuple[list[list[int]], list[list[int]]],
     batch: int,
     chunk: int | None,
 ) -> None:
-    stub = smol_server
+    stub, model, _ = float32
+    prompts, reference = matrix_case
     epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
     got: list[list[int]] = []
-    for start in range(0, len(chat_prompts), batch):
-        group = chat_prompts[start : start + batch]
-        got += drive(stub, epoch, group, max_tokens=MAX_TOKENS, chunk=chunk)
-    assert any(len(p) > 64 for p in chat_prompts)  # chunk 64 splits some prompts
+    for start in range(0, len(prompts), batch):
+        got += drive(
+            stub, epoch, prompts[start : start + batch], max_tokens=MAX_TOKENS, chunk=chunk
+        )
+    assert any(len(p) > 64 for p in prompts)  # chunk 64 splits some prompts
     assert any(len(r) == MAX_TOKENS for r in reference)  # some run the full length
     diverged = [i for i in range(len(reference)) if got[i] != reference[i]]
     if batch == 1 and chunk is None:
@@ -138,19 +170,20 @@ def test_execute_greedy_parity_with_mlx_lm(
     assert len(diverged) <= 1, f"sequences {diverged} differ from mlx-lm"
     for i in diverged:
         k = next(j for j, (a, b) in enumerate(zip(got[i], reference[i], strict=False)) if a != b)
-        gap = _top2_gap(smol[0], chat_prompts[i] + reference[i][:k])
+        gap = _top2_gap(model, prompts[i] + reference[i][:k])
         print(f"sequence {i} diverges at token {k}: top-2 logit gap {gap:.2e}")
         assert gap < NEAR_TIE, f"sequence {i} diverges at token {k} with gap {gap}"
 
 
-def test_generate_answers_paris(smol_server: Stub) -> None:
+def test_generate_answers_paris(quantized: tuple[Stub, object, object]) -> None:
+    stub = quantized[0]
     request = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=QUESTIONS[0])],
         sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
     )
     text = ""
     last = None
-    for message in smol_server.Generate(request):
+    for message in stub.Generate(request):
         text += message.text
         last = message
     assert "Paris" in text

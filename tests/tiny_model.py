@@ -56,3 +56,26 @@ def build_tiny_model(
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def dequantized_copy(source: Path, out: Path) -> Path:
+    """Writes `source` (a quantized model dir) as float32 weights into `out`.
+
+    The same model, numerically: every quantized weight is expanded to the
+    float32 values it stands for. On a Linux CPU this runs through BLAS, which
+    makes the long SmolLM2 parity runs affordable.
+    """
+    from mlx_lm import load
+    from mlx_lm.utils import dequantize_model
+
+    model, _, config = load(str(source), return_config=True)
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out

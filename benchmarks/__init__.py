@@ -1,0 +1,1 @@
+"""Benchmarks for the MLX worker: `python -m benchmarks.run` (see benchmarks/README.md)."""

@@ -1,0 +1,151 @@
+"""Shared pieces: timing statistics, the machine's name, models, a live worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import re
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import mlx.core as mx
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.server import ServerConfig, WorkerServer
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; 0.0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summary_ms(values_ns: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / mean / min / max of nanosecond samples, in milliseconds."""
+    ms = [v / 1e6 for v in values_ns]
+    if not ms:
+        return {"n": 0}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 4),
+        "p99_ms": round(percentile(ms, 99), 4),
+        "mean_ms": round(statistics.fmean(ms), 4),
+        "min_ms": round(min(ms), 4),
+        "max_ms": round(max(ms), 4),
+    }
+
+
+def ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den > 0 else None
+
+
+def machine_name() -> str:
+    """A short, hostname-free name: the GPU's name, or e.g. linux-x86_64-2cpu."""
+    if mx.is_available(mx.gpu):
+        info = dict(mx.device_info())
+        name = str(info.get("device_name") or info.get("architecture") or "gpu")
+        return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    system = platform.system().lower()
+    return f"{system}-{platform.machine().lower()}-{os.cpu_count() or 0}cpu"
+
+
+def blas_libraries() -> list[str]:
+    """The BLAS/LAPACK libraries mapped into this process (Linux), e.g. a preloaded OpenBLAS."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    names = {Path(line.split()[-1]).name for line in lines if "/" in line}
+    return sorted(n for n in names if "blas" in n.lower() or "lapack" in n.lower())
+
+
+def machine_facts() -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        info = {k: str(v) for k, v in dict(mx.device_info()).items()}
+    except (RuntimeError, AttributeError):
+        info = {}
+    return {
+        "name": machine_name(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu_count": os.cpu_count(),
+        "mlx_device": str(mx.default_device()),
+        "mlx_device_info": info,
+        "python": platform.python_version(),
+        "blas_libraries": blas_libraries(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "load_average_at_start": list(os.getloadavg()),
+    }
+
+
+def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
+    """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`."""
+    spec = importlib.util.spec_from_file_location("tiny_model", REPO / "tests" / "tiny_model.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("tests/tiny_model.py is missing")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path: Path = module.build_tiny_model(
+        out_dir / "tiny", tokenizer_dir, max_position_embeddings=4096
+    )
+    return path
+
+
+@contextmanager
+def temp_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="mlx-worker-bench-") as name:
+        yield Path(name)
+
+
+@dataclass
+class Worker:
+    """A live in-process worker that has been through its lifecycle."""
+
+    stub: Any
+    epoch: int
+    info: Any
+    server: WorkerServer
+    _counter: int = 0
+
+    def new_id(self, prefix: str) -> str:
+        self._counter += 1
+        return f"{prefix}-{self._counter}"
+
+
+@contextmanager
+def live_worker(model: Path | str, *, num_blocks: int = 4096) -> Iterator[Worker]:
+    """Starts a real server on loopback, brings the model up, stops it afterwards."""
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=5.0))
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
+            stub.InitDevice(pb.InitDeviceRequest())
+            loaded = stub.LoadModel(pb.LoadModelRequest(model=str(model)))
+            # The profile is not used (InitCache sets the budget); keep it small on a CPU.
+            stub.DetermineMemory(
+                pb.DetermineMemoryRequest(max_num_batched_tokens=16, block_size=BLOCK_SIZE)
+            )
+            stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, block_size=BLOCK_SIZE))
+            yield Worker(
+                stub=stub, epoch=int(loaded.worker_epoch), info=loaded.model, server=server
+            )
+    finally:
+        server.shutdown(grace_seconds=1.0, abort=True)
+        server.wait(30)

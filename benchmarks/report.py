@@ -1,0 +1,153 @@
+"""Turns a results dict into the Markdown table and the chart panels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.chart import BASELINE, WORKER, Bar, Panel
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: Any, target: str) -> str:
+    return "n/a" if value is None else f"{value:.3f} ({target})"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["sections"]
+    rows: list[tuple[str, str, str, str, str]] = []
+    if "a" in s:
+        a = s["a"]
+        raw = _num(a["raw_stream_generate"]["decode_tok_s"])
+        for key, name in (("generate_grpc", "Generate"), ("execute_grpc", "Execute")):
+            rows.append(
+                (
+                    "(a) single stream",
+                    f"decode tok/s, {name} vs stream_generate ({a['generated_tokens']} tokens)",
+                    _num(a[key]["decode_tok_s"]),
+                    raw,
+                    _ratio(a[f"ratio_{key.split('_')[0]}_vs_raw"], ">= 0.95"),
+                )
+            )
+    if "b" in s:
+        for row in s["b"]["rows"]:
+            rows.append(
+                (
+                    f"(b) batch {row['batch']}",
+                    "decode tok/s, Execute vs BatchGenerator",
+                    _num(row["execute"]["decode_tok_s"]),
+                    _num(row["batch_generator"]["decode_tok_s"]),
+                    _ratio(row["ratio_execute_vs_batch_generator"], ">= 1.0"),
+                )
+            )
+    if "c" in s:
+        c = s["c"]
+        over, inner = c["overhead_wall_minus_forward"], c["worker_internal_total_minus_forward"]
+        rows.append(
+            (
+                "(c) step overhead (tiny)",
+                "client wall - forward_ns, p50 / p99 ms",
+                f"{_num(over.get('p50_ms'), 3)} / {_num(over.get('p99_ms'), 3)}",
+                "",
+                f"p50 target < {c['target_p50_ms']} ms",
+            )
+        )
+        rows.append(
+            (
+                "(c) worker-internal (tiny)",
+                "total_ns - forward_ns, p50 / p99 ms",
+                f"{_num(inner.get('p50_ms'), 3)} / {_num(inner.get('p99_ms'), 3)}",
+                "",
+                "",
+            )
+        )
+        local, empty = c["in_process_wall_minus_forward"], c["empty_execute_round_trip"]
+        rows.append(
+            (
+                "(c) where it goes (tiny)",
+                "p50 ms: same step in-process (no gRPC) / empty Execute / CheckHealth",
+                f"{_num(local.get('p50_ms'), 3)} / {_num(empty.get('p50_ms'), 3)}"
+                f" / {_num(c['checkhealth_round_trip'].get('p50_ms'), 3)}",
+                "",
+                "",
+            )
+        )
+    if "d" in s:
+        d = s["d"]
+        rows.append(
+            (
+                f"(d) seeds' re-prefill ({d['model']})",
+                f"end-to-end tok/s, {d['generated_tokens']} tokens: Execute vs re-prefill",
+                _num(d["execute_grpc"]["e2e_tok_s"], 1),
+                _num(d["reprefill_no_cache"]["e2e_tok_s"], 1),
+                f"{_num(d['speedup_execute_vs_reprefill_e2e'])}x speed-up",
+            )
+        )
+    if "e" in s:
+        e = s["e"]
+        rows.append(
+            (
+                f"(e) TTFT, {e['prompt_tokens']}-token prompt",
+                f"seconds: chunked ({e['chunk_tokens']}/step, {e['chunked']['steps']} steps)"
+                " vs unchunked (1 step)",
+                _num(e["chunked"]["ttft_s"]),
+                _num(e["unchunked"]["ttft_s"]),
+                f"{_num(e['ratio_chunked_vs_unchunked_ttft'], 3)} (chunked/unchunked)",
+            )
+        )
+    head = "| Section | Measure | Worker | Baseline | Ratio (target) |\n|---|---|---|---|---|\n"
+    return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def panels(results: dict[str, Any]) -> list[Panel]:
+    s = results["sections"]
+    out: list[Panel] = []
+    if "a" in s or "b" in s:
+        bars: list[Bar] = []
+        if "a" in s:
+            a = s["a"]
+            for key, name in (("generate", "Generate"), ("execute", "Execute")):
+                value = a[f"ratio_{key}_vs_raw"]
+                bars.append(Bar(f"(a) {name} / stream_generate", value, _num(value, 3)))
+        if "b" in s:
+            for row in s["b"]["rows"]:
+                value = row["ratio_execute_vs_batch_generator"]
+                bars.append(Bar(f"(b) B={row['batch']} Execute / BatchGen", value, _num(value, 3)))
+        out.append(
+            Panel("Decode tokens/s ratio, worker / mlx-lm", bars, 1.0, ">= 1.0 (A: >= 0.95)")
+        )
+    if "c" in s:
+        c = s["c"]
+        over, inner = c["overhead_wall_minus_forward"], c["worker_internal_total_minus_forward"]
+        pairs = [
+            ("(c) wall - forward p50", over.get("p50_ms")),
+            ("(c) wall - forward p99", over.get("p99_ms")),
+            ("(c) total - forward p50", inner.get("p50_ms")),
+            ("(c) total - forward p99", inner.get("p99_ms")),
+            ("(c) in-process wall - fwd p50", c["in_process_wall_minus_forward"].get("p50_ms")),
+            ("(c) empty Execute RTT p50", c["empty_execute_round_trip"].get("p50_ms")),
+        ]
+        bars = [Bar(label, v, f"{_num(v, 3)} ms") for label, v in pairs]
+        out.append(Panel("Execute step overhead, tiny model (ms)", bars, 0.5, "P50 < 0.5 MS"))
+    if "d" in s:
+        d = s["d"]
+        bars = [
+            Bar("(d) Execute", d["execute_grpc"]["e2e_tok_s"], "", WORKER),
+            Bar("(d) mlx-lm generate_step", d["mlx_lm_generate_step"]["e2e_tok_s"], "", BASELINE),
+            Bar("(d) re-prefill, no cache", d["reprefill_no_cache"]["e2e_tok_s"], "", BASELINE),
+        ]
+        for bar in bars:
+            bar.text = f"{_num(bar.value, 1)} tok/s"
+        out.append(Panel(f"Tiny model, {d['generated_tokens']} tokens, end to end", bars))
+    if "e" in s:
+        e = s["e"]
+        bars = [
+            Bar(f"(e) chunked ({e['chunk_tokens']}/step)", e["chunked"]["ttft_s"], ""),
+            Bar("(e) unchunked (1 step)", e["unchunked"]["ttft_s"], ""),
+        ]
+        for bar in bars:
+            bar.text = f"{_num(bar.value, 2)} s"
+        out.append(Panel(f"Time to first token, {e['prompt_tokens']}-token prompt", bars))
+    return out

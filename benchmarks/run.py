@@ -1,0 +1,202 @@
+"""`python -m benchmarks.run`: the worker against mlx-lm, side by side, on one machine.
+
+Writes `<out>/<YYYY-MM-DD>-<machine>.json` and a PNG chart next to it, and
+prints a Markdown table. See benchmarks/README.md for what each section means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import chart, report
+from benchmarks.common import build_tiny, live_worker, machine_facts, machine_name, temp_dir
+from benchmarks.decode import section_a, section_b
+from benchmarks.latency import section_c, section_d, section_e
+from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    p.add_argument("--model", help="model for (a), (b), (e); default: the embedded SmolLM2")
+    p.add_argument("--tiny-model", help="model for (c), (d); default: a tiny random llama")
+    p.add_argument("--tokens", type=int, help="(a) generated tokens (default 64)")
+    p.add_argument("--batch-tokens", type=int, help="(b) tokens per request (default 16)")
+    p.add_argument("--batch-sizes", help="(b) comma-separated batch sizes (default 1,4,8,16)")
+    p.add_argument("--batch-prompt", type=int, help="(b) prompt tokens per request (default 8)")
+    p.add_argument("--overhead-steps", type=int, help="(c) decode steps (default 256)")
+    p.add_argument("--seeds-tokens", type=int, help="(d) generated tokens (default 128)")
+    p.add_argument("--ttft-prompt", type=int, help="(e) prompt tokens (default 512)")
+    p.add_argument("--chunk", type=int, help="(e) prefill chunk (default 64)")
+    p.add_argument("--repeats", type=int, help="(a) interleaved repeats, best kept (default 1)")
+    p.add_argument("--sections", default="abcde", help="which sections to run (default abcde)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    full = {
+        "tokens": 64,
+        "batch_tokens": 16,
+        "batch_sizes": "1,4,8,16",
+        "batch_prompt": 8,
+        "overhead_steps": 256,
+        "seeds_tokens": 128,
+        "ttft_prompt": 512,
+        "chunk": 64,
+        "repeats": 1,
+    }
+    quick = {
+        "tokens": 8,
+        "batch_tokens": 4,
+        "batch_sizes": "1,4",
+        "batch_prompt": 4,
+        "overhead_steps": 32,
+        "seeds_tokens": 16,
+        "ttft_prompt": 64,
+        "chunk": 16,
+        "repeats": 1,
+    }
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "mlx-worker-bench" if args.quick else RESULTS
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def timed(name: str, seconds: dict[str, float], fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    log(f"section ({name}) ...")
+    start = time.perf_counter()
+    result = fn()
+    seconds[name] = round(time.perf_counter() - start, 1)
+    log(f"section ({name}) done in {seconds[name]} s")
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from mlx_lm import load
+
+    from mlx_worker_svc.embedded import ensure_default_model
+
+    started = time.perf_counter()
+    embedded = ensure_default_model(show_progress=False)
+    main_model = Path(args.model) if args.model else embedded
+    sections: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    notes: list[str] = []
+    wanted = set(args.sections)
+    with temp_dir() as tmp:
+        if wanted & {"c", "d"}:
+            tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
+            model, tokenizer = load(str(tiny))
+            prompt = encode(tokenizer, SHORT)
+            with live_worker(tiny) as worker:
+                if "c" in wanted:
+                    steps = args.overhead_steps
+                    sections["c"] = timed("c", seconds, lambda: section_c(worker, prompt, steps))
+                if "d" in wanted:
+                    n = args.seeds_tokens
+                    sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
+            del model, tokenizer
+        if wanted & {"a", "b", "e"}:
+            model, tokenizer = load(str(main_model))
+            with live_worker(main_model) as worker:
+                if "a" in wanted:
+                    prompt = encode(tokenizer, SHORT)
+                    sections["a"] = timed(
+                        "a",
+                        seconds,
+                        lambda: section_a(
+                            worker, model, tokenizer, prompt, args.tokens, repeats=args.repeats
+                        ),
+                    )
+                if "b" in wanted:
+                    sizes = [int(x) for x in args.batch_sizes.split(",")]
+                    prompts = distinct_prompts(tokenizer, max(sizes), args.batch_prompt)
+                    sections["b"] = timed(
+                        "b",
+                        seconds,
+                        lambda: section_b(worker, model, prompts, sizes, args.batch_tokens),
+                    )
+                if "e" in wanted:
+                    long = long_tokens(tokenizer, args.ttft_prompt)
+                    sections["e"] = timed("e", seconds, lambda: section_e(worker, long, args.chunk))
+    notes.extend(_notes(args, sections))
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_facts(),
+        "models": {
+            "a_b_e": str(main_model),
+            "c_d": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+        },
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "run_seconds": round(time.perf_counter() - started, 1),
+        "section_seconds": seconds,
+        "sections": sections,
+        "notes": notes,
+    }
+
+
+def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
+    notes = [
+        "Every path runs each shape once untimed before it is measured (warm).",
+        "Greedy, EOS ignored on every side: each path generates exactly the same token count.",
+        "Decode tok/s runs from the first token's arrival to the last (prefill excluded).",
+    ]
+    if "b" in sections:
+        notes.append(
+            f"(b) generates --batch-tokens={args.batch_tokens} tokens per request (not "
+            f"--tokens={args.tokens}) so the default run fits in about 10 minutes on a CPU."
+        )
+    if "d" in sections:
+        d = sections["d"]
+        note = (
+            f"(d) runs on the tiny model ({d['generated_tokens']} tokens, "
+            f"{d['prompt_tokens']}-token prompt), because re-prefilling the main model "
+            "(4-bit SmolLM2 on a CPU) every token would take many minutes."
+        )
+        e = sections.get("e")
+        rate = e["unchunked"]["prefill_tok_s"] if e else None
+        if rate:
+            p, n = d["prompt_tokens"], d["generated_tokens"]
+            forwards = sum(p + i for i in range(n))
+            d["main_model_reprefill_estimate"] = {
+                "token_forwards": forwards,
+                "prefill_tok_s_measured_in_e": rate,
+                "estimated_seconds": round(forwards / rate, 1),
+            }
+            note += f" Estimate for the main model: {forwards} token-forwards at {rate} tok/s"
+            note += f" = about {forwards / rate / 60:.1f} minutes."
+        notes.append(note)
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['date']}-{machine_name()}" + ("-quick" if args.quick else "")
+    json_path = args.out / f"{stem}.json"
+    png_path = args.out / f"{stem}.png"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    subtitle = f"{machine_name()}, {results['date']}, run {results['run_seconds']} s"
+    chart.draw("mlx-worker-svc benchmarks", subtitle, report.panels(results), png_path)
+    print(report.markdown(results))
+    print(f"\nrun time {results['run_seconds']} s; wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

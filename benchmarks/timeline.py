@@ -1,0 +1,46 @@
+"""Token timelines: when each batch of tokens arrived, and what that means.
+
+Every path (Generate, Execute, mlx-lm) is reduced to the same shape: a start
+time and a list of (arrival time, tokens that arrived) events. Time to first
+token is the first event with tokens; the decode phase runs from that event to
+the last one, so prefill is excluded from decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Timeline:
+    start_ns: int = field(default_factory=time.perf_counter_ns)
+    events: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, count: int) -> None:
+        self.events.append((time.perf_counter_ns(), count))
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(n for _, n in self.events)
+
+    def stats(self) -> dict[str, Any]:
+        """TTFT, decode tokens/s (after the first token) and end-to-end tokens/s."""
+        hits = [(t, n) for t, n in self.events if n > 0]
+        if not hits:
+            return {"tokens": 0}
+        first_t, first_n = hits[0]
+        last_t = hits[-1][0]
+        decode_tokens = sum(n for _, n in hits[1:])
+        decode_s = (last_t - first_t) / 1e9
+        total_s = (last_t - self.start_ns) / 1e9
+        return {
+            "tokens": first_n + decode_tokens,
+            "ttft_s": round((first_t - self.start_ns) / 1e9, 4),
+            "decode_tokens": decode_tokens,
+            "decode_s": round(decode_s, 4),
+            "decode_tok_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+            "total_s": round(total_s, 4),
+            "e2e_tok_s": round((first_n + decode_tokens) / total_s, 3) if total_s > 0 else None,
+        }

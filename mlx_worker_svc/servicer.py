@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from typing import Any, NoReturn, TypeVar
@@ -113,7 +114,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def Execute(
         self, request: pb.ExecuteRequest, context: grpc.ServicerContext
     ) -> pb.ExecuteResponse:
-        return convert.step_result(self._worker.execute(convert.step_plan(request)))
+        received = time.perf_counter_ns()
+        result = self._worker.execute(convert.step_plan(request), received_ns=received)
+        return convert.step_result(result)
 
     @_unary
     def CheckHealth(

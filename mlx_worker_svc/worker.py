@@ -13,6 +13,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from mlx_worker_svc.domain import (
     ChatMessage,
@@ -208,10 +209,12 @@ class Worker:
         return self._engine.call(job)
 
     # ---------------------------------------------------------- stepping
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self._engine.call(lambda: self._execute(plan))
+    def execute(self, plan: StepPlan, *, received_ns: int | None = None) -> StepResult:
+        """Runs one scheduler step; `received_ns` (perf_counter_ns) starts total_ns."""
+        received = received_ns if received_ns is not None else time.perf_counter_ns()
+        return self._engine.call(lambda: self._execute(plan, received))
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:
         # While draining, steps for requests already running still run, so the
         # scheduler can finish them within the grace period; new ones are refused.
         if not (self._state is S.DRAINING and not plan.new_requests):
@@ -230,7 +233,8 @@ class Worker:
         outputs = [outcome.outputs[key] for key in work.touched if key[0] is Origin.EXECUTE]
         if self._state is S.READY:
             self._set_state(S.SERVING)
-        return StepResult(plan.step_id, self._epoch, outputs, outcome.timings)
+        timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
+        return StepResult(plan.step_id, self._epoch, outputs, timings)
 
     def _run(self, runner: ModelRunner, work: Work) -> StepOutcome:
         """Runs work on the engine thread and routes Generate outputs to streams."""

@@ -132,6 +132,9 @@ def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> No
         )
     )
     assert step.step_id == 7 and len(step.outputs[0].sampled_token_ids) == 1
+    timings = step.timings
+    assert timings.total_ns >= timings.forward_ns > 0
+    assert (timings.num_tokens, timings.decode_batch_size) == (3, 1)
 
 
 def test_health_service_follows_the_lifecycle(

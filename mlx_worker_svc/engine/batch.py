@@ -33,11 +33,24 @@ def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
 
 
 class DecodeBatch(Generic[K]):
-    """Rows of decoding requests, keyed by any hashable request key."""
+    """Rows of decoding requests, keyed by any hashable request key.
+
+    A batch of one row keeps that request's own (unbatched) cache, so a single
+    stream runs exactly mlx-lm's single-sequence computation, with no mask or
+    per-row offsets; a second row turns it into batch caches.
+
+    Look-ahead: after a step, `prefetch` starts the next decode forward for
+    every row (each row's newest token as input) while the reply travels and
+    the scheduler decides. If the next step asks for exactly that forward, its
+    logits are ready; any other change to the batch first rolls the caches
+    back by the one speculative token, so what runs is always what was asked.
+    """
 
     def __init__(self) -> None:
         self.keys: list[K] = []
         self._cache: LayerCaches = []
+        self._batched = False
+        self._ahead: tuple[tuple[K, ...], tuple[int, ...], mx.array] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -49,12 +62,18 @@ class DecodeBatch(Generic[K]):
         """Adds requests with their private caches as new rows."""
         if not entries:
             return
-        merged = merge_caches([cache for _, cache in entries])
-        if not self.keys:
-            self._cache = merged
+        self._drop_ahead()
+        if not self.keys and len(entries) == 1:
+            self._cache, self._batched = list(entries[0][1]), False
+        elif not self._batched:
+            # The lone row's cache (if any) merges with the newcomers in one go.
+            mine = [self._cache] if self.keys else []
+            self._cache = merge_caches([*mine, *(cache for _, cache in entries)])
+            self._batched = True
         else:
-            for mine, theirs in zip(self._cache, merged, strict=True):
-                mine.extend(theirs)
+            merged = merge_caches([cache for _, cache in entries])
+            for layer, theirs in zip(self._cache, merged, strict=True):
+                layer.extend(theirs)
         self.keys.extend(key for key, _ in entries)
 
     def remove(self, keys: set[K]) -> None:
@@ -62,17 +81,33 @@ class DecodeBatch(Generic[K]):
         keep = [i for i, key in enumerate(self.keys) if key not in keys]
         if len(keep) == len(self.keys):
             return
+        self._drop_ahead()
         if not keep:
-            self.keys, self._cache = [], []
+            self.keys, self._cache, self._batched = [], [], False
             return
-        index = mx.array(keep)
-        for layer in self._cache:
-            layer.filter(index)
+        if len(keep) == 1:
+            # Back to one row: give it its own cache again.
+            self._cache = [layer.extract(keep[0]) for layer in self._cache]
+            mx.eval([c.state for c in self._cache])
+            self._batched = False
+        else:
+            index = mx.array(keep)
+            for layer in self._cache:
+                layer.filter(index)
         self.keys = [self.keys[i] for i in keep]
 
     def extract(self, keys: set[K]) -> dict[K, LayerCaches]:
         """Takes rows out of the batch, returning each as a private cache."""
+        if not self._batched:
+            if self.keys and self.keys[0] in keys:
+                self._drop_ahead()
+                lone = {self.keys[0]: self._cache}
+                self.keys, self._cache = [], []
+                return lone
+            return {}
         out: dict[K, LayerCaches] = {}
+        if any(key in keys for key in self.keys):
+            self._drop_ahead()
         for i, key in enumerate(self.keys):
             if key in keys:
                 out[key] = [layer.extract(i) for layer in self._cache]
@@ -83,9 +118,33 @@ class DecodeBatch(Generic[K]):
 
     def forward(self, model: nn.Module, last_tokens: Sequence[int]) -> mx.array:
         """Runs one token per row; returns logits [B, V] in row order."""
-        inputs = mx.array(list(last_tokens), dtype=mx.uint32)[:, None]
+        tokens = tuple(last_tokens)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead[0] == tuple(self.keys) and ahead[1] == tokens:
+                return ahead[2]
+            self._rollback()
+        inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
         logits: mx.array = model(inputs, cache=self._cache)
         return logits[:, -1, :]
+
+    def prefetch(self, model: nn.Module, last_tokens: Sequence[int]) -> None:
+        """Starts the next decode forward now (see the class docstring)."""
+        if not self.keys or not all(layer.is_trimmable() for layer in self._cache):
+            return
+        self._drop_ahead()
+        logits = self.forward(model, last_tokens)
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
+        self._ahead = (tuple(self.keys), tuple(last_tokens), logits)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead = None
+            self._rollback()
+
+    def _rollback(self) -> None:
+        for layer in self._cache:
+            layer.trim(1)
 
     def state(self) -> list[Any]:
         return [layer.state for layer in self._cache]

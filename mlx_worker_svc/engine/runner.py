@@ -273,6 +273,10 @@ class ModelRunner:
                 output.finish_reason = reason
                 output.num_computed_tokens = seq.num_computed
                 finished.append(seq.key)
+        if finished:
+            self.batch.remove(set(finished))
+        rows = [self.seqs[key] for key in self.batch.keys]
+        self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
         return finished
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:

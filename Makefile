@@ -61,7 +61,7 @@ demo: $(STAMP) ## start a worker, stream one chat answer through Generate, stop 
 lint: $(STAMP) ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy mlx_worker_svc tests protos/generate.py
+	$(VENV)/bin/mypy mlx_worker_svc tests benchmarks protos/generate.py
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from mlx_worker_svc import convert
-from mlx_worker_svc.errors import Unimplemented, WorkerError
+from mlx_worker_svc.errors import InvalidArgument, Unimplemented, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import DeviceArgs
@@ -159,8 +159,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.ServicerContext
     ) -> pb.TokenizeResponse:
         if request.text and request.messages:
-            from mlx_worker_svc.errors import InvalidArgument
-
             raise InvalidArgument("Tokenize takes text or messages, not both")
         if request.messages:
             add_prompt = (

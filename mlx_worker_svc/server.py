@@ -94,20 +94,28 @@ class WorkerServer:
         return self.port
 
     def shutdown(self, grace_seconds: float = 0.0, abort: bool = False) -> None:
-        """Starts the drain in the background (idempotent); returns at once."""
+        """Starts the drain (idempotent).
+
+        Returns once the worker refuses new work (UNAVAILABLE) and health says
+        NOT_SERVING, in that order; the wait for open streams and the stop run
+        in the background.
+        """
         with self._drain_lock:
             if self._draining:
                 return
             self._draining = True
         grace = grace_seconds or self.config.grace_seconds
+        log.info("draining (grace %.1fs, abort=%s)", grace, abort)
+        try:
+            self.worker.begin_drain()
+        except Exception:
+            log.exception("drain: the worker could not stop taking work")
+        self._health.enter_graceful_shutdown()
         threading.Thread(target=self._drain, args=(grace, abort), name="drain", daemon=True).start()
 
     def _drain(self, grace: float, abort: bool) -> None:
         deadline = time.monotonic() + grace
-        log.info("draining (grace %.1fs, abort=%s)", grace, abort)
-        self._health.enter_graceful_shutdown()
         try:
-            self.worker.begin_drain()
             if not abort:
                 self.worker.wait_generate_idle(grace)
         except Exception:

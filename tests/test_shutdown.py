@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -21,103 +21,130 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.server import ServerConfig, WorkerServer
 
 
-def _start_worker(model: Path, grace: float) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlx_worker_svc",
-            "serve",
-            "--model",
-            str(model),
-            "--auto-init",
-            "--port",
-            "0",
-            "--grace-seconds",
-            str(grace),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    port = 0
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        match = re.search(r"listening on [\d.]+:(\d+)", line)
-        if match:
-            port = int(match.group(1))
-        if line.startswith("ready:"):
-            break
-        assert time.monotonic() < deadline, "worker did not become ready"
-    assert port, "worker did not print its port"
-    return proc, port
+class _Worker:
+    """A `mlx-worker serve` subprocess; always reaped, even when a test fails."""
 
+    def __init__(self, model: Path, grace: float) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlx_worker_svc",
+                "serve",
+                "--model",
+                str(model),
+                "--auto-init",
+                "--port",
+                "0",
+                "--grace-seconds",
+                str(grace),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.port = 0
+        self.channels: list[grpc.Channel] = []
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 120
+        for line in self.proc.stdout:
+            match = re.search(r"listening on [\d.]+:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+            if line.startswith("ready:"):
+                break
+            assert time.monotonic() < deadline, "worker did not become ready"
+        assert self.port, "worker did not print its port"
 
-def _exit_code(proc: subprocess.Popen[str]) -> int:
-    """Waits for the worker to exit; returns its exit code."""
-    code = proc.wait(timeout=60)
-    assert proc.stdout is not None
-    rest = proc.stdout.read()
-    proc.stdout.close()
-    if code != 0:
-        print(rest)
-    return code
+    def channel(self) -> grpc.Channel:
+        chan = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channels.append(chan)
+        return chan
+
+    def exit_code(self) -> int:
+        """Waits for the worker to exit; returns its exit code."""
+        code = self.proc.wait(timeout=60)
+        if code != 0:
+            assert self.proc.stdout is not None
+            print(self.proc.stdout.read())
+        return code
+
+    def reap(self) -> None:
+        for chan in self.channels:
+            chan.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
 
 
 @pytest.fixture
-def channel_to() -> Iterator[list[grpc.Channel]]:
-    opened: list[grpc.Channel] = []
-    yield opened
-    for chan in opened:
-        chan.close()
+def start_worker(tiny_dir: Path) -> Iterator[Callable[[float], _Worker]]:
+    started: list[_Worker] = []
+
+    def start(grace: float) -> _Worker:
+        started.append(_Worker(tiny_dir, grace))
+        return started[-1]
+
+    yield start
+    for worker in started:
+        worker.reap()
 
 
-def _stub(port: int, opened: list[grpc.Channel]) -> pb_grpc.WorkerServiceStub:
-    chan = grpc.insecure_channel(f"127.0.0.1:{port}")
-    opened.append(chan)
-    return pb_grpc.WorkerServiceStub(chan)
+def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        answer = health.Check(health_pb2.HealthCheckRequest(service=""))
+        if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            return
+        time.sleep(0.01)
+    raise AssertionError("health did not turn NOT_SERVING after SIGTERM")
 
 
 def test_sigterm_lets_a_running_generate_finish_and_exits_zero(
-    tiny_dir: Path, channel_to: list[grpc.Channel]
+    start_worker: Callable[[float], _Worker],
 ) -> None:
-    proc, port = _start_worker(tiny_dir, grace=60.0)
-    stub = _stub(port, channel_to)
+    worker = start_worker(60.0)
+    chan = worker.channel()
+    stub = pb_grpc.WorkerServiceStub(chan)
     stream = stub.Generate(
         pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(300, ignore_eos=True))
     )
     first = next(stream)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(worker.proc.pid, signal.SIGTERM)
+    _wait_not_serving(health_pb2_grpc.HealthStub(chan))
+    # New work during the drain is refused by the worker, while the old stream runs on.
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling_params=greedy(2))))
+    assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+    assert "DRAINING" in (info.value.details() or "")
     tokens = list(first.token_ids)
     last = first
     for message in stream:
         tokens += message.token_ids
         last = message
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 300
-    with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling_params=greedy(2))))
-    assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
-    assert _exit_code(proc) == 0
+    assert worker.exit_code() == 0
 
 
 def test_sigterm_past_the_grace_period_ends_streams_with_a_clear_status(
-    tiny_dir: Path, channel_to: list[grpc.Channel]
+    start_worker: Callable[[float], _Worker],
 ) -> None:
-    proc, port = _start_worker(tiny_dir, grace=0.3)
-    stub = _stub(port, channel_to)
+    worker = start_worker(0.3)
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
     stream = stub.Generate(
         pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(500, ignore_eos=True))
     )
     next(stream)
     started = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(worker.proc.pid, signal.SIGTERM)
     with pytest.raises(grpc.RpcError) as info:
         for _ in stream:
             pass
     assert code_of(info.value) in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
     assert time.monotonic() - started < 10
-    assert _exit_code(proc) == 0
+    assert worker.exit_code() == 0
 
 
 def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:

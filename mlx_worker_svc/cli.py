@@ -42,7 +42,12 @@ def _serve(args: argparse.Namespace) -> int:
             tokens = args.max_num_batched_tokens or (32 if device.kind is DeviceKind.CPU else 2048)
             profile = worker.determine_memory(args.memory_utilization, tokens, args.block_size)
             blocks = args.num_blocks or max(profile.suggested_num_blocks, 1)
-            worker.init_cache(blocks, args.block_size)
+            cache = worker.init_cache(
+                blocks,
+                args.block_size,
+                prefix_caching=not args.no_prefix_caching,
+                memory_limit_bytes=args.memory_limit_bytes,
+            )
             worker.warm_up([1], [16])
         except Exception as exc:
             logging.error("auto-init failed: %s", exc)
@@ -51,7 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 1
         print(
             f"ready: {loaded.info.model_type} from {loaded.info.model_path} on {device.name} "
-            f"({device.kind.value}), {blocks} KV blocks of {profile.block_size} tokens",
+            f"({device.kind.value}), {blocks} KV blocks of {profile.block_size} tokens, "
+            f"prefix cache {'on' if cache.prefix_caching else 'off'}, "
+            f"memory limit {cache.memory_limit_bytes / 2**30:.1f} GiB",
             flush=True,
         )
     server.wait()
@@ -106,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
         "--num-blocks", type=int, default=0, help="KV blocks for auto-init (default: suggested)"
+    )
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="auto-init without the prefix cache (default: on where the model allows it)",
+    )
+    serve.add_argument(
+        "--memory-limit-bytes",
+        type=int,
+        default=0,
+        help="auto-init memory limit (default: derived from the budget, see the proto)",
     )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM (default 30)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import cast
 
 from mlx_worker_svc.domain import (
+    CacheConfig,
     CachedRequest,
     ChatMessage,
     DeviceInfo,
@@ -21,10 +22,12 @@ from mlx_worker_svc.domain import (
     KVUsage,
     LoadSpec,
     MemoryProfile,
+    MemoryUsage,
     ModelInfo,
     NewRequest,
     RequestOutput,
     SamplingParams,
+    SleepReport,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -130,6 +133,37 @@ def kv_usage(usage: KVUsage) -> pb.KVUsage:
         used_blocks=usage.used_blocks,
         free_blocks=usage.free_blocks,
         block_size=usage.block_size,
+        prefix_cache_blocks=usage.prefix_cache_blocks,
+    )
+
+
+def memory_usage(usage: MemoryUsage) -> pb.MemoryUsage:
+    return pb.MemoryUsage(
+        active_bytes=usage.active_bytes,
+        peak_bytes=usage.peak_bytes,
+        cache_bytes=usage.cache_bytes,
+        limit_bytes=usage.limit_bytes,
+    )
+
+
+def cache_config(config: CacheConfig, worker_state: WorkerState) -> pb.InitCacheResponse:
+    return pb.InitCacheResponse(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        max_kv_tokens=config.num_blocks * config.block_size,
+        state=state(worker_state),
+        prefix_caching=config.prefix_caching,
+        memory_limit_bytes=config.memory_limit_bytes,
+    )
+
+
+def sleep_report(report: SleepReport) -> pb.SleepResponse:
+    return pb.SleepResponse(
+        state=state(report.state),
+        level=report.level,
+        num_aborted=report.num_aborted,
+        freed_bytes=report.freed_bytes,
+        worker_epoch=report.worker_epoch,
     )
 
 
@@ -240,6 +274,7 @@ def health(report: HealthReport) -> pb.CheckHealthResponse:
         worker_epoch=report.worker_epoch,
         deep_check_ns=report.deep_check_ns,
         uptime_seconds=report.uptime_seconds,
+        memory=memory_usage(report.memory),
     )
 
 

@@ -248,6 +248,13 @@ class MemoryProfile:
     bytes_per_block: int
     block_size: int
     suggested_num_blocks: int
+    memory_utilization: float = 0.9
+    # The activation model fitted from profiling forwards of T, T/2 and T/4
+    # tokens: a forward of c tokens over a context of L tokens peaks at about
+    # fixed + per_token * c + per_token_pair * c * L above what it holds.
+    activation_bytes_fixed: float = 0.0
+    activation_bytes_per_token: float = 0.0
+    activation_bytes_per_token_pair: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -255,10 +262,39 @@ class KVUsage:
     num_blocks: int = 0
     used_blocks: int = 0
     block_size: int = 0
+    # Evictable blocks held by the prefix cache (not in used_blocks).
+    prefix_cache_blocks: int = 0
 
     @property
     def free_blocks(self) -> int:
         return max(self.num_blocks - self.used_blocks, 0)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    active_bytes: int = 0
+    peak_bytes: int = 0
+    cache_bytes: int = 0
+    limit_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What InitCache set: the KV budget, the prefix cache, the memory limit."""
+
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool
+    memory_limit_bytes: int
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    state: WorkerState
+    level: int
+    num_aborted: int
+    freed_bytes: int
+    worker_epoch: int
 
 
 @dataclass(frozen=True)
@@ -304,3 +340,4 @@ class HealthReport:
     worker_epoch: int
     deep_check_ns: int
     uptime_seconds: float
+    memory: MemoryUsage

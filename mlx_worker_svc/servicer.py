@@ -93,13 +93,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def InitCache(
         self, request: pb.InitCacheRequest, context: grpc.ServicerContext
     ) -> pb.InitCacheResponse:
-        budget = self._worker.init_cache(request.num_blocks, request.block_size)
-        return pb.InitCacheResponse(
-            num_blocks=budget.num_blocks,
-            block_size=budget.block_size,
-            max_kv_tokens=budget.num_blocks * budget.block_size,
-            state=convert.state(self._worker.state),
+        config = self._worker.init_cache(
+            request.num_blocks,
+            request.block_size,
+            prefix_caching=(
+                request.enable_prefix_caching if request.HasField("enable_prefix_caching") else None
+            ),
+            memory_limit_bytes=request.memory_limit_bytes,
         )
+        return convert.cache_config(config, self._worker.state)
 
     @_unary
     def WarmUp(self, request: pb.WarmUpRequest, context: grpc.ServicerContext) -> pb.WarmUpResponse:
@@ -148,10 +150,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         if worker.device is not None:
             response.device.CopyFrom(convert.device_info(worker.device))
-        loaded = worker.loaded
-        if loaded is not None:
-            response.model.CopyFrom(convert.model_info(loaded.info))
-            response.chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
+        info, chat_template = worker.model_info
+        if info is not None:
+            response.model.CopyFrom(convert.model_info(info))
+            response.chat_template = chat_template
+        response.memory.CopyFrom(convert.memory_usage(worker.memory_usage()))
         return response
 
     @_unary
@@ -194,11 +197,20 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     @_unary
     def Sleep(self, request: pb.SleepRequest, context: grpc.ServicerContext) -> pb.SleepResponse:
-        raise Unimplemented("Sleep is not implemented yet")
+        return convert.sleep_report(self._worker.sleep(request.level))
 
     @_unary
     def WakeUp(self, request: pb.WakeUpRequest, context: grpc.ServicerContext) -> pb.WakeUpResponse:
-        raise Unimplemented("WakeUp is not implemented yet")
+        state, epoch, seconds = self._worker.wake_up()
+        return pb.WakeUpResponse(
+            state=convert.state(state), worker_epoch=epoch, wake_seconds=seconds
+        )
+
+    @_unary
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(freed_blocks=self._worker.reset_prefix_cache())
 
     @_unary
     def AddLora(

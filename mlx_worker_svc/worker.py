@@ -11,94 +11,45 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from mlx_worker_svc.domain import (
-    ChatMessage,
+    CacheConfig,
     DeviceInfo,
-    GenerateChunk,
-    GenerateSpec,
     HealthReport,
     KVUsage,
     LoadSpec,
     MemoryProfile,
+    MemoryUsage,
+    ModelInfo,
     Origin,
+    SleepReport,
     StepPlan,
     StepResult,
     WorkerState,
 )
 from mlx_worker_svc.engine import device as device_mod
-from mlx_worker_svc.engine import loader, memory, text
-from mlx_worker_svc.engine.kv_budget import KVBudget
-from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
-from mlx_worker_svc.engine.sequence import Work
-from mlx_worker_svc.engine_loop import EngineLoop
+from mlx_worker_svc.engine import loader, memory, memory_guard, prefix_cache
+from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.errors import (
     Aborted,
     FailedPrecondition,
-    Internal,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
     Unimplemented,
-    WorkerError,
 )
-from mlx_worker_svc.generation import GenerateStream, StreamTable
-from mlx_worker_svc.lifecycle import DeviceArgs, require
+from mlx_worker_svc.lifecycle import DeviceArgs
+from mlx_worker_svc.worker_generate import GENERATE_PREFILL_CHUNK, GenerateMixin
 
 S = WorkerState
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MEMORY_UTILIZATION = 0.9
-# Generate prompts are prefilled in chunks of this many tokens per step, so a
-# long prompt does not stall the requests decoding beside it.
-GENERATE_PREFILL_CHUNK = 512
 
 
-class Worker:
+class Worker(GenerateMixin):
     """One model on one device, driven through its lifecycle."""
-
-    def __init__(self, *, on_state: Callable[[WorkerState], None] | None = None) -> None:
-        self._on_state = on_state or (lambda _state: None)
-        self._state = S.NEW
-        self._started = time.monotonic()
-        self._device_args: DeviceArgs | None = None
-        self._device: DeviceInfo | None = None
-        self._load_spec: LoadSpec | None = None
-        self._loaded: loader.LoadedModel | None = None
-        self._epoch = 0
-        self._memory: MemoryProfile | None = None
-        self._runner: ModelRunner | None = None
-        self._streams = StreamTable()
-        self._last_error = ""
-        self._engine = EngineLoop(
-            self._generate_pending, self._generate_step, on_exit=device_mod.settle_thread
-        )
-
-    # ------------------------------------------------------------- state
-    @property
-    def state(self) -> WorkerState:
-        return self._state
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _set_state(self, state: WorkerState) -> None:
-        if state is not self._state:
-            self._state = state
-            self._on_state(state)
-
-    def _require(self, call: str, minimum: WorkerState) -> None:
-        require(self._state, call, minimum)
-
-    def _require_idle(self, call: str) -> None:
-        if self._runner is not None and self._runner.seqs:
-            raise FailedPrecondition(
-                f"{call}: {len(self._runner.seqs)} requests are live; finish them first"
-            )
 
     # --------------------------------------------------------- lifecycle
     def init_device(self, args: DeviceArgs) -> DeviceInfo:
@@ -133,8 +84,10 @@ class Worker:
             self._require_idle("LoadModel")
             loaded = loader.load(spec)  # raises before anything changes
             self._loaded, self._load_spec = loaded, spec
-            self._runner, self._memory = None, None
-            self._epoch = max(time.time_ns(), self._epoch + 1)
+            self._model_info = loaded.info
+            self._chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
+            self._runner, self._memory, self._cache_config = None, None, None
+            self._new_epoch()
             self._set_state(S.MODEL_LOADED)
             return loaded, self._epoch
 
@@ -171,21 +124,39 @@ class Worker:
 
         return self._engine.call(job)
 
-    def init_cache(self, num_blocks: int, block_size: int) -> KVBudget:
+    def init_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_caching: bool | None = None,
+        memory_limit_bytes: int = 0,
+    ) -> CacheConfig:
         if num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {num_blocks}")
 
-        def job() -> KVBudget:
+        def job() -> CacheConfig:
             self._require("InitCache", S.MEMORY_PROFILED)
-            assert self._memory is not None
-            budget = KVBudget(num_blocks, block_size or self._memory.block_size)
-            if self._runner is not None and self._runner.budget == budget:
-                return budget
+            profile = self._memory
+            assert profile is not None
+            loaded = self._need_model()
+            wanted = prefix_caching is None or prefix_caching
+            allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+            config = CacheConfig(
+                num_blocks=num_blocks,
+                block_size=block_size or profile.block_size,
+                prefix_caching=wanted and prefix_cache.supported(loaded.model),
+                memory_limit_bytes=memory_limit_bytes
+                or memory_guard.derived_limit(profile, num_blocks, allowance),
+            )
+            if self._runner is not None and self._cache_config == config:
+                return config
             self._require_idle("InitCache")
-            self._runner = ModelRunner(self._need_model(), budget)
+            self._runner = ModelRunner(loaded, config, profile)
+            self._cache_config = config
             if self._state is S.MEMORY_PROFILED:
                 self._set_state(S.READY)
-            return budget
+            return config
 
         return self._engine.call(job)
 
@@ -228,25 +199,18 @@ class Worker:
         work = runner.plan(plan)
         if self._streams:
             internal, _ = runner.internal_work(GENERATE_PREFILL_CHUNK, base=work)
-            work = work.merge(internal)
+            if internal.scheduled:
+                merged = work.merge(internal)
+                # Generate requests ride along only if the step still fits.
+                with contextlib.suppress(ResourceExhausted):
+                    runner.check_memory(merged, f"step {plan.step_id} with Generate requests")
+                    work = merged
         outcome = self._run(runner, work)
         outputs = [outcome.outputs[key] for key in work.touched if key[0] is Origin.EXECUTE]
         if self._state is S.READY:
             self._set_state(S.SERVING)
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, self._epoch, outputs, timings)
-
-    def _run(self, runner: ModelRunner, work: Work) -> StepOutcome:
-        """Runs work on the engine thread and routes Generate outputs to streams."""
-        try:
-            outcome = runner.run(work)
-        except WorkerError:
-            raise
-        except Exception as exc:
-            self._last_error = f"{type(exc).__name__}: {exc}"
-            raise
-        self._streams.dispatch(outcome.outputs)
-        return outcome
 
     # ------------------------------------------------------------ queries
     def health(self, deep: bool) -> HealthReport:
@@ -267,7 +231,18 @@ class Worker:
             worker_epoch=self._epoch,
             deep_check_ns=deep_ns,
             uptime_seconds=time.monotonic() - self._started,
+            memory=self.memory_usage(),
         )
+
+    def kv_nbytes(self, req_id: str) -> int:
+        """Bytes the KV buffers of an Execute request take now (0 if unknown)."""
+        runner = self._runner
+        key = (Origin.EXECUTE, req_id)
+        return self._engine.call(lambda: runner.kv_nbytes(key)) if runner else 0
+
+    def memory_usage(self) -> MemoryUsage:
+        config = self._cache_config
+        return memory_guard.usage(config.memory_limit_bytes if config else 0)
 
     def kv_usage(self) -> KVUsage:
         runner = self._runner
@@ -278,115 +253,67 @@ class Worker:
         return self._device
 
     @property
-    def loaded(self) -> loader.LoadedModel | None:
-        return self._loaded
+    def model_info(self) -> tuple[ModelInfo | None, str]:
+        """The loaded model's facts and chat template (kept while asleep)."""
+        return self._model_info, self._chat_template
 
-    def _need_model(self) -> loader.LoadedModel:
-        if self._loaded is None:
-            raise FailedPrecondition("no model is loaded: call LoadModel first")
-        return self._loaded
+    # ------------------------------------------------------ sleep, wake up
+    def sleep(self, level: int) -> SleepReport:
+        """Frees all KV (level 1) and also the weights (level 2); see the proto."""
+        if level not in (0, 1, 2):
+            raise InvalidArgument(f"Sleep.level must be 1 or 2 (0 means 1), got {level}")
+        level = level or 1
 
-    def _need_runner(self, call: str) -> ModelRunner:
-        if self._runner is None:
-            raise FailedPrecondition(f"{call}: the KV cache is not set up: call InitCache first")
-        return self._runner
+        def job() -> SleepReport:
+            aborted = 0
+            before = memory_guard.usage(0).active_bytes
+            if self._state is not S.SLEEPING:
+                self._require("Sleep", S.READY)
+                aborted = len(self._runner.seqs) if self._runner else 0
+                for request_id in self._streams.ids():
+                    self._end_stream(
+                        request_id, Aborted(f"the worker went to sleep (level {level})")
+                    )
+                self._runner = None
+                self._awake_state = self._state
+                self._new_epoch()
+                self._set_state(S.SLEEPING)
+            if level == 2:
+                self._loaded = None
+            self._sleep_level = max(self._sleep_level, level)
+            memory.release()
+            freed = max(before - memory_guard.usage(0).active_bytes, 0)
+            return SleepReport(S.SLEEPING, self._sleep_level, aborted, freed, self._epoch)
 
-    def tokenize_text(self, value: str, add_special_tokens: bool) -> list[int]:
-        self._require("Tokenize", S.MODEL_LOADED)
-        return text.encode_text(
-            self._need_model().tokenizer, value, add_special_tokens=add_special_tokens
-        )
+        return self._engine.call(job)
 
-    def tokenize_chat(
-        self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool
-    ) -> tuple[list[int], str]:
-        self._require("Tokenize", S.MODEL_LOADED)
-        return text.render_chat(
-            self._need_model().tokenizer, messages, add_generation_prompt=add_generation_prompt
-        )
+    def wake_up(self) -> tuple[WorkerState, int, float]:
+        """Restores what Sleep freed; returns (state, epoch, seconds)."""
 
-    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        self._require("Detokenize", S.MODEL_LOADED)
-        loaded = self._need_model()
-        for i, token in enumerate(ids):
-            if not 0 <= token < loaded.info.vocab_size:
-                raise InvalidArgument(
-                    f"token_ids[{i}] = {token} is out of the vocabulary "
-                    f"(size {loaded.info.vocab_size})"
-                )
-        return text.decode(loaded.tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        def job() -> tuple[WorkerState, int, float]:
+            start = time.perf_counter()
+            if self._state is not S.SLEEPING:
+                self._require("WakeUp", S.READY)
+                return self._state, self._epoch, 0.0
+            if self._loaded is None:
+                assert self._load_spec is not None
+                self._loaded = loader.load(self._load_spec)  # raises: still asleep
+            assert self._cache_config is not None and self._memory is not None
+            self._runner = ModelRunner(self._loaded, self._cache_config, self._memory)
+            self._sleep_level = 0
+            self._set_state(self._awake_state)
+            return self._state, self._epoch, time.perf_counter() - start
 
-    # ----------------------------------------------------------- generate
-    def generate(self, spec: GenerateSpec) -> tuple[Iterator[GenerateChunk], Callable[[], None]]:
-        """Starts a Generate request; returns its chunk iterator and a cancel."""
-        self._require("Generate", S.READY)
-        prompt = self._generate_prompt(spec)
-        request_id = spec.request_id or uuid.uuid4().hex
+        return self._engine.call(job)
 
-        def job() -> GenerateStream:
-            self._require("Generate", S.READY)
-            runner = self._need_runner("Generate")
-            loaded = self._need_model()
-            if request_id in self._streams:
-                raise InvalidArgument(f"request_id {request_id!r} is already streaming")
-            runner.add_generate(request_id, tuple(prompt), spec.sampling)
-            skip = frozenset(loaded.info.eos_token_ids) if spec.skip_special_tokens else frozenset()
-            stream = GenerateStream(
-                request_id=request_id,
-                prompt_tokens=len(prompt),
-                text=text.TextStream(loaded.tokenizer, skip_ids=skip),
-            )
-            self._streams.open(stream)
-            return stream
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache; returns the blocks it held."""
 
-        stream = self._engine.call(job)
+        def job() -> int:
+            self._require("ResetPrefixCache", S.READY)
+            return self._need_runner("ResetPrefixCache").reset_prefix_cache()
 
-        def cancel() -> None:
-            self._engine.submit(lambda: self._end_stream(request_id, None))
-
-        return stream.chunks(), cancel
-
-    def _generate_prompt(self, spec: GenerateSpec) -> list[int]:
-        forms = sum(bool(x) for x in (spec.prompt, spec.messages, spec.prompt_token_ids))
-        if forms != 1:
-            raise InvalidArgument(
-                "Generate needs exactly one of prompt, messages or prompt_token_ids"
-            )
-        if spec.messages:
-            return self.tokenize_chat(spec.messages, True)[0]
-        if spec.prompt:
-            return self.tokenize_text(spec.prompt, True)
-        return list(spec.prompt_token_ids)
-
-    def _end_stream(self, request_id: str, error: WorkerError | None) -> None:
-        if self._runner is not None:
-            self._runner.free((Origin.GENERATE, request_id))
-        self._streams.close(request_id, error)
-
-    def _generate_pending(self) -> bool:
-        return bool(self._streams) and self._runner is not None
-
-    def _generate_step(self) -> None:
-        runner = self._runner
-        if runner is None or not self._streams:
-            return
-        work, starved = runner.internal_work(GENERATE_PREFILL_CHUNK)
-        if starved:
-            youngest = self._streams.ids()[-1]
-            self._end_stream(
-                youngest,
-                ResourceExhausted("the KV budget is full; the request could not continue"),
-            )
-            return
-        if not work.scheduled:
-            return
-        try:
-            self._run(runner, work)
-        except Exception as exc:
-            # No caller waits on this step: end the streams it carried with the
-            # cause instead of letting the engine thread die for all requests.
-            for _, request_id in work.scheduled:
-                self._end_stream(request_id, Internal(f"Generate step failed: {exc!r}"))
+        return self._engine.call(job)
 
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:

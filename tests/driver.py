@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -10,6 +11,20 @@ import grpc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.server import ServerConfig, WorkerServer
+
+
+@contextmanager
+def fresh_stub() -> Iterator[pb_grpc.WorkerServiceStub]:
+    """A stub to a second, brand-new in-process worker (stopped afterwards)."""
+    server = WorkerServer(ServerConfig(port=0))
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+            yield pb_grpc.WorkerServiceStub(chan)
+    finally:
+        server.shutdown(grace_seconds=1.0, abort=True)
+        assert server.wait(timeout=30)
 
 
 def bring_up(stub: pb_grpc.WorkerServiceStub, model: Path | str, *, num_blocks: int = 4096) -> int:

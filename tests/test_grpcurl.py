@@ -43,6 +43,7 @@ RPCS = (
     "Detokenize",
     "Sleep",
     "WakeUp",
+    "ResetPrefixCache",
     "AddLora",
     "RemoveLora",
     "ListLoras",
@@ -210,11 +211,14 @@ def bring_up(grpcurl: Grpcurl, model_dir: Path) -> tuple[Json, Json, str]:
     assert memory["weight_bytes"] == model["weight_bytes"]
 
     cache = grpcurl.unary("InitCache", {"num_blocks": 256})
+    limit = int(cache.pop("memory_limit_bytes"))
+    assert limit >= int(memory["weight_bytes"])
     assert cache == {
         "num_blocks": "256",
         "block_size": 16,
         "max_kv_tokens": "4096",
         "state": "WORKER_STATE_READY",
+        "prefix_caching": True,
     }
 
     warm = grpcurl.unary("WarmUp", {})

@@ -190,8 +190,6 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
 @pytest.mark.parametrize(
     ("rpc", "request_message"),
     [
-        ("Sleep", pb.SleepRequest(level=1)),
-        ("WakeUp", pb.WakeUpRequest()),
         ("AddLora", pb.AddLoraRequest(name="x", path="/tmp")),
         ("RemoveLora", pb.RemoveLoraRequest(name="x")),
         ("ListLoras", pb.ListLorasRequest()),

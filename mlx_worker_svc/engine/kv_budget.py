@@ -2,7 +2,8 @@
 
 Accounting is logical, like vLLM's block manager: a request holding T tokens
 of KV uses ceil(T / block_size) blocks. A step that would need more blocks
-than the budget has is refused before anything changes.
+than the budget has is refused before anything changes. The prefix cache's
+blocks are inside the budget too, but evictable, so they never refuse a step.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mlx_worker_svc.domain import KVUsage
 from mlx_worker_svc.errors import ResourceExhausted
 
 
@@ -22,13 +22,13 @@ class KVBudget:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def usage(self, kv_tokens: Iterable[int]) -> KVUsage:
-        used = sum(self.blocks_for(t) for t in kv_tokens)
-        return KVUsage(num_blocks=self.num_blocks, used_blocks=used, block_size=self.block_size)
+    def used(self, kv_tokens: Iterable[int]) -> int:
+        """Blocks that requests holding `kv_tokens` tokens each take."""
+        return sum(self.blocks_for(t) for t in kv_tokens)
 
     def check(self, kv_tokens_after: Iterable[int], what: str) -> None:
         """Raises ResourceExhausted if holding `kv_tokens_after` exceeds the budget."""
-        needed = sum(self.blocks_for(t) for t in kv_tokens_after)
+        needed = self.used(kv_tokens_after)
         if needed > self.num_blocks:
             raise ResourceExhausted(
                 f"{what} needs {needed} KV blocks but the budget is {self.num_blocks} "

@@ -42,6 +42,40 @@ def bytes_per_block(model: nn.Module, block_size: int) -> int:
     return _filled_bytes(cache)
 
 
+def _forward_peak(model: nn.Module, tokens: int) -> int:
+    """Bytes a fresh forward of `tokens` tokens allocates above what is live."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((1, tokens), dtype=mx.uint32), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    peak = mx.get_peak_memory()
+    del logits, cache
+    mx.clear_cache()
+    return max(int(peak) - int(before), 0)
+
+
+def fit_activations(points: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """(fixed, per token, per token pair) from forwards (T tokens, peak bytes).
+
+    A forward of c tokens over a context of L peaks at about
+    fixed + per_token * c + per_pair * c * L; the profile runs c = L = T at
+    three sizes and solves for the three terms, none below zero.
+    """
+    (t1, p1), (t2, p2), (t3, p3) = sorted(points, reverse=True)
+    if len({t1, t2, t3}) < 3:
+        return 0.0, p1 / max(t1, 1), 0.0
+    matrix = mx.array([[1.0, t, t * t] for t in (t1, t2, t3)], dtype=mx.float32)
+    rhs = mx.array([float(p1), float(p2), float(p3)], dtype=mx.float32)
+    fixed, per_token, per_pair = (float(v) for v in mx.linalg.solve(matrix, rhs, stream=mx.cpu))
+    if per_pair < 0 or per_token < 0 or fixed < 0:
+        # Noise in a small profile: fall back to the conservative linear bound.
+        return 0.0, p1 / t1, 0.0
+    return fixed, per_token, per_pair
+
+
 def profile(
     model: nn.Module,
     info: ModelInfo,
@@ -50,18 +84,22 @@ def profile(
     max_num_batched_tokens: int,
     block_size: int,
 ) -> MemoryProfile:
-    """Profiles a forward of `max_num_batched_tokens` and sizes the KV budget."""
-    mx.synchronize()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    cache = make_prompt_cache(model)
-    logits = model(mx.zeros((1, max_num_batched_tokens), dtype=mx.uint32), cache=cache)
-    mx.eval(logits, [c.state for c in cache])
-    peak = mx.get_peak_memory()
-    del logits, cache
-    mx.clear_cache()
-    activation = max(int(peak) - int(before), 0)
+    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget."""
+    sizes = sorted(
+        {
+            max_num_batched_tokens,
+            max(max_num_batched_tokens // 2, 1),
+            max(max_num_batched_tokens // 4, 1),
+        },
+        reverse=True,
+    )
+    points = [(size, _forward_peak(model, size)) for size in sizes]
+    activation = points[0][1]
+    fixed, per_token, per_pair = (
+        fit_activations(points)
+        if len(points) == 3
+        else (0.0, activation / max_num_batched_tokens, 0.0)
+    )
     per_block = bytes_per_block(model, block_size)
     total, recommended = memory_facts()
     allowed = int(recommended * memory_utilization)
@@ -75,6 +113,10 @@ def profile(
         bytes_per_block=per_block,
         block_size=block_size,
         suggested_num_blocks=available // per_block if per_block else 0,
+        memory_utilization=memory_utilization,
+        activation_bytes_fixed=fixed,
+        activation_bytes_per_token=per_token,
+        activation_bytes_per_token_pair=per_pair,
     )
 
 

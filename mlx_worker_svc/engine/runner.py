@@ -19,18 +19,23 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_worker_svc.domain import (
+    CacheConfig,
     KVUsage,
+    MemoryProfile,
     Origin,
     RequestOutput,
     SamplingParams,
-    StepPlan,
     StepTimings,
     TokenLogprobs,
 )
+from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission
 from mlx_worker_svc.engine.batch import DecodeBatch
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
-from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling, plan_step
+from mlx_worker_svc.engine.memory_guard import MemoryGuard
+from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
+from mlx_worker_svc.engine.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.recovery import StepJournal
 from mlx_worker_svc.engine.sampling import RequestSampler, prompt_logprobs, sample_rows
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
@@ -38,8 +43,6 @@ from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
 # How many finished request ids are remembered, so that a scheduler naming a
 # request the worker already finished (EOS) in finished_req_ids is not an error.
 _REMEMBER_FINISHED = 65536
-# Longest forward a prefill chunk runs at once, like mlx-lm's prefill_step_size.
-PREFILL_STEP = 2048
 
 
 @dataclass
@@ -48,22 +51,43 @@ class StepOutcome:
     timings: StepTimings
 
 
-class ModelRunner:
+class ModelRunner(Admission):
     """Runs validated steps over one loaded model."""
 
-    def __init__(self, loaded: LoadedModel, budget: KVBudget) -> None:
+    def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
         self.model = loaded.model
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
-        self.budget = budget
+        self.budget = KVBudget(config.num_blocks, config.block_size)
+        self.prefix = PrefixCache(config.block_size) if config.prefix_caching else None
+        self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.seqs: dict[RequestKey, Sequence] = {}
         self.batch: DecodeBatch[RequestKey] = DecodeBatch()
-        self._finished: OrderedDict[RequestKey, None] = OrderedDict()
+        self.recently_finished: OrderedDict[RequestKey, None] = OrderedDict()
+        self._journal: StepJournal | None = None
+        self._reserved = 0  # request blocks the running step ends with
 
     # ----------------------------------------------------------------- views
+    def _request_blocks(self) -> int:
+        return self.budget.used(s.num_computed for s in self.seqs.values() if not s.preempted)
+
     def kv_usage(self) -> KVUsage:
-        return self.budget.usage(s.num_computed for s in self.seqs.values() if not s.preempted)
+        return KVUsage(
+            num_blocks=self.budget.num_blocks,
+            used_blocks=self._request_blocks(),
+            block_size=self.budget.block_size,
+            prefix_cache_blocks=len(self.prefix) if self.prefix is not None else 0,
+        )
+
+    def kv_nbytes(self, key: RequestKey) -> int:
+        """Bytes a request's KV buffers take (its share of the batch when batched)."""
+        seq = self.seqs.get(key)
+        if seq is None:
+            return 0
+        if seq.cache is not None:
+            return sum(int(layer.nbytes) for layer in seq.cache)
+        return self.batch.nbytes // len(self.batch) if key in self.batch else 0
 
     def count(self, origin: Origin | None = None) -> tuple[int, int]:
         """(running, preempted) requests, optionally of one origin."""
@@ -80,29 +104,6 @@ class ModelRunner:
     def has(self, origin: Origin) -> bool:
         return any(key[0] is origin for key in self.seqs)
 
-    # ------------------------------------------------------------ validation
-    def plan(self, plan: StepPlan) -> Work:
-        """Validates a scheduler step (raises; changes nothing)."""
-        work = plan_step(plan, self.seqs, self._finished, self.limits)
-        self.budget.check(self._projected(work).values(), f"step {plan.step_id}")
-        return work
-
-    def _projected(self, work: Work) -> dict[RequestKey, int]:
-        gone = set(work.finished) | set(work.preempted)
-        tokens = {
-            key: seq.num_computed
-            for key, seq in self.seqs.items()
-            if key not in gone and not seq.preempted
-        }
-        for new in work.new:
-            tokens[new.key] = 0
-        for key, _, resumed in work.appends:
-            if resumed:
-                tokens[key] = 0
-        for key, count in work.scheduled.items():
-            tokens[key] = tokens.get(key, 0) + count
-        return tokens
-
     def add_generate(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """Registers a Generate request; the engine schedules it from now on."""
         key = (Origin.GENERATE, req_id)
@@ -117,30 +118,6 @@ class ModelRunner:
             )
         self.seqs[key] = self._new_sequence(key, prompt, params)
 
-    def internal_work(self, prefill_chunk: int, base: Work | None = None) -> tuple[Work, bool]:
-        """Schedules every Generate request that fits the KV budget beside `base`.
-
-        Returns the work and whether some Generate request is starved (none
-        could be scheduled while some wait).
-        """
-        base = base or Work()
-        projected = self._projected(base)
-        used = sum(self.budget.blocks_for(t) for t in projected.values())
-        work = Work()
-        waiting = False
-        for key, seq in self.seqs.items():
-            if key[0] is not Origin.GENERATE or key in base.scheduled:
-                continue
-            count = min(len(seq.tokens) - seq.num_computed, prefill_chunk)
-            before = projected.get(key, seq.num_computed)
-            extra = self.budget.blocks_for(before + count) - self.budget.blocks_for(before)
-            if used + extra > self.budget.num_blocks:
-                waiting = True
-                continue
-            used += extra
-            work.scheduled[key] = count
-        return work, waiting and not work.scheduled
-
     # ------------------------------------------------------------- mutation
     def _new_sequence(
         self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams
@@ -150,26 +127,79 @@ class ModelRunner:
             key=key, tokens=list(prompt), prompt_len=len(prompt), params=params, sampler=sampler
         )
 
-    def free(self, key: RequestKey) -> None:
-        """Forgets a request and frees its KV (no error if it is unknown)."""
-        if key in self.batch:
-            self.batch.remove({key})
-        if self.seqs.pop(key, None) is not None:
-            self._finished[key] = None
-            while len(self._finished) > _REMEMBER_FINISHED:
-                self._finished.popitem(last=False)
+    def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
+        """Forgets a request and frees its KV (no error if it is unknown).
+
+        With `keep_prefix`, its whole blocks go to the prefix cache first.
+        """
+        seq = self.seqs.pop(key, None)
+        if seq is None:
+            return
+        self._release_kv(seq, keep_prefix)
+        if self._journal is not None:
+            self._journal.freed.append(key)
+        self.recently_finished[key] = None
+        while len(self.recently_finished) > _REMEMBER_FINISHED:
+            self.recently_finished.popitem(last=False)
 
     def _preempt(self, key: RequestKey) -> None:
-        if key in self.batch:
-            self.batch.remove({key})
         seq = self.seqs[key]
-        seq.cache = None
+        self._release_kv(seq, True)
         seq.num_computed = 0
-        seq.preempted = True
+        seq.preempted, seq.kv_lost = True, False
+
+    def _prefix_capacity(self) -> int:
+        """Blocks the prefix cache may hold now without crowding out requests.
+
+        During a step, the requests' blocks at the end of the step are
+        reserved, so an insertion never takes room a later forward needs.
+        """
+        requests = max(self._request_blocks(), self._reserved)
+        return max(self.budget.num_blocks - requests, 0)
+
+    def _release_kv(self, seq: Sequence, keep: bool) -> None:
+        """Drops a request's KV, giving its whole blocks to the prefix cache if `keep`."""
+        keep = keep and self.prefix is not None and not seq.kv_lost
+        keep = keep and seq.num_computed >= self.budget.block_size and self._prefix_capacity() > 0
+        cache = seq.cache
+        if seq.key in self.batch:
+            if keep:
+                cache = self.batch.extract({seq.key})[seq.key]
+            else:
+                self.batch.remove({seq.key})
+        seq.cache = None
+        if keep and cache is not None and self.prefix is not None:
+            self.prefix.insert(seq.tokens, cache, self._prefix_capacity())
+
+    def _fit_prefix(self, work: Work) -> None:
+        """Evicts prefix blocks so the requests of `work` have their blocks."""
+        if self.prefix is None:
+            return
+        self._reserved = self.budget.used(self._projected(work).values())
+        excess = self._reserved + len(self.prefix) - self.budget.num_blocks
+        if excess > 0:
+            self.prefix.evict(excess)
 
     def run(self, work: Work) -> StepOutcome:
-        """Applies a validated step and computes it."""
+        """Applies a validated step and computes it, all or nothing.
+
+        If anything fails (an allocation, say), every request is put back as
+        it was before the step; KV the failed step may have touched is dropped
+        and rebuilt from the request's tokens the next time it computes.
+        """
+        self._journal = StepJournal.begin(self, work)
+        try:
+            return self._apply(work)
+        except BaseException:
+            self._journal.roll_back(self)
+            raise
+        finally:
+            self._journal = None
+            self._reserved = 0
+
+    def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()
+        self._fit_prefix(work)
         for key in work.finished:
             self.free(key)
         for key in work.preempted:
@@ -180,31 +210,32 @@ class ModelRunner:
             seq = self.seqs[key]
             seq.tokens.extend(tokens)
             if resumed:
-                seq.preempted = False
+                seq.preempted, seq.fresh = False, True
         outputs = {key: RequestOutput(req_id=key[1]) for key in work.touched}
         forward_start = time.perf_counter_ns()
         sampling: list[RequestKey] = []
         num_tokens = 0
         for key, count in work.scheduled.items():
             seq = self.seqs[key]
-            end = seq.num_computed + count
-            num_tokens += count
+            output = outputs.setdefault(key, RequestOutput(req_id=key[1]))
+            self._ready_kv(seq, output)
+            end = min(seq.num_computed + count, len(seq.tokens))
+            num_tokens += end - seq.num_computed
             samples = end == len(seq.tokens)
             private_end = end - 1 if samples else end
             if private_end > seq.num_computed:
-                scored = self._prefill(seq, private_end)
-                if scored:
-                    outputs[key].prompt_logprobs.extend(scored)
+                output.prompt_logprobs.extend(self._prefill(seq, private_end))
+                if samples and self.prefix is not None and seq.cache is not None:
+                    self.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
             if samples:
                 sampling.append(key)
-        finished = self._decode(sampling, outputs) if sampling else []
+        if sampling:
+            self._decode(sampling, outputs)
         forward_ns = time.perf_counter_ns() - forward_start
         for key, output in outputs.items():
             live = self.seqs.get(key)
             if live is not None:
                 output.num_computed_tokens = live.num_computed
-        for key in finished:
-            self.free(key)
         timings = StepTimings(
             total_ns=time.perf_counter_ns() - start,
             forward_ns=forward_ns,
@@ -213,12 +244,32 @@ class ModelRunner:
         )
         return StepOutcome(outputs=outputs, timings=timings)
 
+    def _ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
+        """Before a request computes: its prefix-cache hit, or its lost KV rebuilt."""
+        if seq.fresh:
+            seq.fresh = False
+            hit = self._hit(seq.tokens, seq.params)
+            if hit and self.prefix is not None:
+                taken, cache = self.prefix.load(seq.tokens, hit)
+                seq.cache, seq.num_computed = cache, taken
+                output.num_cached_prompt_tokens = taken
+        elif seq.kv_lost:
+            target = seq.num_computed
+            taken, cache = (0, None)
+            if self.prefix is not None:
+                taken, cache = self.prefix.load(seq.tokens, target)
+            seq.cache, seq.num_computed = cache, taken
+            self._prefill(seq, target)
+            seq.kv_lost = False
+
     def _prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
         """Computes KV for tokens [num_computed, end) into the request's private cache.
 
         Returns the prompt logprobs these positions produce, when the request
         asked for them (the logits at position i score prompt token i + 1).
         """
+        if self._journal is not None:
+            self._journal.touched.add(seq.key)
         if seq.key in self.batch:
             seq.cache = self.batch.extract({seq.key})[seq.key]
         if seq.cache is None:
@@ -240,10 +291,10 @@ class ModelRunner:
             seq.num_computed = stop
         return scored
 
-    def _decode(
-        self, keys: list[RequestKey], outputs: dict[RequestKey, RequestOutput]
-    ) -> list[RequestKey]:
+    def _decode(self, keys: list[RequestKey], outputs: dict[RequestKey, RequestOutput]) -> None:
         """One batched forward for `keys` (their last token each), then sampling."""
+        if self._journal is not None:
+            self._journal.decoding = True
         wanted = set(keys)
         stray = {key for key in self.batch.keys if key not in wanted}
         for key, cache in self.batch.extract(stray).items():
@@ -273,15 +324,20 @@ class ModelRunner:
                 output.finish_reason = reason
                 output.num_computed_tokens = seq.num_computed
                 finished.append(seq.key)
-        if finished:
-            self.batch.remove(set(finished))
+        for key in finished:
+            self.free(key)
         rows = [self.seqs[key] for key in self.batch.keys]
         self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
-        return finished
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""
         keys = [k for k in self.seqs if origin is None or k[0] is origin]
         for key in keys:
-            self.free(key)
+            self.free(key, keep_prefix=False)
         return keys
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every prefix block; returns how many there were."""
+        freed = self.prefix.clear() if self.prefix is not None else 0
+        mx.clear_cache()
+        return freed

@@ -51,6 +51,13 @@ class RequestSampler:
             and params.logprobs is None
         )
 
+    def rng_state(self) -> mx.array | None:
+        """The seeded PRNG key (None for unseeded), to restore after a failed step."""
+        return self._key
+
+    def restore_rng(self, key: mx.array | None) -> None:
+        self._key = key
+
     def process(self, logits: mx.array, tokens: Sequence[int], prompt_len: int) -> mx.array:
         """Applies the logits processors to one row of shape [V]."""
         p = self.params

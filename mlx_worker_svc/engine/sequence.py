@@ -31,6 +31,12 @@ class Sequence:
     preempted: bool = False
     # Prompt tokens whose logprob has been reported (prompt_logprobs).
     prompt_scored: int = 0
+    # Not computed yet (new, or resumed from preemption): its first step
+    # starts from the longest prefix-cache hit.
+    fresh: bool = True
+    # Its KV was dropped by a failed step: rebuilt from its tokens (and the
+    # prefix cache) before it next computes; num_computed is unchanged.
+    kv_lost: bool = False
 
     @property
     def num_output(self) -> int:

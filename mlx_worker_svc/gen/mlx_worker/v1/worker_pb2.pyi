@@ -208,24 +208,32 @@ class DetermineMemoryResponse(_message.Message):
     def __init__(self, total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., available_kv_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., block_size: _Optional[int] = ..., suggested_num_blocks: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size")
+    __slots__ = ("num_blocks", "block_size", "enable_prefix_caching", "memory_limit_bytes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    enable_prefix_caching: bool
+    memory_limit_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "max_kv_tokens", "state")
+    __slots__ = ("num_blocks", "block_size", "max_kv_tokens", "state", "prefix_caching", "memory_limit_bytes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     max_kv_tokens: int
     state: WorkerState
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
+    prefix_caching: bool
+    memory_limit_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class WarmUpRequest(_message.Message):
     __slots__ = ("batch_sizes", "prefill_lengths")
@@ -402,19 +410,33 @@ class CheckHealthRequest(_message.Message):
     def __init__(self, deep: _Optional[bool] = ...) -> None: ...
 
 class KVUsage(_message.Message):
-    __slots__ = ("num_blocks", "used_blocks", "free_blocks", "block_size")
+    __slots__ = ("num_blocks", "used_blocks", "free_blocks", "block_size", "prefix_cache_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_blocks: int
     free_blocks: int
     block_size: int
-    def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prefix_cache_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ...) -> None: ...
+
+class MemoryUsage(_message.Message):
+    __slots__ = ("active_bytes", "peak_bytes", "cache_bytes", "limit_bytes")
+    ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    active_bytes: int
+    peak_bytes: int
+    cache_bytes: int
+    limit_bytes: int
+    def __init__(self, active_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckHealthResponse(_message.Message):
-    __slots__ = ("state", "healthy", "num_running_requests", "num_preempted_requests", "kv", "last_error", "worker_epoch", "deep_check_ns", "uptime_seconds")
+    __slots__ = ("state", "healthy", "num_running_requests", "num_preempted_requests", "kv", "last_error", "worker_epoch", "deep_check_ns", "uptime_seconds", "memory")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +446,7 @@ class CheckHealthResponse(_message.Message):
     WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DEEP_CHECK_NS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     healthy: bool
     num_running_requests: int
@@ -433,7 +456,8 @@ class CheckHealthResponse(_message.Message):
     worker_epoch: int
     deep_check_ns: int
     uptime_seconds: float
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., healthy: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., last_error: _Optional[str] = ..., worker_epoch: _Optional[int] = ..., deep_check_ns: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    memory: MemoryUsage
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., healthy: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., last_error: _Optional[str] = ..., worker_epoch: _Optional[int] = ..., deep_check_ns: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_seconds", "abort")
@@ -456,7 +480,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("state", "device", "model", "worker_epoch", "kv", "worker_version", "chat_template")
+    __slots__ = ("state", "device", "model", "worker_epoch", "kv", "worker_version", "chat_template", "memory")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +488,7 @@ class GetInfoResponse(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     device: DeviceInfo
     model: ModelInfo
@@ -471,7 +496,8 @@ class GetInfoResponse(_message.Message):
     kv: KVUsage
     worker_version: str
     chat_template: str
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., worker_version: _Optional[str] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    memory: MemoryUsage
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., worker_version: _Optional[str] = ..., chat_template: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -522,22 +548,42 @@ class SleepRequest(_message.Message):
     def __init__(self, level: _Optional[int] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "level", "num_aborted", "freed_bytes", "worker_epoch")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
+    level: int
+    num_aborted: int
+    freed_bytes: int
+    worker_epoch: int
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., level: _Optional[int] = ..., num_aborted: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., worker_epoch: _Optional[int] = ...) -> None: ...
 
 class WakeUpRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WakeUpResponse(_message.Message):
-    __slots__ = ("state", "worker_epoch")
+    __slots__ = ("state", "worker_epoch", "wake_seconds")
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WAKE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     worker_epoch: int
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., worker_epoch: _Optional[int] = ...) -> None: ...
+    wake_seconds: float
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., wake_seconds: _Optional[float] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("freed_blocks",)
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    freed_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling_params", "request_id", "skip_special_tokens")

@@ -101,6 +101,11 @@ class WorkerServiceStub:
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
                 response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.WakeUpResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/mlx_worker.v1.WorkerService/ResetPrefixCache',
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/mlx_worker.v1.WorkerService/Generate',
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
@@ -219,6 +224,13 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops every block of the prefix cache (running requests keep their KV).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Prompt or chat messages in, a stream of tokens and text out. The worker
         schedules these requests itself, batched with everything else it runs.
@@ -315,6 +327,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.WakeUp,
                     request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.WakeUpRequest.FromString,
                     response_serializer=mlx__worker_dot_v1_dot_worker__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -689,6 +706,33 @@ class WorkerService:
             '/mlx_worker.v1.WorkerService/WakeUp',
             mlx__worker_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
             mlx__worker_dot_v1_dot_worker__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlx_worker.v1.WorkerService/ResetPrefixCache',
+            mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,146 @@
+"""Admission: what a step would need, checked before it changes anything.
+
+The KV blocks every request holds after the step (prefix-cache hits
+included), the memory its largest forward needs, and which Generate requests
+fit beside a scheduler's step. `ModelRunner` inherits these checks; the
+state they read (requests, budget, prefix cache, memory guard) is the
+runner's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+import mlx.core as mx
+
+from mlx_worker_svc.domain import Origin, SamplingParams, StepPlan
+from mlx_worker_svc.engine.kv_budget import KVBudget
+from mlx_worker_svc.engine.memory_guard import MemoryGuard
+from mlx_worker_svc.engine.planning import Limits, plan_step
+from mlx_worker_svc.engine.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
+
+# Longest forward a prefill chunk runs at once, like mlx-lm's prefill_step_size.
+PREFILL_STEP = 2048
+
+
+class Admission:
+    seqs: dict[RequestKey, Sequence]
+    recently_finished: OrderedDict[RequestKey, None]
+    limits: Limits
+    budget: KVBudget
+    prefix: PrefixCache | None
+    guard: MemoryGuard
+
+    # ------------------------------------------------------------ validation
+    def plan(self, plan: StepPlan) -> Work:
+        """Validates a scheduler step (raises; changes nothing but the prefix cache)."""
+        work = plan_step(plan, self.seqs, self.recently_finished, self.limits)
+        what = f"step {plan.step_id}"
+        self.budget.check(self._projected(work).values(), what)
+        self.check_memory(work, what)
+        return work
+
+    def _hit(self, tokens: Seq[int], params: SamplingParams) -> int:
+        """Tokens a fresh request would take from the prefix cache (read-only)."""
+        if self.prefix is None or params.prompt_logprobs is not None:
+            return 0
+        return self.prefix.match(tokens, len(tokens) - 1)
+
+    def _spans(self, work: Work) -> dict[RequestKey, tuple[int, int, int]]:
+        """(computed before, end, length) of each request after `work`'s changes."""
+        lengths = {new.key: len(new.prompt) for new in work.new}
+        starts = {new.key: self._hit(new.prompt, new.params) for new in work.new}
+        for key, tokens, resumed in work.appends:
+            held = self.seqs[key]
+            lengths[key] = len(held.tokens) + len(tokens)
+            if resumed:
+                starts[key] = self._hit([*held.tokens, *tokens], held.params)
+        spans = {}
+        for key, count in work.scheduled.items():
+            seq = self.seqs.get(key)
+            length = lengths.get(key, len(seq.tokens) if seq else 0)
+            if key not in starts and seq is not None:
+                fresh = seq.fresh and not seq.preempted
+                starts[key] = self._hit(seq.tokens, seq.params) if fresh else seq.num_computed
+            start = starts[key]
+            spans[key] = (start, min(start + count, length), length)
+        return spans
+
+    def _projected(self, work: Work) -> dict[RequestKey, int]:
+        """KV tokens each request holds after `work`."""
+        gone = set(work.finished) | set(work.preempted)
+        tokens = {
+            key: seq.num_computed
+            for key, seq in self.seqs.items()
+            if key not in gone and not seq.preempted
+        }
+        for new in work.new:
+            tokens[new.key] = 0
+        for key, _, resumed in work.appends:
+            if resumed:
+                tokens[key] = 0
+        for key, (_, end, _) in self._spans(work).items():
+            tokens[key] = end
+        return tokens
+
+    def check_memory(self, work: Work, what: str) -> None:
+        """Refuses `work` if its largest forward would not fit under the memory limit."""
+        forwards: list[tuple[int, int]] = []
+        decode_rows, decode_context = 0, 0
+        for key, (start, end, length) in self._spans(work).items():
+            seq = self.seqs.get(key)
+            if seq is not None and seq.kv_lost:
+                forwards += _chunks(0, seq.num_computed)
+            samples = end == length
+            forwards += _chunks(start, end - 1 if samples else end)
+            if samples:
+                decode_rows += 1
+                decode_context = max(decode_context, end)
+        if decode_rows:
+            forwards.append((decode_rows, decode_context))
+        self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes)
+
+    def _evict_bytes(self, wanted: int) -> int:
+        freed = 0
+        while self.prefix is not None and freed < wanted and len(self.prefix):
+            before = self.prefix.nbytes
+            self.prefix.evict(1)
+            freed += before - self.prefix.nbytes
+        mx.clear_cache()
+        return freed
+
+    def internal_work(self, prefill_chunk: int, base: Work | None = None) -> tuple[Work, bool]:
+        """Schedules every Generate request that fits the KV budget beside `base`.
+
+        Returns the work and whether some Generate request is starved (none
+        could be scheduled while some wait).
+        """
+        base = base or Work()
+        projected = self._projected(base)
+        used = self.budget.used(projected.values())
+        work = Work()
+        waiting = False
+        for key, seq in self.seqs.items():
+            if key[0] is not Origin.GENERATE or key in base.scheduled:
+                continue
+            before = self._hit(seq.tokens, seq.params) if seq.fresh else seq.num_computed
+            count = min(len(seq.tokens) - before, prefill_chunk)
+            extra = self.budget.blocks_for(before + count) - self.budget.blocks_for(
+                projected.get(key, seq.num_computed)
+            )
+            if used + extra > self.budget.num_blocks:
+                waiting = True
+                continue
+            used += extra
+            work.scheduled[key] = count
+        return work, waiting and not work.scheduled
+
+
+def _chunks(start: int, end: int) -> list[tuple[int, int]]:
+    """The prefill forwards over tokens [start, end): (tokens, context) each."""
+    return [
+        (min(PREFILL_STEP, end - at), min(at + PREFILL_STEP, end))
+        for at in range(start, end, PREFILL_STEP)
+    ]

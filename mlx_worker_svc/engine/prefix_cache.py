@@ -1,0 +1,178 @@
+"""The prefix cache: KV of prompt prefixes, reused across requests by whole blocks.
+
+A block is `block_size` consecutive tokens. Block i of a sequence is keyed by
+(the key of block i - 1, its own tokens), so a block is found only behind the
+exact same prefix; keys are compared exactly (no hashing), so a hit is never
+a collision. Each block holds its own copy of the KV (keys and values of every
+layer stacked: `[layers, 1, kv_heads, block_size, head_dim]`): MLX caches are
+contiguous per request, so a hit copies the blocks into the new request's cache
+rather than sharing them as a paged cache would.
+
+Blocks count in the KV budget. The runner evicts the least recently used
+blocks, leaves first, whenever a request needs the room, so cached blocks are
+always available to running requests. Only plain `KVCache` layers are cached;
+models with sliding-window, quantized or recurrent layers run without a
+prefix cache (`supported`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+LayerCaches = list[Any]
+_ROOT = 0
+
+
+@dataclass(eq=False)
+class _Block:
+    id: int
+    parent: int
+    tokens: tuple[int, ...]
+    keys: mx.array
+    values: mx.array
+    children: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = int(self.keys.nbytes) + int(self.values.nbytes)
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether every layer of the model's cache is a plain, sliceable KVCache."""
+    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+
+class PrefixCache:
+    """Blocks of prompt KV keyed by their exact token prefix, evicted LRU."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._index: dict[tuple[int, tuple[int, ...]], _Block] = {}
+        self._lru: OrderedDict[int, _Block] = OrderedDict()
+        self._ids = itertools.count(1)
+        self.nbytes = 0
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # ---------------------------------------------------------------- lookup
+    def match(self, tokens: Sequence[int], limit: int) -> int:
+        """Tokens of the longest cached prefix of `tokens`, at most `limit` (read-only)."""
+        return len(self._chain(tokens, limit)) * self.block_size
+
+    def _chain(self, tokens: Sequence[int], limit: int) -> list[_Block]:
+        bs, parent = self.block_size, _ROOT
+        chain: list[_Block] = []
+        for start in range(0, min(limit, len(tokens)) - bs + 1, bs):
+            block = self._index.get((parent, tuple(tokens[start : start + bs])))
+            if block is None:
+                break
+            chain.append(block)
+            parent = block.id
+        return chain
+
+    def load(self, tokens: Sequence[int], limit: int) -> tuple[int, LayerCaches | None]:
+        """A new private cache holding the longest cached prefix; (tokens, cache)."""
+        chain = self._chain(tokens, limit)
+        if not chain:
+            return 0, None
+        # Leaves are touched first, so parents stay more recent than children.
+        for block in reversed(chain):
+            self._lru.move_to_end(block.id)
+        keys = mx.concatenate([b.keys for b in chain], axis=3)
+        values = mx.concatenate([b.values for b in chain], axis=3)
+        caches: LayerCaches = []
+        for layer in range(keys.shape[0]):
+            cache = KVCache()
+            cache.state = (keys[layer], values[layer], keys.shape[3])
+            caches.append(cache)
+        self.hits += 1
+        self.hit_tokens += keys.shape[3]
+        return int(keys.shape[3]), caches
+
+    # ------------------------------------------------------------- insertion
+    def insert(self, tokens: Sequence[int], cache: LayerCaches, capacity: int) -> int:
+        """Caches the whole blocks of `tokens` whose KV `cache` holds.
+
+        `cache` holds the KV of `tokens[:offset]`. Blocks already cached are
+        only touched; new ones may push out least recently used blocks, but
+        the cache never holds more than `capacity` blocks (the room requests
+        leave in the budget). Returns the blocks added.
+        """
+        bs = self.block_size
+        whole = min(int(cache[0].offset), len(tokens)) // bs * bs
+        known = self._chain(tokens, whole)
+        start = len(known) * bs
+        wanted = (whole - start) // bs
+        over = len(self) + wanted - capacity
+        if over > 0:
+            self.evict(over, keep={b.id for b in known})
+        end = start + max(min(wanted, capacity - len(self)), 0) * bs
+        made: list[_Block] = []
+        if end > start:
+            keys = mx.stack([layer.keys[..., start:end, :] for layer in cache])
+            values = mx.stack([layer.values[..., start:end, :] for layer in cache])
+            parent = known[-1].id if known else _ROOT
+            for at in range(start, end, bs):
+                lo = at - start
+                block = _Block(
+                    id=next(self._ids),
+                    parent=parent,
+                    tokens=tuple(tokens[at : at + bs]),
+                    # `* 1` copies: a view would pin the whole stacked buffer.
+                    keys=keys[..., lo : lo + bs, :] * 1,
+                    values=values[..., lo : lo + bs, :] * 1,
+                )
+                made.append(block)
+                parent = block.id
+            mx.eval([(b.keys, b.values) for b in made])
+            for block in made:
+                self._index[(block.parent, block.tokens)] = block
+                self._lru[block.id] = block
+                if block.parent != _ROOT:
+                    self._lru[block.parent].children += 1
+                self.nbytes += block.nbytes
+        # Deepest first, so parents stay more recent than their children.
+        for block in reversed(known + made):
+            self._lru.move_to_end(block.id)
+        return len(made)
+
+    # -------------------------------------------------------------- eviction
+    def evict(self, count: int, keep: set[int] | None = None) -> int:
+        """Drops up to `count` least recently used leaf blocks (not in `keep`)."""
+        dropped = 0
+        while dropped < count:
+            victim = next(
+                (b for b in self._lru.values() if b.children == 0 and b.id not in (keep or ())),
+                None,
+            )
+            if victim is None:
+                break
+            self._drop(victim)
+            dropped += 1
+        return dropped
+
+    def _drop(self, block: _Block) -> None:
+        del self._lru[block.id]
+        del self._index[(block.parent, block.tokens)]
+        if block.parent != _ROOT:
+            self._lru[block.parent].children -= 1
+        self.nbytes -= block.nbytes
+
+    def clear(self) -> int:
+        """Drops every block; returns how many there were."""
+        count = len(self._lru)
+        self._index.clear()
+        self._lru.clear()
+        self.nbytes = 0
+        return count

@@ -1,0 +1,130 @@
+"""The worker's core: its state, the engine thread, and running work on it.
+
+`WorkerCore` holds what every part of the worker shares: the lifecycle state
+and epoch, the loaded model, the runner, the Generate streams and the engine
+thread on which every state change and every MLX call runs, one at a time.
+`worker.Worker` adds the lifecycle calls, `worker_generate.GenerateMixin`
+the text calls and Generate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from mlx_worker_svc.domain import (
+    CacheConfig,
+    DeviceInfo,
+    LoadSpec,
+    MemoryProfile,
+    ModelInfo,
+    Origin,
+    WorkerState,
+)
+from mlx_worker_svc.engine import device as device_mod
+from mlx_worker_svc.engine import loader, memory_guard
+from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
+from mlx_worker_svc.engine.sequence import Work
+from mlx_worker_svc.engine_loop import EngineLoop
+from mlx_worker_svc.errors import FailedPrecondition, ResourceExhausted, WorkerError
+from mlx_worker_svc.generation import StreamTable
+from mlx_worker_svc.lifecycle import DeviceArgs, require
+
+S = WorkerState
+
+
+class WorkerCore:
+    """State shared by the parts of the worker."""
+
+    def __init__(self, *, on_state: Callable[[WorkerState], None] | None = None) -> None:
+        self._on_state = on_state or (lambda _state: None)
+        self._state = S.NEW
+        self._started = time.monotonic()
+        self._device_args: DeviceArgs | None = None
+        self._device: DeviceInfo | None = None
+        self._load_spec: LoadSpec | None = None
+        self._loaded: loader.LoadedModel | None = None
+        self._epoch = 0
+        self._memory: MemoryProfile | None = None
+        self._cache_config: CacheConfig | None = None
+        self._runner: ModelRunner | None = None
+        self._model_info: ModelInfo | None = None
+        self._chat_template = ""
+        # While SLEEPING: the level, and the state WakeUp returns to.
+        self._sleep_level = 0
+        self._awake_state = S.READY
+        self._streams = StreamTable()
+        self._last_error = ""
+        self._engine = EngineLoop(
+            self._generate_pending, self._generate_step, on_exit=device_mod.settle_thread
+        )
+
+    # Scheduling Generate requests (worker_generate.GenerateMixin).
+    def _generate_pending(self) -> bool:
+        raise NotImplementedError
+
+    def _generate_step(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- state
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _new_epoch(self) -> None:
+        """A new epoch: no step of the old one can continue (KV or model changed)."""
+        self._epoch = max(time.time_ns(), self._epoch + 1)
+
+    def _set_state(self, state: WorkerState) -> None:
+        if state is not self._state:
+            self._state = state
+            self._on_state(state)
+
+    def _require(self, call: str, minimum: WorkerState) -> None:
+        require(self._state, call, minimum)
+
+    def _require_idle(self, call: str) -> None:
+        if self._runner is not None and self._runner.seqs:
+            raise FailedPrecondition(
+                f"{call}: {len(self._runner.seqs)} requests are live; finish them first"
+            )
+
+    def _run(self, runner: ModelRunner, work: Work) -> StepOutcome:
+        """Runs work on the engine thread and routes Generate outputs to streams."""
+        try:
+            outcome = runner.run(work)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            if memory_guard.is_allocation_failure(exc):
+                raise ResourceExhausted(
+                    f"the step ran out of memory ({exc}); it was undone and every request "
+                    "kept its state: schedule fewer tokens or preempt requests"
+                ) from exc
+            raise
+        self._streams.dispatch(outcome.outputs)
+        return outcome
+
+    def _need_model(self) -> loader.LoadedModel:
+        if self._loaded is None:
+            if self._state is S.SLEEPING:
+                raise FailedPrecondition(
+                    "the worker is SLEEPING at level 2 (weights released): call WakeUp first"
+                )
+            raise FailedPrecondition("no model is loaded: call LoadModel first")
+        return self._loaded
+
+    def _need_runner(self, call: str) -> ModelRunner:
+        if self._runner is None:
+            raise FailedPrecondition(f"{call}: the KV cache is not set up: call InitCache first")
+        return self._runner
+
+    def _end_stream(self, request_id: str, error: WorkerError | None) -> None:
+        if self._runner is not None:
+            self._runner.free((Origin.GENERATE, request_id))
+        self._streams.close(request_id, error)

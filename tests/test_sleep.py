@@ -1,0 +1,129 @@
+"""Sleep and WakeUp: memory is really given back, no request outlives its KV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from driver import bring_up, code_of, details_of, drive, greedy
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.WorkerServiceStub
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+
+
+def _fails(call: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    return code_of(info.value), details_of(info.value)
+
+
+def test_sleep_level_1_aborts_live_requests_and_wake_up_restores_service(
+    tiny_stub: Stub, tiny_dir: Path, channel: grpc.Channel
+) -> None:
+    stub = tiny_stub
+    epoch = stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    reference = drive(stub, epoch, PROMPTS, max_tokens=6)
+    stub.Execute(
+        pb.ExecuteRequest(
+            step_id=1,
+            worker_epoch=epoch,
+            new_requests=[
+                pb.NewRequest(req_id="live", prompt_token_ids=[1, 2], sampling_params=greedy(50))
+            ],
+            num_scheduled_tokens={"live": 2},
+        )
+    )
+    stream = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=[3, 4], sampling_params=greedy(500, ignore_eos=True))
+    )
+    next(stream)
+    answer = stub.Sleep(pb.SleepRequest(level=1))
+    assert answer.state == pb.WORKER_STATE_SLEEPING and answer.level == 1
+    assert answer.num_aborted == 2 and answer.worker_epoch != epoch
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert code_of(info.value) == grpc.StatusCode.ABORTED
+    health = stub.CheckHealth(pb.CheckHealthRequest())
+    assert health.state == pb.WORKER_STATE_SLEEPING and health.kv.used_blocks == 0
+    assert health.kv.prefix_cache_blocks == 0 and health.num_running_requests == 0
+    checker = health_pb2_grpc.HealthStub(channel)
+    service = health_pb2.HealthCheckRequest(service="mlx_worker.v1.WorkerService")
+    assert checker.Check(service).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    code, message = _fails(
+        lambda: stub.Execute(pb.ExecuteRequest(step_id=2, worker_epoch=answer.worker_epoch))
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in message
+    # Level 1 keeps the weights: tokenizing still works.
+    assert stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids
+    woke = stub.WakeUp(pb.WakeUpRequest())
+    assert woke.state == pb.WORKER_STATE_SERVING and woke.worker_epoch == answer.worker_epoch
+    assert checker.Check(service).status == health_pb2.HealthCheckResponse.SERVING
+    # A step of the old epoch cannot continue a request whose KV is gone.
+    code, message = _fails(
+        lambda: stub.Execute(
+            pb.ExecuteRequest(
+                step_id=3,
+                worker_epoch=epoch,
+                cached_requests=[pb.CachedRequest(req_id="live", num_computed_tokens=2)],
+                num_scheduled_tokens={"live": 1},
+            )
+        )
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in message
+    assert drive(stub, woke.worker_epoch, PROMPTS, max_tokens=6) == reference
+
+
+def test_sleep_level_2_gives_back_the_weights_and_wake_up_reloads_them(
+    stub: Stub, smollm_dir: Path
+) -> None:
+    stub.InitDevice(pb.InitDeviceRequest())
+    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(smollm_dir)))
+    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32, block_size=16))
+    stub.InitCache(pb.InitCacheRequest(num_blocks=64, block_size=16))
+    prompt = list(stub.Tokenize(pb.TokenizeRequest(text="The capital of France is")).token_ids)
+    before_tokens = drive(stub, loaded.worker_epoch, [prompt], max_tokens=5)
+    active = stub.GetInfo(pb.GetInfoRequest()).memory.active_bytes
+    answer = stub.Sleep(pb.SleepRequest(level=2))
+    after = stub.GetInfo(pb.GetInfoRequest())
+    weights = loaded.model.weight_bytes
+    assert weights > 50 << 20
+    assert active - after.memory.active_bytes >= 0.9 * weights
+    assert answer.freed_bytes >= 0.9 * weights
+    # Model facts stay visible while asleep; what needs the weights says to wake up.
+    assert after.model.weight_bytes == weights and after.state == pb.WORKER_STATE_SLEEPING
+    code, message = _fails(lambda: stub.Tokenize(pb.TokenizeRequest(text="x")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in message
+    woke = stub.WakeUp(pb.WakeUpRequest())
+    assert woke.state == pb.WORKER_STATE_SERVING and woke.wake_seconds > 0
+    assert stub.GetInfo(pb.GetInfoRequest()).memory.active_bytes >= 0.9 * weights
+    assert drive(stub, woke.worker_epoch, [prompt], max_tokens=5) == before_tokens
+
+
+def test_sleep_and_wake_up_rules(stub: Stub, tiny_dir: Path) -> None:
+    code, message = _fails(lambda: stub.Sleep(pb.SleepRequest(level=1)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitDevice" in message
+    code, message = _fails(lambda: stub.WakeUp(pb.WakeUpRequest()))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    bring_up(stub, tiny_dir)
+    code, message = _fails(lambda: stub.Sleep(pb.SleepRequest(level=3)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "level" in message
+    # Awake: WakeUp changes nothing.
+    assert stub.WakeUp(pb.WakeUpRequest()).state == pb.WORKER_STATE_READY
+    first = stub.Sleep(pb.SleepRequest())
+    assert first.level == 1
+    again = stub.Sleep(pb.SleepRequest(level=1))
+    assert again.level == 1 and again.worker_epoch == first.worker_epoch
+    deeper = stub.Sleep(pb.SleepRequest(level=2))
+    assert deeper.level == 2 and deeper.freed_bytes > 0
+    code, _ = _fails(
+        lambda: list(
+            stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling_params=greedy(1)))
+        )
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.WakeUp(pb.WakeUpRequest()).state == pb.WORKER_STATE_READY

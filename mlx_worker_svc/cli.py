@@ -38,7 +38,11 @@ def _serve(args: argparse.Namespace) -> int:
         worker = server.worker
         try:
             device = worker.init_device(DeviceArgs(kind=DeviceKind(args.device)))
-            loaded, _ = worker.load_model(LoadSpec(model=model, max_model_len=args.max_model_len))
+            # Keep the facts, not the LoadedModel: a reference here would pin the
+            # weights through Sleep level 2.
+            info = worker.load_model(LoadSpec(model=model, max_model_len=args.max_model_len))[
+                0
+            ].info
             tokens = args.max_num_batched_tokens or (32 if device.kind is DeviceKind.CPU else 2048)
             profile = worker.determine_memory(args.memory_utilization, tokens, args.block_size)
             blocks = args.num_blocks or max(profile.suggested_num_blocks, 1)
@@ -55,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             server.wait()
             return 1
         print(
-            f"ready: {loaded.info.model_type} from {loaded.info.model_path} on {device.name} "
+            f"ready: {info.model_type} from {info.model_path} on {device.name} "
             f"({device.kind.value}), {blocks} KV blocks of {profile.block_size} tokens, "
             f"prefix cache {'on' if cache.prefix_caching else 'off'}, "
             f"memory limit {cache.memory_limit_bytes / 2**30:.1f} GiB",

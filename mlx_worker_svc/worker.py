@@ -245,8 +245,12 @@ class Worker(GenerateMixin):
         return memory_guard.usage(config.memory_limit_bytes if config else 0)
 
     def kv_usage(self) -> KVUsage:
-        runner = self._runner
-        return runner.kv_usage() if runner else KVUsage()
+        runner, config = self._runner, self._cache_config
+        if runner is not None:
+            return runner.kv_usage()
+        if config is not None:  # asleep: the budget stands, nothing is held
+            return KVUsage(num_blocks=config.num_blocks, block_size=config.block_size)
+        return KVUsage()
 
     @property
     def device(self) -> DeviceInfo | None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from driver import bring_up
+from driver import ServeProcess, bring_up
 from tiny_model import build_tiny_model, dequantized_copy
 
 from mlx_worker_svc.embedded import ensure_default_model
@@ -56,3 +56,17 @@ def tiny_stub(stub: pb_grpc.WorkerServiceStub, tiny_dir: Path) -> pb_grpc.Worker
     """A worker that has been through the lifecycle on the tiny model."""
     bring_up(stub, tiny_dir)
     return stub
+
+
+@pytest.fixture
+def start_worker(tiny_dir: Path) -> Iterator[Callable[[float], ServeProcess]]:
+    """Starts `mlx-worker serve --auto-init` on the tiny model (grace seconds given)."""
+    started: list[ServeProcess] = []
+
+    def start(grace: float) -> ServeProcess:
+        started.append(ServeProcess(tiny_dir, grace))
+        return started[-1]
+
+    yield start
+    for worker in started:
+        worker.reap()

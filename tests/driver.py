@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -101,3 +105,61 @@ def code_of(error: BaseException) -> grpc.StatusCode:
 def details_of(error: BaseException) -> str:
     """The status message of an RpcError raised by a stub call."""
     return cast(grpc.Call, error).details() or ""
+
+
+class ServeProcess:
+    """A `mlx-worker serve` subprocess; always reaped, even when a test fails."""
+
+    def __init__(self, model: Path, grace: float) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlx_worker_svc",
+                "serve",
+                "--model",
+                str(model),
+                "--auto-init",
+                "--port",
+                "0",
+                "--grace-seconds",
+                str(grace),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.port = 0
+        self.channels: list[grpc.Channel] = []
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 120
+        for line in self.proc.stdout:
+            match = re.search(r"listening on [\d.]+:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+            if line.startswith("ready:"):
+                break
+            assert time.monotonic() < deadline, "worker did not become ready"
+        assert self.port, "worker did not print its port"
+
+    def channel(self) -> grpc.Channel:
+        chan = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channels.append(chan)
+        return chan
+
+    def exit_code(self) -> int:
+        """Waits for the worker to exit; returns its exit code."""
+        code = self.proc.wait(timeout=60)
+        if code != 0:
+            assert self.proc.stdout is not None
+            print(self.proc.stdout.read())
+        return code
+
+    def reap(self) -> None:
+        for chan in self.channels:
+            chan.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()

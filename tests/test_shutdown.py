@@ -3,93 +3,19 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from driver import bring_up, code_of, greedy
+from driver import ServeProcess, bring_up, code_of, greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.server import ServerConfig, WorkerServer
-
-
-class _Worker:
-    """A `mlx-worker serve` subprocess; always reaped, even when a test fails."""
-
-    def __init__(self, model: Path, grace: float) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlx_worker_svc",
-                "serve",
-                "--model",
-                str(model),
-                "--auto-init",
-                "--port",
-                "0",
-                "--grace-seconds",
-                str(grace),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.port = 0
-        self.channels: list[grpc.Channel] = []
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 120
-        for line in self.proc.stdout:
-            match = re.search(r"listening on [\d.]+:(\d+)", line)
-            if match:
-                self.port = int(match.group(1))
-            if line.startswith("ready:"):
-                break
-            assert time.monotonic() < deadline, "worker did not become ready"
-        assert self.port, "worker did not print its port"
-
-    def channel(self) -> grpc.Channel:
-        chan = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.channels.append(chan)
-        return chan
-
-    def exit_code(self) -> int:
-        """Waits for the worker to exit; returns its exit code."""
-        code = self.proc.wait(timeout=60)
-        if code != 0:
-            assert self.proc.stdout is not None
-            print(self.proc.stdout.read())
-        return code
-
-    def reap(self) -> None:
-        for chan in self.channels:
-            chan.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=60)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-
-
-@pytest.fixture
-def start_worker(tiny_dir: Path) -> Iterator[Callable[[float], _Worker]]:
-    started: list[_Worker] = []
-
-    def start(grace: float) -> _Worker:
-        started.append(_Worker(tiny_dir, grace))
-        return started[-1]
-
-    yield start
-    for worker in started:
-        worker.reap()
 
 
 def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:
@@ -103,7 +29,7 @@ def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:
 
 
 def test_sigterm_lets_a_running_generate_finish_and_exits_zero(
-    start_worker: Callable[[float], _Worker],
+    start_worker: Callable[[float], ServeProcess],
 ) -> None:
     worker = start_worker(60.0)
     chan = worker.channel()
@@ -129,7 +55,7 @@ def test_sigterm_lets_a_running_generate_finish_and_exits_zero(
 
 
 def test_sigterm_past_the_grace_period_ends_streams_with_a_clear_status(
-    start_worker: Callable[[float], _Worker],
+    start_worker: Callable[[float], ServeProcess],
 ) -> None:
     worker = start_worker(0.3)
     stub = pb_grpc.WorkerServiceStub(worker.channel())

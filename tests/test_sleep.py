@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from driver import bring_up, code_of, details_of, drive, greedy
+from driver import ServeProcess, bring_up, code_of, details_of, drive, greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -127,3 +128,17 @@ def test_sleep_and_wake_up_rules(stub: Stub, tiny_dir: Path) -> None:
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.WakeUp(pb.WakeUpRequest()).state == pb.WORKER_STATE_READY
+
+
+def test_a_served_worker_gives_its_weights_back_on_sleep_level_2(
+    start_worker: Callable[[float], ServeProcess],
+) -> None:
+    # Through `mlx-worker serve --auto-init`: nothing in the CLI may pin the model.
+    worker = start_worker(5.0)
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    info = stub.GetInfo(pb.GetInfoRequest())
+    answer = stub.Sleep(pb.SleepRequest(level=2))
+    assert answer.freed_bytes >= 0.9 * info.model.weight_bytes
+    assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == info.kv.num_blocks
+    stub.WakeUp(pb.WakeUpRequest())
+    assert stub.GetInfo(pb.GetInfoRequest()).memory.active_bytes >= info.model.weight_bytes

@@ -121,6 +121,8 @@ class Worker:
     epoch: int
     info: Any
     server: WorkerServer
+    # DetermineMemory's measure of one KV block (`BLOCK_SIZE` tokens) of this model.
+    bytes_per_block: int = 0
     _counter: int = 0
 
     def new_id(self, prefix: str) -> str:
@@ -129,8 +131,14 @@ class Worker:
 
 
 @contextmanager
-def live_worker(model: Path | str, *, num_blocks: int = 4096) -> Iterator[Worker]:
-    """Starts a real server on loopback, brings the model up, stops it afterwards."""
+def live_worker(
+    model: Path | str, *, num_blocks: int = 4096, prefix_caching: bool = False
+) -> Iterator[Worker]:
+    """Starts a real server on loopback, brings the model up, stops it afterwards.
+
+    The prefix cache is off unless asked for: the sections that compare the worker with
+    mlx-lm must not be helped by KV reused from an earlier request.
+    """
     server = WorkerServer(ServerConfig(port=0, grace_seconds=5.0))
     port = server.start()
     try:
@@ -139,12 +147,27 @@ def live_worker(model: Path | str, *, num_blocks: int = 4096) -> Iterator[Worker
             stub.InitDevice(pb.InitDeviceRequest())
             loaded = stub.LoadModel(pb.LoadModelRequest(model=str(model)))
             # The profile is not used (InitCache sets the budget); keep it small on a CPU.
-            stub.DetermineMemory(
+            profile = stub.DetermineMemory(
                 pb.DetermineMemoryRequest(max_num_batched_tokens=16, block_size=BLOCK_SIZE)
             )
-            stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, block_size=BLOCK_SIZE))
+            cache = stub.InitCache(
+                pb.InitCacheRequest(
+                    num_blocks=num_blocks,
+                    block_size=BLOCK_SIZE,
+                    enable_prefix_caching=prefix_caching,
+                )
+            )
+            if cache.prefix_caching != prefix_caching:
+                raise RuntimeError(
+                    f"InitCache(enable_prefix_caching={prefix_caching}) answered "
+                    f"prefix_caching={cache.prefix_caching} for {model}"
+                )
             yield Worker(
-                stub=stub, epoch=int(loaded.worker_epoch), info=loaded.model, server=server
+                stub=stub,
+                epoch=int(loaded.worker_epoch),
+                info=loaded.model,
+                server=server,
+                bytes_per_block=int(profile.bytes_per_block),
             )
     finally:
         server.shutdown(grace_seconds=1.0, abort=True)

@@ -2,6 +2,9 @@
 
 One Execute call per step; every live request is scheduled in every step
 (decode: one token; prefill: the whole prompt, or `chunk` tokens at a time).
+Each request's computed-token count is taken from the response, never assumed:
+with a prefix-cache hit the worker computes the scheduled tokens beyond the
+cached part, and `num_computed_tokens` counts both.
 The client's wall time is measured around the RPC alone (the request message is
 built before the clock starts), and the worker's own `timings` are kept.
 """
@@ -35,6 +38,8 @@ class ExecuteRun:
     timeline: Timeline
     steps: list[Step] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
+    # Per prompt: prompt tokens the worker took from its prefix cache.
+    cached_prompt_tokens: list[int] = field(default_factory=list)
 
 
 def greedy(max_tokens: int) -> pb.SamplingParams:
@@ -69,6 +74,7 @@ def run_execute(
     length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
     computed = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached_prompt = dict.fromkeys(ids, 0)
     live = list(ids)
     new = [
         pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=greedy(max_tokens))
@@ -110,9 +116,11 @@ def run_execute(
         for out in response.outputs:
             outputs[out.req_id].extend(out.sampled_token_ids)
             computed[out.req_id] = out.num_computed_tokens
+            cached_prompt[out.req_id] += out.num_cached_prompt_tokens
             if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 live.remove(out.req_id)
     run.tokens = [outputs[rid] for rid in ids]
+    run.cached_prompt_tokens = [cached_prompt[rid] for rid in ids]
     return run
 
 

@@ -97,6 +97,18 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{_num(e['ratio_chunked_vs_unchunked_ttft'], 3)} (chunked/unchunked)",
             )
         )
+    if "f" in s:
+        f = s["f"]
+        rows.append(
+            (
+                f"(f) TTFT, {f['prefix_tokens']}-token cached prefix",
+                f"ms: cold (cache reset) vs warm ({f['suffix_tokens']}-token suffix computed, "
+                f"{f['warm_num_cached_prompt_tokens']} tokens cached)",
+                _num(f["warm_ttft_ms"], 1),
+                _num(f["cold_ttft_ms"], 1),
+                f"{_num(f['ratio_cold_vs_warm'], 1)}x cold/warm (>= {f['target_ratio']:g}x)",
+            )
+        )
     head = "| Section | Measure | Worker | Baseline | Ratio (target) |\n|---|---|---|---|---|\n"
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
@@ -150,4 +162,15 @@ def panels(results: dict[str, Any]) -> list[Panel]:
         for bar in bars:
             bar.text = f"{_num(bar.value, 2)} s"
         out.append(Panel(f"Time to first token, {e['prompt_tokens']}-token prompt", bars))
+    if "f" in s:
+        f = s["f"]
+        bars = [
+            Bar("(f) warm (prefix cached)", f["warm_ttft_ms"], "", WORKER),
+            Bar("(f) cold (prefix cache reset)", f["cold_ttft_ms"], "", BASELINE),
+        ]
+        for bar in bars:
+            bar.text = f"{_num(bar.value, 1)} ms"
+        bars[0].text += f" ({_num(f['ratio_cold_vs_warm'], 1)}x faster)"
+        title = f"TTFT, {f['prefix_tokens']}-token shared prefix + {f['suffix_tokens']} tokens"
+        out.append(Panel(title, bars))
     return out

@@ -20,9 +20,11 @@ from benchmarks import chart, report
 from benchmarks.common import build_tiny, live_worker, machine_facts, machine_name, temp_dir
 from benchmarks.decode import section_a, section_b
 from benchmarks.latency import section_c, section_d, section_e
+from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ALL_SECTIONS = "abcdef"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-prompt", type=int, help="(e) prompt tokens (default 512)")
     p.add_argument("--chunk", type=int, help="(e) prefill chunk (default 64)")
     p.add_argument("--repeats", type=int, help="(a) interleaved repeats, best kept (default 1)")
-    p.add_argument("--sections", default="abcde", help="which sections to run (default abcde)")
+    p.add_argument("--prefix-tokens", type=int, help="(f) shared prefix tokens (default 1024)")
+    p.add_argument("--suffix-tokens", type=int, help="(f) distinct suffix tokens (default 32)")
+    p.add_argument("--prefix-repeats", type=int, help="(f) cold/warm pairs, median (default 3)")
+    p.add_argument(
+        "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -52,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ttft_prompt": 512,
         "chunk": 64,
         "repeats": 1,
+        "prefix_tokens": 1024,
+        "suffix_tokens": 32,
+        "prefix_repeats": 3,
     }
     quick = {
         "tokens": 8,
@@ -63,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ttft_prompt": 64,
         "chunk": 16,
         "repeats": 1,
+        "prefix_tokens": 64,
+        "suffix_tokens": 16,
+        "prefix_repeats": 1,
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -110,8 +123,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     n = args.seeds_tokens
                     sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
             del model, tokenizer
-        if wanted & {"a", "b", "e"}:
+        if wanted & {"a", "b", "e", "f"}:
             model, tokenizer = load(str(main_model))
+        if wanted & {"a", "b", "e"}:
             with live_worker(main_model) as worker:
                 if "a" in wanted:
                     prompt = encode(tokenizer, SHORT)
@@ -133,12 +147,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if "e" in wanted:
                     long = long_tokens(tokenizer, args.ttft_prompt)
                     sections["e"] = timed("e", seconds, lambda: section_e(worker, long, args.chunk))
+        if "f" in wanted:
+            prefix = long_tokens(tokenizer, args.prefix_tokens)
+            first, second = distinct_prompts(tokenizer, 2, args.suffix_tokens)
+            with live_worker(main_model, prefix_caching=True) as worker:
+                sections["f"] = timed(
+                    "f",
+                    seconds,
+                    lambda: section_f(worker, prefix, (first, second), args.prefix_repeats),
+                )
     notes.extend(_notes(args, sections))
     return {
         "date": datetime.date.today().isoformat(),
         "machine": machine_facts(),
         "models": {
-            "a_b_e": str(main_model),
+            "a_b_e_f": str(main_model),
             "c_d": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -159,6 +182,12 @@ def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
         notes.append(
             f"(b) generates --batch-tokens={args.batch_tokens} tokens per request (not "
             f"--tokens={args.tokens}) so the default run fits in about 10 minutes on a CPU."
+        )
+    if "f" in sections:
+        f = sections["f"]
+        notes.append(
+            f"(f) runs on its own worker with the prefix cache on (a-e run with it off); "
+            f"{f['repeats']} cold/warm pairs, medians, after one untimed pair."
         )
     if "d" in sections:
         d = sections["d"]
@@ -187,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date']}-{machine_name()}" + ("-quick" if args.quick else "")
+    stem = f"{results['date']}-{machine_name()}"
+    ran = "".join(sorted(set(args.sections)))
+    if ran != ALL_SECTIONS:  # a partial run does not overwrite the day's full one
+        stem += f"-{ran}"
+    stem += "-quick" if args.quick else ""
     json_path = args.out / f"{stem}.json"
     png_path = args.out / f"{stem}.png"
     json_path.write_text(json.dumps(results, indent=2) + "\n")

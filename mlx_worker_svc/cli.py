@@ -1,9 +1,10 @@
-"""The `mlx-worker` command line: `serve` and `convert-gguf`.
+"""The `mlx-worker` command line: `serve`, `convert-gguf`, `fleet` and `generate`.
 
 `serve` starts the gRPC worker (health answers at once; with --auto-init the
 worker also runs its own lifecycle so Generate works without a scheduler).
 `convert-gguf` turns a llama GGUF file into an MLX model directory, or, with
 no file, builds the embedded default model (SmolLM2-135M-Instruct).
+`fleet` and `generate` drive workers through the fleet scheduler (fleet_cli.py).
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("gguf", nargs="?", help="GGUF file (omit to build the default model)")
     convert.add_argument("--out", help="output model directory")
     convert.set_defaults(func=_convert)
+
+    from mlx_worker_svc.fleet_cli import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -33,7 +33,7 @@ from mlx_worker_svc.domain import (
     TokenLogprobs,
     WorkerState,
 )
-from mlx_worker_svc.errors import InvalidArgument
+from mlx_worker_svc.errors import InvalidArgument, Unimplemented
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _STATES = {
@@ -169,6 +169,11 @@ def sleep_report(report: SleepReport) -> pb.SleepResponse:
 
 def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
     """Converts and range-checks sampling parameters (errors name `where.<field>`)."""
+    if message.stop:
+        raise Unimplemented(
+            f"{where}.stop: stop strings are checked by a scheduler that holds the text "
+            "(FleetService.Generate); the worker does not honour them"
+        )
     params = SamplingParams(
         temperature=message.temperature if message.HasField("temperature") else 1.0,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
@@ -283,6 +288,11 @@ def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
 
 
 def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
+    if request.sampling_params.HasField("prompt_logprobs"):
+        raise InvalidArgument(
+            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
+            "use Execute"
+        )
     return GenerateSpec(
         request_id=request.request_id,
         prompt=request.prompt,

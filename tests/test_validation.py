@@ -315,6 +315,7 @@ def test_other_rpcs_reject_malformed_input(
             "temperature",
         ),
         (pb.GenerateRequest(prompt="hi", sampling_params=greedy(0)), "max_tokens"),
+        (pb.GenerateRequest(prompt="hi", sampling_params=greedy(2, prompt_logprobs=1)), "Execute"),
     ],
 )
 def test_generate_rejects_malformed_input(
@@ -324,3 +325,23 @@ def test_generate_rejects_malformed_input(
         list(tiny_stub.Generate(request_message))
     assert code_of(info.value) == INVALID and word in details_of(info.value)
     assert tiny_stub.CheckHealth(pb.CheckHealthRequest()).healthy
+
+
+def test_stop_strings_are_unimplemented_in_the_worker(tiny_stub: Stub) -> None:
+    """Stop strings need the text: the fleet scheduler honours them, a worker refuses."""
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    stop = greedy(4, stop=["."])
+    with pytest.raises(grpc.RpcError) as info:
+        list(tiny_stub.Generate(pb.GenerateRequest(prompt="hi", sampling_params=stop)))
+    assert code_of(info.value) == grpc.StatusCode.UNIMPLEMENTED
+    assert "sampling_params.stop" in details_of(info.value)
+    step = pb.ExecuteRequest(
+        step_id=1,
+        worker_epoch=epoch,
+        new_requests=[pb.NewRequest(req_id="s", prompt_token_ids=[5, 6], sampling_params=stop)],
+        num_scheduled_tokens={"s": 2},
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        tiny_stub.Execute(step)
+    assert code_of(info.value) == grpc.StatusCode.UNIMPLEMENTED
+    assert "new_requests[0]" in details_of(info.value) and ".stop" in details_of(info.value)

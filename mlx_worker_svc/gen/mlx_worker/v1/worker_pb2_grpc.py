@@ -234,6 +234,8 @@ class WorkerServiceServicer:
     def Generate(self, request, context):
         """Prompt or chat messages in, a stream of tokens and text out. The worker
         schedules these requests itself, batched with everything else it runs.
+        FleetService.Generate shares these messages (fleet.proto).
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

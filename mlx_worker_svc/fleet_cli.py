@@ -1,0 +1,109 @@
+"""`mlx-worker fleet` and `mlx-worker generate`: the fleet scheduler from a shell.
+
+`fleet` serves `mlx_worker.v1.FleetService` in front of the given workers;
+`generate` runs the same scheduler in-process for one prompt and streams the
+text to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+
+def _fleet_config(args: argparse.Namespace) -> Any:
+    from mlx_worker_svc.scheduler import FleetConfig, LinkConfig
+
+    link = LinkConfig(
+        model=args.model or "",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
+
+
+async def _run_fleet(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.scheduler import FleetScheduler
+    from mlx_worker_svc.scheduler.server import serve_fleet
+
+    fleet = FleetScheduler(args.worker, _fleet_config(args))
+    await fleet.start()
+    try:
+        server, port = await serve_fleet(fleet, args.host, args.port)
+    except OSError as exc:
+        logging.error("%s", exc)
+        await fleet.stop()
+        return 2
+    print(f"mlx-worker fleet listening on {args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(grace=5.0)
+    await fleet.stop()
+    return 0
+
+
+async def _run_generate(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.scheduler import FleetError, FleetScheduler
+
+    fleet = FleetScheduler(args.worker, _fleet_config(args))
+    await fleet.start()
+    sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if args.raw:
+        request = pb.GenerateRequest(prompt=args.prompt, sampling_params=sampling)
+    else:
+        message = pb.ChatMessage(role="user", content=args.prompt)
+        request = pb.GenerateRequest(messages=[message], sampling_params=sampling)
+    code = 0
+    try:
+        async for chunk in fleet.generate(request):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except FleetError as exc:
+        print(f"\ngenerate: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        await fleet.stop()
+    return code
+
+
+def add_commands(sub: Any) -> None:
+    """Adds `fleet` and `generate` to the `mlx-worker` subcommands."""
+    for name, help_text, runner in (
+        ("fleet", "serve FleetService in front of workers", _run_fleet),
+        ("generate", "stream one answer from the workers to the terminal", _run_generate),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument(
+            "--worker", action="append", required=True, metavar="HOST:PORT", help="repeatable"
+        )
+        cmd.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        cmd.add_argument("--max-num-seqs", type=int, default=64)
+        cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
+        cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
+        cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
+        if name == "fleet":
+            cmd.add_argument("--host", default="127.0.0.1")
+            cmd.add_argument("--port", type=int, default=50050, help="default 50050; 0 = any")
+        else:
+            cmd.add_argument("prompt")
+            cmd.add_argument("--max-tokens", type=int, default=128)
+            cmd.add_argument("--temperature", type=float, default=0.0)
+            cmd.add_argument("--raw", action="store_true", help="no chat template")
+
+        def run(args: argparse.Namespace, runner: Any = runner) -> int:
+            with contextlib.suppress(KeyboardInterrupt):
+                return int(asyncio.run(runner(args)))
+            return 130
+
+        cmd.set_defaults(func=run)

@@ -1,0 +1,21 @@
+"""The reference fleet scheduler: drives workers through Execute, nothing else."""
+
+from mlx_worker_svc.scheduler.fleet import (
+    BadRequest,
+    FleetConfig,
+    FleetError,
+    FleetScheduler,
+    NoWorkers,
+    Overloaded,
+)
+from mlx_worker_svc.scheduler.link import LinkConfig
+
+__all__ = [
+    "BadRequest",
+    "FleetConfig",
+    "FleetError",
+    "FleetScheduler",
+    "LinkConfig",
+    "NoWorkers",
+    "Overloaded",
+]

@@ -1,0 +1,272 @@
+"""The fleet scheduler: many workers behind one Generate.
+
+Requests are admitted into a bounded queue (past it, `Overloaded` at once),
+routed to a worker (`prefix`: requests sharing their first `affinity_tokens`
+tokens go where that prefix went before, so its KV is in that worker's prefix
+cache; otherwise, and in `least-loaded` mode, the worker with the least work),
+and streamed back as the worker's `GenerateResponse` messages. Stop strings
+are checked here on the detokenized text. A request whose worker dies
+continues on another from prompt + generated tokens; callers see no error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from mlx_worker_svc.client import ClientError
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.scheduler.link import LinkConfig, WorkerLink
+from mlx_worker_svc.scheduler.request import FleetRequest, Phase
+
+log = logging.getLogger(__name__)
+Routing = Literal["prefix", "least-loaded"]
+
+
+class FleetError(Exception):
+    """A request the fleet cannot take; `code` is the gRPC status for callers."""
+
+    code = grpc.StatusCode.UNKNOWN
+
+
+class Overloaded(FleetError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NoWorkers(FleetError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class BadRequest(FleetError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    link: LinkConfig = field(default_factory=LinkConfig)
+    queue_capacity: int = 256
+    routing: Routing = "prefix"
+    affinity_tokens: int = 256
+    # How long a request may wait for any worker to be up before it fails.
+    no_worker_timeout: float = 30.0
+
+
+class FleetScheduler:
+    def __init__(self, targets: list[str], config: FleetConfig | None = None) -> None:
+        if not targets:
+            raise ValueError("a fleet needs at least one worker")
+        self.config = config or FleetConfig()
+        self.links = [
+            WorkerLink(
+                t, self.config.link, on_lost=self._failover, on_up=self._on_up, emit=self._emit
+            )
+            for t in dict.fromkeys(targets)
+        ]
+        self._pending: list[tuple[float, FleetRequest]] = []
+        self._where: dict[FleetRequest, WorkerLink] = {}
+        self._affinity: dict[int, WorkerLink] = {}
+        self._turn = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._any_up = asyncio.Event()
+        self.num_finished = 0
+        self.num_rejected = 0
+
+    # --------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(link.run(), name=link.target) for link in self.links]
+        self._tasks.append(asyncio.create_task(self._watchdog(), name="fleet-watchdog"))
+
+    async def wait_ready(self, count: int = 1, timeout: float = 120.0) -> None:
+        """Waits until `count` workers are up (raises TimeoutError)."""
+        deadline = time.monotonic() + timeout
+        while sum(link.up for link in self.links) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {count} workers came up in {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for link in self.links:
+            await link.close()
+
+    # ------------------------------------------------------------ status
+    def status(self) -> fleet_pb2.StatusResponse:
+        return fleet_pb2.StatusResponse(
+            workers=[link.status() for link in self.links],
+            num_queued=self._queued(),
+            queue_capacity=self.config.queue_capacity,
+            num_finished=self.num_finished,
+            num_rejected=self.num_rejected,
+        )
+
+    def _queued(self) -> int:
+        return len(self._pending) + sum(len(link.waiting) for link in self.links)
+
+    def _up(self) -> list[WorkerLink]:
+        return [link for link in self.links if link.up]
+
+    # ---------------------------------------------------------- generate
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Runs one request on the fleet; yields the worker's Generate messages."""
+        if self._queued() >= self.config.queue_capacity:
+            self.num_rejected += 1
+            raise Overloaded(
+                f"the fleet's queue is full ({self.config.queue_capacity} requests waiting); "
+                "retry later"
+            )
+        prompt = await self._prompt(request)
+        params = request.sampling_params
+        r = FleetRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            params=params,
+            stop=tuple(params.stop),
+            skip_special_tokens=(
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
+        )
+        self._route(r)
+        try:
+            while True:
+                message = await r.outbox.get()
+                if isinstance(message, BaseException):
+                    raise message
+                yield message
+                if message.finish_reason:
+                    return
+        finally:
+            if r.phase is not Phase.DONE:
+                self._cancel(r)
+            self._where.pop(r, None)
+
+    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        forms = sum(bool(x) for x in (request.prompt, request.messages, request.prompt_token_ids))
+        if forms != 1:
+            raise BadRequest("Generate needs exactly one of prompt, messages or prompt_token_ids")
+        if request.sampling_params.HasField("prompt_logprobs"):
+            raise BadRequest(
+                "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
+                "use WorkerService.Execute"
+            )
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        link = await self._some_link()
+        if request.messages:
+            ask = pb.TokenizeRequest(messages=request.messages)
+        else:
+            ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
+        return list((await link.client.tokenize(ask)).token_ids)
+
+    async def _some_link(self) -> WorkerLink:
+        deadline = time.monotonic() + self.config.no_worker_timeout
+        while not self._up():
+            if time.monotonic() > deadline:
+                raise NoWorkers("no worker of the fleet is up")
+            await asyncio.sleep(0.05)
+        return min(self._up(), key=lambda link: link.load)
+
+    # ----------------------------------------------------------- routing
+    def _route(self, r: FleetRequest, *, front: bool = False) -> None:
+        up = self._up()
+        if not up:
+            entry = (time.monotonic(), r)
+            self._pending.insert(0, entry) if front else self._pending.append(entry)
+            return
+        link = self._pick(r, up)
+        self._where[r] = link
+        link.assign(r, front=front)
+
+    def _pick(self, r: FleetRequest, up: list[WorkerLink]) -> WorkerLink:
+        turn = next(self._turn)
+        spread = min(up, key=lambda link: (link.load, (up.index(link) - turn) % len(up)))
+        if self.config.routing != "prefix" or len(r.prompt) < self.config.affinity_tokens:
+            return spread
+        key = hash(tuple(r.prompt[: self.config.affinity_tokens]))
+        home = self._affinity.get(key)
+        busy = self.config.link.max_num_seqs
+        if home is None or not home.up or home.load >= spread.load + busy:
+            self._affinity[key] = home = spread
+        return home
+
+    def _on_up(self, link: WorkerLink) -> None:
+        self._any_up.set()
+        waiting, self._pending = self._pending, []
+        for _, r in waiting:
+            self._route(r)
+
+    def _failover(self, lost: list[FleetRequest]) -> None:
+        for r in reversed(lost):
+            if r.phase is Phase.DONE or r.cancelled:
+                continue
+            self._route(r, front=True)
+
+    def _cancel(self, r: FleetRequest) -> None:
+        r.cancelled = True
+        link = self._where.get(r)
+        if link is not None:
+            link.cancel(r)
+        self._pending = [(t, p) for t, p in self._pending if p is not r]
+
+    async def _watchdog(self) -> None:
+        """Fails requests that waited too long for any worker to come up."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            keep = []
+            for since, r in self._pending:
+                if now - since > self.config.no_worker_timeout:
+                    r.phase = Phase.DONE
+                    r.outbox.put_nowait(NoWorkers("no worker of the fleet came up in time"))
+                else:
+                    keep.append((since, r))
+            self._pending = keep
+
+    # ------------------------------------------------------------ stream
+    async def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
+        """Streams what a step gave `r`; returns whether a stop string ended it."""
+        full = await self._detokenize(link, r)
+        stopped = False
+        piece = ""
+        if full is not None:
+            piece, stopped = r.new_text(full)
+        tokens, logprobs = r.take_tokens()
+        message = pb.GenerateResponse(
+            token_ids=tokens, text=piece, logprobs=logprobs, request_id=r.request_id
+        )
+        if not r.streamed:
+            r.streamed = True
+            message.num_cached_prompt_tokens = r.cached_tokens
+        if stopped or r.phase is Phase.DONE:
+            if stopped:
+                message.finish_reason = pb.FINISH_REASON_STOP_STRING
+            else:
+                message.finish_reason = r.finish_reason
+                message.text += r.flush()
+            message.prompt_tokens = len(r.prompt)
+            message.completion_tokens = len(r.generated)
+            r.phase = Phase.DONE
+            self.num_finished += 1
+        if message.token_ids or message.text or message.finish_reason:
+            r.outbox.put_nowait(message)
+        return stopped
+
+    async def _detokenize(self, link: WorkerLink, r: FleetRequest) -> str | None:
+        ask = pb.DetokenizeRequest(token_ids=r.generated, skip_special_tokens=r.skip_special_tokens)
+        for candidate in [link, *(other for other in self._up() if other is not link)]:
+            with contextlib.suppress(ClientError):
+                return (await candidate.client.detokenize(ask)).text
+        return None

@@ -1,0 +1,126 @@
+"""One fleet request: what the caller asked for and everything produced so far.
+
+A request outlives the worker it runs on. Its tokens, text and counts live
+here, in the scheduler, so that when a worker dies the request continues on
+another one from prompt + generated tokens (`continuation`), and the caller's
+stream never notices beyond a pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+# The caller's stream ends after a message carrying a finish reason or an error.
+Message = pb.GenerateResponse | BaseException
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # admitted, waiting for a worker
+    RUNNING = "running"  # on a worker (prefilling or decoding)
+    PREEMPTED = "preempted"  # on a worker's waiting list, KV freed
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class FleetRequest:
+    request_id: str
+    prompt: list[int]
+    params: pb.SamplingParams  # as the caller sent it, stop strings included
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # not streamed yet
+    text: str = ""  # the whole detokenized output so far
+    sent_text: int = 0  # characters of `text` already streamed
+    sent_tokens: int = 0  # tokens already streamed
+    streamed: bool = False  # the first message went out
+    phase: Phase = Phase.QUEUED
+    finish_reason: pb.FinishReason = pb.FINISH_REASON_UNSPECIFIED
+    cancelled: bool = False
+    # Per attempt on a worker: the worker-side id, its computed count and length.
+    attempt: int = 0
+    computed: int = 0
+    cached_tokens: int = 0
+    reported_cached: bool = False
+    affinity: int = 0
+    outbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+
+    @property
+    def worker_id(self) -> str:
+        """The id on the worker: a new one per attempt, so nothing stale collides."""
+        return f"{self.request_id}#{self.attempt}"
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence the worker holds: prompt, then generated tokens."""
+        return self.prompt + self.generated
+
+    def continuation(self) -> tuple[list[int], pb.SamplingParams]:
+        """Prompt and sampling parameters that continue this request elsewhere."""
+        params = pb.SamplingParams()
+        params.CopyFrom(self.params)
+        del params.stop[:]
+        done = len(self.generated)
+        if params.HasField("max_tokens"):
+            params.max_tokens = max(params.max_tokens - done, 1)
+        params.min_tokens = max(params.min_tokens - done, 0)
+        return self.tokens, params
+
+    # ------------------------------------------------------------- stream
+    def new_text(self, full: str) -> tuple[str, bool]:
+        """Takes the detokenized output; returns (text to stream now, stop string hit).
+
+        Text is held back while it ends in a partial character or could be
+        the start of a stop string, so a stop string never leaks out.
+        """
+        self.text = full
+        cut = _first_stop(full, self.stop, self.sent_text)
+        if cut is not None:
+            piece = full[self.sent_text : cut]
+            self.sent_text = cut
+            return piece, True
+        end = len(full)
+        if full.endswith("\ufffd"):
+            end = len(full.rstrip("\ufffd"))
+        end = min(end, _safe_end(full, self.stop))
+        piece = full[self.sent_text : max(end, self.sent_text)]
+        self.sent_text = max(end, self.sent_text)
+        return piece, False
+
+    def flush(self) -> str:
+        """The rest of the text, at the end of a request that did not stop on a string."""
+        piece = self.text[self.sent_text :]
+        self.sent_text = len(self.text)
+        return piece
+
+    def take_tokens(self) -> tuple[list[int], list[pb.TokenLogprobs]]:
+        """Tokens (and their logprobs, when asked for) not streamed yet."""
+        out = self.generated[self.sent_tokens :]
+        self.sent_tokens = len(self.generated)
+        logprobs, self.logprobs = self.logprobs, []
+        return out, logprobs
+
+
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Where the earliest stop string begins in text[start - longest:], if any."""
+    found: int | None = None
+    for stop in stops:
+        at = text.find(stop, max(start - len(stop) + 1, 0))
+        if at != -1 and (found is None or at < found):
+            found = at
+    return found
+
+
+def _safe_end(text: str, stops: tuple[str, ...]) -> int:
+    """Text up to here can be streamed: no stop string could start after it."""
+    end = len(text)
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                end = min(end, len(text) - size)
+                break
+    return end

@@ -290,8 +290,7 @@ def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
 def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
     if request.sampling_params.HasField("prompt_logprobs"):
         raise InvalidArgument(
-            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
-            "use Execute"
+            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; use Execute"
         )
     return GenerateSpec(
         request_id=request.request_id,

@@ -294,8 +294,10 @@ class WorkerLink:
         if exc.code in _WORKER_DOWN or stale:
             self._lose_everything(f"{exc.code.name}: {exc.details}")
             return
-        # The step changed nothing on the worker: undo it here too.
-        self.to_free.extend(request.finished_req_ids)
+        # The step changed nothing on the worker: undo it here too (an id the
+        # worker does not know is already free there).
+        if exc.code != grpc.StatusCode.NOT_FOUND:
+            self.to_free.extend(request.finished_req_ids)
         for r in started:
             self.running.pop(r.worker_id, None)
             r.attempt -= 1

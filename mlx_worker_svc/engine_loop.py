@@ -4,7 +4,8 @@ MLX is not thread-safe, and a forward pass holds the GIL for long stretches,
 so gRPC threads never compute: they validate, enqueue a job and wait on its
 future. Between jobs the loop runs `idle_step` (the worker's own scheduling of
 Generate requests) while it reports pending work. If the thread dies, every
-waiting and later call fails with INTERNAL naming the cause, never hangs.
+waiting and later call fails with INTERNAL naming the cause, never hangs, and
+`on_death` tells the owner (which ends its streams and reports unhealthy).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ class EngineLoop:
         idle_step: Callable[[], None],
         *,
         on_exit: Callable[[], None] = lambda: None,
+        on_death: Callable[[BaseException], None] = lambda _exc: None,
         name: str = "mlx-engine",
     ) -> None:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._idle_pending = idle_pending
         self._idle_step = idle_step
         self._on_exit = on_exit
+        self._on_death = on_death
         self._dead: BaseException | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -99,6 +102,8 @@ class EngineLoop:
         finally:
             self._on_exit()
         self._drain_queue()
+        if self._dead is not None:
+            self._on_death(self._dead)
 
     def _drain_queue(self) -> None:
         while True:

@@ -345,4 +345,6 @@ class Worker(GenerateMixin):
             with contextlib.suppress(Unavailable):
                 self._engine.call(job)
         self._engine.stop(timeout=10)
+        # After an engine death the job above could not run: drop the arrays here.
+        self._runner, self._loaded = None, None
         self._set_state(S.STOPPED)

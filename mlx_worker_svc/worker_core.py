@@ -26,7 +26,7 @@ from mlx_worker_svc.engine import loader, memory_guard
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.engine_loop import EngineLoop
-from mlx_worker_svc.errors import FailedPrecondition, ResourceExhausted, WorkerError
+from mlx_worker_svc.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
 from mlx_worker_svc.generation import StreamTable
 from mlx_worker_svc.lifecycle import DeviceArgs, require
 
@@ -56,8 +56,23 @@ class WorkerCore:
         self._streams = StreamTable()
         self._last_error = ""
         self._engine = EngineLoop(
-            self._generate_pending, self._generate_step, on_exit=device_mod.settle_thread
+            self._generate_pending,
+            self._generate_step,
+            on_exit=device_mod.settle_thread,
+            on_death=self._engine_died,
         )
+
+    def _engine_died(self, cause: BaseException) -> None:
+        """The engine thread is gone: end every stream with the cause and stop."""
+        self._last_error = f"the engine thread died: {cause!r}"
+        for request_id in self._streams.ids():
+            self._streams.close(request_id, Internal(self._last_error))
+        self._set_state(S.STOPPED)
+
+    @property
+    def engine_dead(self) -> BaseException | None:
+        """Why the engine thread died, or None while it runs."""
+        return self._engine.dead
 
     # Scheduling Generate requests (worker_generate.GenerateMixin).
     def _generate_pending(self) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from driver import ServeProcess, bring_up, code_of, greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.server import ServerConfig, WorkerServer
@@ -94,3 +95,37 @@ def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert server.wait(timeout=30)
     assert server.worker.state.value == "STOPPED"
+
+
+def test_engine_death_ends_every_call_with_internal_and_turns_health_off(
+    tiny_stub: pb_grpc.WorkerServiceStub,
+    channel: grpc.Channel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream = tiny_stub.Generate(
+        pb.GenerateRequest(
+            prompt_token_ids=[1, 2, 3], sampling_params=greedy(5000, ignore_eos=True)
+        )
+    )
+    next(stream)
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("injected engine fault")
+
+    # The engine thread schedules Generate between jobs: this kills the thread itself.
+    monkeypatch.setattr(ModelRunner, "internal_work", broken)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert code_of(info.value) == grpc.StatusCode.INTERNAL
+    assert "injected engine fault" in (info.value.details() or "")
+    assert time.monotonic() - started < 10
+    report = tiny_stub.CheckHealth(pb.CheckHealthRequest())
+    assert not report.healthy and report.state == pb.WORKER_STATE_STOPPED
+    assert "injected engine fault" in report.last_error
+    with pytest.raises(grpc.RpcError) as info:
+        tiny_stub.Execute(pb.ExecuteRequest(step_id=1, worker_epoch=report.worker_epoch))
+    assert code_of(info.value) in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    health = health_pb2_grpc.HealthStub(channel)
+    service = health_pb2.HealthCheckRequest(service="mlx_worker.v1.WorkerService")
+    assert health.Check(service).status == health_pb2.HealthCheckResponse.NOT_SERVING

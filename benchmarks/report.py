@@ -109,6 +109,24 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{_num(f['ratio_cold_vs_warm'], 1)}x cold/warm (>= {f['target_ratio']:g}x)",
             )
         )
+    if "g" in s:
+        g = s["g"]
+        one = next((r for r in g["runs"] if r["workers"] == 1), None)
+        for run in g["runs"]:
+            plural = "s" if run["workers"] > 1 else ""
+            rows.append(
+                (
+                    f"(g) fleet, {run['workers']} worker{plural} (tiny)",
+                    f"completed tok/s, {g['requests']} concurrent requests x "
+                    f"{g['tokens_per_request']} tokens through FleetService.Generate, "
+                    f"{g['cpu_count']} CPUs",
+                    _num(run["tok_s"], 1),
+                    "" if one is None or run is one else _num(one["tok_s"], 1),
+                    ""
+                    if run["speedup_vs_1_worker"] is None or run is one
+                    else f"{_num(run['speedup_vs_1_worker'])}x vs 1 worker",
+                )
+            )
     head = "| Section | Measure | Worker | Baseline | Ratio (target) |\n|---|---|---|---|---|\n"
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
@@ -172,5 +190,17 @@ def panels(results: dict[str, Any]) -> list[Panel]:
             bar.text = f"{_num(bar.value, 1)} ms"
         bars[0].text += f" ({_num(f['ratio_cold_vs_warm'], 1)}x faster)"
         title = f"TTFT, {f['prefix_tokens']}-token shared prefix + {f['suffix_tokens']} tokens"
+        out.append(Panel(title, bars))
+    if "g" in s:
+        g = s["g"]
+        bars = []
+        for run in g["runs"]:
+            plural = "s" if run["workers"] > 1 else ""
+            text = f"{_num(run['tok_s'], 1)} tok/s"
+            bars.append(Bar(f"(g) {run['workers']} worker{plural}", run["tok_s"], text))
+        title = (
+            f"Fleet throughput, {g['requests']} x {g['tokens_per_request']} tokens, "
+            f"tiny model, {g['cpu_count']} CPUs"
+        )
         out.append(Panel(title, bars))
     return out

@@ -19,12 +19,13 @@ from typing import Any
 from benchmarks import chart, report
 from benchmarks.common import build_tiny, live_worker, machine_facts, machine_name, temp_dir
 from benchmarks.decode import section_a, section_b
+from benchmarks.fleet import section_g
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL_SECTIONS = "abcdef"
+ALL_SECTIONS = "abcdefg"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", type=int, help="(f) shared prefix tokens (default 1024)")
     p.add_argument("--suffix-tokens", type=int, help="(f) distinct suffix tokens (default 32)")
     p.add_argument("--prefix-repeats", type=int, help="(f) cold/warm pairs, median (default 3)")
+    p.add_argument("--fleet-requests", type=int, help="(g) concurrent requests (default 32)")
+    p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
+    p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -62,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefix_tokens": 1024,
         "suffix_tokens": 32,
         "prefix_repeats": 3,
+        "fleet_requests": 32,
+        "fleet_tokens": 256,
+        "fleet_workers": "1,2",
     }
     quick = {
         "tokens": 8,
@@ -76,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefix_tokens": 64,
         "suffix_tokens": 16,
         "prefix_repeats": 1,
+        "fleet_requests": 4,
+        "fleet_tokens": 8,
+        "fleet_workers": "1,2",
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -111,8 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     wanted = set(args.sections)
     with temp_dir() as tmp:
-        if wanted & {"c", "d"}:
+        if wanted & {"c", "d", "g"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
+        if wanted & {"c", "d"}:
             model, tokenizer = load(str(tiny))
             prompt = encode(tokenizer, SHORT)
             with live_worker(tiny) as worker:
@@ -156,6 +167,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     seconds,
                     lambda: section_f(worker, prefix, (first, second), args.prefix_repeats),
                 )
+        if "g" in wanted:
+            _, tokenizer = load(str(tiny))
+            # Two rounds of distinct prompts: one to warm each fleet, one measured.
+            prompts = distinct_prompts(tokenizer, 2 * args.fleet_requests, 16)
+            counts = [int(x) for x in args.fleet_workers.split(",")]
+            sections["g"] = timed(
+                "g",
+                seconds,
+                lambda: section_g(tiny, prompts, args.fleet_tokens, counts, tmp),
+            )
     notes.extend(_notes(args, sections))
     return {
         "date": datetime.date.today().isoformat(),
@@ -163,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "models": {
             "a_b_e_f": str(main_model),
             "c_d": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run_seconds": round(time.perf_counter() - started, 1),
@@ -188,6 +210,13 @@ def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
         notes.append(
             f"(f) runs on its own worker with the prefix cache on (a-e run with it off); "
             f"{f['repeats']} cold/warm pairs, medians, after one untimed pair."
+        )
+    if "g" in sections:
+        g = sections["g"]
+        notes.append(
+            f"(g) runs worker and fleet processes on the tiny model: {g['requests']} concurrent "
+            f"requests x {g['tokens_per_request']} tokens through FleetService.Generate; every "
+            f"process shares the machine's {g['cpu_count']} CPUs."
         )
     if "d" in sections:
         d = sections["d"]

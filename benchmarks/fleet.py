@@ -1,0 +1,208 @@
+"""Section (g): fleet throughput, 1 worker and 2 workers on one machine.
+
+Worker processes (`mlx-worker serve --auto-init`) sit behind a fleet process
+(`mlx-worker fleet`), as an operator would run them; the client sends `requests`
+concurrent greedy requests (distinct prompts, EOS ignored, `tokens` tokens each)
+through `FleetService.Generate`, one thread per stream, and measures completed
+tokens per second: every token of every request over the wall time from the first
+request sent to the last stream ended. The same requests run against a fleet of one
+worker and a fleet of two (the workers are started once; the one-worker fleet uses
+the first). Each fleet first runs one untimed round of other prompts with the same
+shapes, so both are warm and the measured prompts are not in any prefix cache.
+
+Every process here shares the machine's cores (`cpu_count`): workers, fleet and
+client. On a 2-core CPU two workers cannot be twice as fast as one; `cpu_s` gives
+the CPU seconds each process used during the measured round (Linux), which shows
+where the cores went.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from benchmarks.common import ratio
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+_READY_S = 300.0
+
+
+class _Process:
+    """A `python -m mlx_worker_svc ...` subprocess writing to a log file."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self.target = ""
+        self._out: TextIO = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_worker_svc", *args],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        deadline = time.monotonic() + _READY_S
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log.read_text(), re.MULTILINE)
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.log.name}: no {pattern!r}:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._out.close()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_used(pids: dict[str, int], before: dict[str, float | None]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name, pid in pids.items():
+        now, then = _cpu_seconds(pid), before.get(name)
+        out[name] = None if now is None or then is None else round(now - then, 2)
+    return out
+
+
+@contextmanager
+def _workers(model: Path, count: int, tmp: Path) -> Iterator[list[_Process]]:
+    """`count` worker processes on the model, lifecycle done; yields them (`target` set)."""
+    with ExitStack() as stack:
+        procs: list[_Process] = []
+        for i in range(count):
+            proc = _Process(
+                ["serve", "--model", str(model), "--auto-init", "--port", "0"],
+                tmp / f"worker-{i}.log",
+            )
+            stack.callback(proc.stop)
+            procs.append(proc)
+        for proc in procs:
+            port = proc.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+            proc.wait_for(r"^ready:")
+            proc.target = f"127.0.0.1:{port}"
+        yield procs
+
+
+@contextmanager
+def _fleet(targets: list[str], tmp: Path) -> Iterator[tuple[Any, _Process]]:
+    """A fleet process in front of `targets`; yields a stub to it once all are up."""
+    workers = [arg for target in targets for arg in ("--worker", target)]
+    proc = _Process(["fleet", *workers, "--port", "0"], tmp / f"fleet-{len(targets)}.log")
+    try:
+        port = proc.wait_for(r"fleet listening on [\d.]+:(\d+)").group(1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)  # type: ignore[no-untyped-call]
+            deadline = time.monotonic() + _READY_S
+            while not all(w.up for w in stub.Status(fleet_pb2.StatusRequest()).workers):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fleet: workers not up\n{proc.log.read_text()}")
+                time.sleep(0.1)
+            yield stub, proc
+    finally:
+        proc.stop()
+
+
+def _round(stub: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """All prompts at once, one thread per stream; completed tokens over the wall time."""
+    params = pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    counts = [0] * len(prompts)
+    ttft = [0.0] * len(prompts)
+    errors: list[str] = []
+    start = time.perf_counter()
+
+    def one(i: int) -> None:
+        request = pb.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=params)
+        try:
+            for message in stub.Generate(request, timeout=1800):
+                if message.token_ids and not counts[i]:
+                    ttft[i] = time.perf_counter() - start
+                counts[i] += len(message.token_ids)
+        except grpc.RpcError as exc:
+            errors.append(f"{exc.code().name}: {exc.details()}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if errors or any(c != tokens for c in counts):
+        raise RuntimeError(f"fleet round failed: {errors or counts}")
+    return {
+        "wall_s": round(wall, 3),
+        "completed_tokens": sum(counts),
+        "tok_s": round(sum(counts) / wall, 2),
+        "ttft_p50_s": round(statistics.median(ttft), 3),
+        "ttft_max_s": round(max(ttft), 3),
+    }
+
+
+def section_g(
+    model: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    worker_counts: list[int],
+    tmp: Path,
+) -> dict[str, Any]:
+    """`prompts` holds two rounds: the first half warms, the second half is measured."""
+    half = len(prompts) // 2
+    warm, measured = prompts[:half], prompts[half:]
+    runs: list[dict[str, Any]] = []
+    with _workers(model, max(worker_counts), tmp) as workers:
+        for count in worker_counts:
+            with _fleet([w.target for w in workers[:count]], tmp) as (stub, fleet):
+                _round(stub, warm, tokens)
+                pids = {"fleet": fleet.proc.pid}
+                pids.update({f"worker_{i}": w.proc.pid for i, w in enumerate(workers[:count])})
+                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+                client = time.process_time()
+                run = _round(stub, measured, tokens)
+                cpu = _cpu_used(pids, before)
+                cpu["client"] = round(time.process_time() - client, 2)
+                status = stub.Status(fleet_pb2.StatusRequest())
+            run["workers"] = count
+            # CPU seconds each process used during the measured round (None: no /proc).
+            run["cpu_s"] = cpu
+            # Requests each worker finished, warm-up round included.
+            run["finished_per_worker"] = [int(w.num_finished) for w in status.workers]
+            runs.append(run)
+    one = next((r for r in runs if r["workers"] == 1), None)
+    for run in runs:
+        run["speedup_vs_1_worker"] = ratio(run["tok_s"], one["tok_s"]) if one else None
+    return {
+        "model": str(model),
+        "requests": len(measured),
+        "tokens_per_request": tokens,
+        "prompt_tokens": len(measured[0]),
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+    }

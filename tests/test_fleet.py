@@ -1,0 +1,625 @@
+"""The fleet scheduler end to end: real worker processes behind `mlx-worker fleet`.
+
+Every worker is a `mlx-worker serve --auto-init` subprocess on the tiny random llama
+(built with a 2,048-token context so a 512-token prefix fits) and the fleet is a
+`mlx-worker fleet` subprocess, driven over loopback with the generated FleetService
+stub, as an operator would drive it. A module-wide pool of three workers is shared by
+the tests; a test that kills a worker leaves it dead and the next one starts it again
+on the same port. Every process is reaped, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from driver import bring_up, code_of, details_of, drive, fresh_stub, greedy
+from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
+from tiny_model import build_tiny_model
+
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+FLEET = "mlx_worker.v1.FleetService"
+POOL_SIZE = 3
+READY_TIMEOUT = 120.0
+STREAM_TIMEOUT = 240.0
+
+
+# ---------------------------------------------------------------- processes
+class Proc:
+    """A `python -m mlx_worker_svc ...` subprocess; a thread keeps its output."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_worker_svc", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = READY_TIMEOUT) -> re.Match[str]:
+        """Waits for an output line matching `pattern`; fails if the process exits first."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for line in self.lines[seen:]:
+                match = re.search(pattern, line)
+                if match:
+                    return match
+                seen += 1
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=10)
+                # The last lines may have arrived with the exit.
+                for line in self.lines[seen:]:
+                    match = re.search(pattern, line)
+                    if match:
+                        return match
+                pytest.fail(f"{self.args[0]} exited {self.proc.returncode}:\n{self.output}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.args[0]} printed no {pattern!r}:\n{self.output}")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL (no drain, no goodbye), then reap."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+    def reap(self) -> None:
+        self.kill()
+        self._reader.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+class WorkerPool:
+    """`POOL_SIZE` worker processes; a dead one can be started again on its port."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.everything: list[Proc] = []  # every process started, to reap
+        self.procs: list[Proc] = []
+        self.ports: list[int] = []
+
+    def start(self) -> None:
+        """Starts the workers side by side; returns when all are ready."""
+        starting = [self._spawn(0) for _ in range(POOL_SIZE)]
+        for proc in starting:
+            self.ports.append(self._ready(proc))
+            self.procs.append(proc)
+
+    def _spawn(self, port: int) -> Proc:
+        proc = Proc(
+            [
+                "serve",
+                "--model",
+                str(self.model),
+                "--auto-init",
+                "--port",
+                str(port),
+                "--grace-seconds",
+                "1",
+            ]
+        )
+        self.everything.append(proc)
+        return proc
+
+    @staticmethod
+    def _ready(proc: Proc) -> int:
+        port = int(proc.wait_for(r"listening on [\d.]+:(\d+)").group(1))
+        proc.wait_for(r"^ready:")
+        return port
+
+    @property
+    def targets(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for port in self.ports]
+
+    def kill(self, index: int) -> None:
+        self.procs[index].kill()
+
+    def restart(self, *indexes: int) -> None:
+        """Starts new worker processes on the ports of `indexes` (their old ones dead)."""
+        for index in indexes:
+            assert not self.procs[index].alive()
+            self.procs[index] = self._spawn(self.ports[index])
+        for index in indexes:
+            assert self._ready(self.procs[index]) == self.ports[index]
+
+    def heal(self) -> None:
+        self.restart(*(i for i, proc in enumerate(self.procs) if not proc.alive()))
+
+    def reap(self) -> None:
+        for proc in self.everything:
+            proc.reap()
+
+
+class Fleet:
+    """A `mlx-worker fleet` process in front of some workers, and a stub to it."""
+
+    def __init__(self, proc: Proc, targets: list[str]) -> None:
+        self.proc, self.targets = proc, targets
+        self.port = int(self.proc.wait_for(r"fleet listening on [\d.]+:(\d+)").group(1))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = fleet_pb2_grpc.FleetServiceStub(self.channel)
+
+    def status(self) -> fleet_pb2.StatusResponse:
+        return self.stub.Status(fleet_pb2.StatusRequest(), timeout=30)
+
+    def worker(self, target: str) -> fleet_pb2.WorkerStatus:
+        [found] = [w for w in self.status().workers if w.target == target]
+        return found
+
+    def wait(
+        self,
+        condition: Callable[[fleet_pb2.StatusResponse], bool],
+        what: str,
+        timeout: float = 60.0,
+    ) -> fleet_pb2.StatusResponse:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if condition(status):
+                return status
+            assert time.monotonic() < deadline, f"fleet: no {what} in {timeout:.0f} s\n{status}"
+            time.sleep(0.1)
+
+    def generate(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(request, timeout=STREAM_TIMEOUT))
+
+
+class Stream(threading.Thread):
+    """One Generate stream read on its own thread; keeps messages, timing, the error."""
+
+    def __init__(self, stub: Any, request: pb.GenerateRequest) -> None:
+        super().__init__(daemon=True)
+        self.stub, self.request = stub, request
+        self.messages: list[pb.GenerateResponse] = []
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.first_token = threading.Event()
+        self.elapsed = 0.0
+
+    def run(self) -> None:
+        start = time.monotonic()
+        try:
+            for message in self.stub.Generate(self.request, timeout=STREAM_TIMEOUT):
+                self.messages.append(message)
+                self.tokens.extend(message.token_ids)
+                if self.tokens:
+                    self.first_token.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.elapsed = time.monotonic() - start
+            self.first_token.set()
+
+    @property
+    def finish_reason(self) -> int:
+        return self.messages[-1].finish_reason if self.messages else pb.FINISH_REASON_UNSPECIFIED
+
+
+def run_streams(stub: Any, requests: list[pb.GenerateRequest]) -> list[Stream]:
+    streams = [Stream(stub, request) for request in requests]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join(timeout=STREAM_TIMEOUT + 30)
+        assert not stream.is_alive(), "a Generate stream never ended"
+    return streams
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def fleet_model(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return build_tiny_model(
+        tmp_path_factory.mktemp("fleet") / "model", smollm_dir, max_position_embeddings=2048
+    )
+
+
+@pytest.fixture(scope="module")
+def pool_all(fleet_model: Path) -> Iterator[WorkerPool]:
+    pool = WorkerPool(fleet_model)
+    try:
+        pool.start()
+        yield pool
+    finally:
+        pool.reap()
+
+
+@pytest.fixture
+def pool(pool_all: WorkerPool) -> WorkerPool:
+    """The module's workers, every one of them alive."""
+    pool_all.heal()
+    return pool_all
+
+
+@pytest.fixture
+def start_fleet() -> Iterator[Callable[..., Fleet]]:
+    """Starts `mlx-worker fleet --worker T ... --port 0 OPTIONS`; waits for every worker up."""
+    procs: list[Proc] = []
+    fleets: list[Fleet] = []
+
+    def start(targets: list[str], *options: str) -> Fleet:
+        workers = [arg for target in targets for arg in ("--worker", target)]
+        procs.append(Proc(["fleet", *workers, "--port", "0", *options]))
+        fleets.append(Fleet(procs[-1], targets))
+        fleets[-1].wait(lambda s: all(w.up for w in s.workers), "every worker up")
+        return fleets[-1]
+
+    yield start
+    for fleet in fleets:
+        fleet.channel.close()
+    for proc in procs:
+        proc.reap()
+
+
+# ---------------------------------------------------------------- requests
+def token_request(prompt: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling_params=pb.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling
+        ),
+    )
+
+
+def distinct_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    while len(prompts) < count:
+        prompt = [rng.randrange(1000, 40000) for _ in range(length)]
+        if prompt not in prompts:
+            prompts.append(prompt)
+    return prompts
+
+
+def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
+    return [token for message in messages for token in message.token_ids]
+
+
+def text_of(messages: list[pb.GenerateResponse]) -> str:
+    return "".join(message.text for message in messages)
+
+
+def by_target(status: fleet_pb2.StatusResponse) -> dict[str, fleet_pb2.WorkerStatus]:
+    return {w.target: w for w in status.workers}
+
+
+class StatusPoller(threading.Thread):
+    """Polls the fleet's Status until stopped; keeps the largest queue it saw."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.peak_queued = 0
+        self.samples = 0
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                status = self.fleet.status()
+                self.peak_queued = max(self.peak_queued, status.num_queued)
+                self.samples += 1
+                self._halt.wait(0.01)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+        assert self.error is None, self.error
+
+
+# ---------------------------------------------------------------- tests
+def test_grpcurl_lists_the_fleet_and_calls_status_and_generate(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets)
+    grpcurl = Grpcurl(grpcurl_binary(), fleet.port)
+    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, REFLECTION])
+    assert grpcurl.ok("list", FLEET).split() == [f"{FLEET}.Generate", f"{FLEET}.Status"]
+    deadline = time.monotonic() + 10
+    while grpcurl.health(FLEET) != "SERVING":
+        assert time.monotonic() < deadline, "the fleet's health never turned SERVING"
+        time.sleep(0.1)
+
+    [status] = parse_stream(grpcurl.ok(f"{FLEET}/Status", body={}))
+    assert [w["target"] for w in status["workers"]] == pool.targets
+    for worker in status["workers"]:
+        assert worker["up"] is True, worker
+        assert worker["state"] in {"WORKER_STATE_READY", "WORKER_STATE_SERVING"}, worker
+        assert worker["worker_epoch"].isdigit(), "uint64 comes back as a JSON string"
+        assert worker["model"] == str(pool.model)
+        assert int(worker["kv"]["num_blocks"]) > 0
+    assert status["queue_capacity"] == 256
+
+    [prompt] = distinct_prompts(1, 6, seed=1)
+    body = {
+        "prompt_token_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True},
+    }
+    messages = parse_stream(grpcurl.ok(f"{FLEET}/Generate", body=body))
+    tokens = [token for message in messages for token in message.get("token_ids", [])]
+    *head, last = messages
+    assert last["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert all("finish_reason" not in message for message in head)
+    assert (last["prompt_tokens"], last["completion_tokens"]) == (len(prompt), 8)
+    assert len({message["request_id"] for message in messages}) == 1
+    assert tokens == tokens_of(fleet.generate(token_request(prompt, 8)))
+    [after] = parse_stream(grpcurl.ok(f"{FLEET}/Status", body={}))
+    assert after["num_finished"] == "2"
+
+
+def test_generate_command_prints_the_fleets_answer(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    command = [sys.executable, "-m", "mlx_worker_svc", "generate", "--worker", pool.targets[0]]
+    done = subprocess.run(
+        [*command, "--raw", "hello", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    fleet = start_fleet(pool.targets[:1])
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=8)
+    expected = text_of(fleet.generate(pb.GenerateRequest(prompt="hello", sampling_params=sampling)))
+    assert expected.strip(), "the tiny model said nothing"
+    assert done.stdout == expected + "\n"
+
+
+def test_a_stop_string_ends_the_stream_and_is_left_out(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets)
+    [prompt] = distinct_prompts(1, 6, seed=2)
+    unstopped = fleet.generate(token_request(prompt, 32))
+    full, all_tokens = text_of(unstopped), tokens_of(unstopped)
+    assert unstopped[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    # A stop string from the middle of the text, at its first occurrence.
+    start = next(
+        i
+        for i in range(len(full) // 3, len(full) - 3)
+        if full.find(full[i : i + 3]) == i and full[i : i + 3].strip() and "\ufffd" not in full
+    )
+    stop = full[start : start + 3]
+
+    messages = fleet.generate(token_request(prompt, 32, stop=[stop]))
+    *head, last = messages
+    assert last.finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in head)
+    assert text_of(messages) == full[:start]
+    tokens = tokens_of(messages)
+    assert 0 < len(tokens) < 32 and tokens == all_tokens[: len(tokens)]
+    assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(tokens))
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets)  # --routing prefix, the default
+    [prefix] = distinct_prompts(1, 512, seed=3)
+    cached: list[int] = []
+    for suffix in distinct_prompts(4, 8, seed=4):
+        messages = fleet.generate(token_request(prefix + suffix, 4))
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(tokens_of(messages)) == 4
+        cached.append(messages[0].num_cached_prompt_tokens)
+    assert cached == [0, 512, 512, 512]
+    status = fleet.status()
+    [home] = [w for w in status.workers if w.num_finished]
+    assert home.num_finished == 4
+    assert (home.prefix_hits, home.cached_prompt_tokens) == (3, 3 * 512)
+
+    # Prompts shorter than the affinity window (256 tokens) spread over every worker.
+    for prompt in distinct_prompts(6, 8, seed=5):
+        assert len(tokens_of(fleet.generate(token_request(prompt, 4)))) == 4
+    before, after = by_target(status), by_target(fleet.status())
+    gained = {target: after[target].num_finished - before[target].num_finished for target in after}
+    assert all(gained.values()), gained
+
+
+def test_least_loaded_routing_spreads_a_shared_prefix(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets, "--routing", "least-loaded")
+    [prefix] = distinct_prompts(1, 512, seed=6)
+    for suffix in distinct_prompts(6, 8, seed=7):
+        messages = fleet.generate(token_request(prefix + suffix, 4))
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finished = {w.target: w.num_finished for w in fleet.status().workers}
+    assert all(finished.values()) and sum(finished.values()) == 6, finished
+
+
+def test_a_full_queue_refuses_at_once_and_admitted_requests_complete(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets[:1], "--queue", "4", "--max-num-seqs", "2")
+    poller = StatusPoller(fleet)
+    poller.start()
+    try:
+        prompts = distinct_prompts(30, 6, seed=8)
+        streams = run_streams(fleet.stub, [token_request(p, 32) for p in prompts])
+    finally:
+        poller.stop()
+    rejected = [s for s in streams if s.error is not None]
+    admitted = [s for s in streams if s.error is None]
+    assert rejected and len(admitted) >= 4, (len(admitted), len(rejected))
+    for stream in rejected:
+        assert stream.error is not None
+        assert code_of(stream.error) == grpc.StatusCode.RESOURCE_EXHAUSTED, stream.error
+        assert "queue is full" in details_of(stream.error)
+        assert stream.messages == [], "a refused request streamed something first"
+        assert stream.elapsed < 5.0
+    for stream in admitted:
+        assert stream.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(stream.tokens) == 32
+    # Refused at once: before any admitted request could have finished.
+    assert max(s.elapsed for s in rejected) < min(s.elapsed for s in admitted)
+    status = fleet.status()
+    assert status.num_rejected == len(rejected)
+    assert status.num_finished == len(admitted)
+    assert (status.num_queued, status.queue_capacity) == (0, 4)
+    assert poller.samples > 0 and poller.peak_queued <= 4, poller.peak_queued
+
+
+def test_a_restarted_worker_rejoins_with_a_new_epoch_and_gets_work(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets, "--routing", "least-loaded")
+    victim = pool.targets[1]
+    old_epoch = fleet.worker(victim).worker_epoch
+    prompts = iter(distinct_prompts(40, 6, seed=9))
+
+    def one_request() -> None:
+        messages = fleet.generate(token_request(next(prompts), 4))
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(tokens_of(messages)) == 4
+
+    pool.kill(1)
+    # The fleet finds out when it next steps the dead worker; that request moves on.
+    for _ in range(6):
+        one_request()
+        if not fleet.worker(victim).up:
+            break
+    down = fleet.worker(victim)
+    assert not down.up and down.last_error, down
+    assert down.num_failed_over >= 1
+
+    pool.restart(1)
+    status = fleet.wait(lambda s: by_target(s)[victim].up, "restarted worker up", timeout=90)
+    back = by_target(status)[victim]
+    assert back.worker_epoch not in (0, old_epoch)
+    assert back.last_error == ""
+    for _ in range(6):
+        one_request()
+    assert fleet.worker(victim).num_finished > back.num_finished
+
+
+def test_a_hung_worker_loses_its_requests_and_rejoins_holding_nothing(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    count, max_tokens = 6, 96
+    prompts = distinct_prompts(count, 8, seed=11)
+    with fresh_stub() as stub:
+        epoch = bring_up(stub, pool.model)
+        expected = drive(
+            stub, epoch, prompts, max_tokens=max_tokens, params=greedy(max_tokens, ignore_eos=True)
+        )
+
+    fleet = start_fleet(pool.targets[:2])
+    victim, hung = pool.targets[0], pool.procs[0].proc
+    streams = [Stream(fleet.stub, token_request(p, max_tokens)) for p in prompts]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first_token.wait(timeout=120), "a stream produced no token"
+    before = fleet.worker(victim)
+    assert before.num_running > 0, before
+    hung.send_signal(signal.SIGSTOP)  # alive, connected, answering nothing
+    try:
+        unfinished = sum(s.finish_reason == pb.FINISH_REASON_UNSPECIFIED for s in streams)
+        for stream in streams:
+            stream.join(timeout=STREAM_TIMEOUT + 30)
+            assert not stream.is_alive(), "a Generate stream never ended"
+        during = fleet.worker(victim)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+
+    assert unfinished == count, "streams finished before the worker hung: raise max_tokens"
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.error is None, stream.error
+        assert stream.finish_reason == pb.FINISH_REASON_LENGTH
+        assert stream.tokens == want
+    assert not during.up and during.last_error, during
+    assert during.num_failed_over == before.num_running
+
+    # Back with the same epoch: the fleet frees what the worker still held for it.
+    status = fleet.wait(lambda s: by_target(s)[victim].up, "hung worker back", timeout=90)
+    assert by_target(status)[victim].worker_epoch == before.worker_epoch
+    with grpc.insecure_channel(victim) as channel:
+        worker = pb_grpc.WorkerServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while True:
+            health = worker.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+            if health.num_running_requests == 0 and health.kv.used_blocks == 0:
+                break
+            assert time.monotonic() < deadline, f"the worker still holds requests:\n{health}"
+            time.sleep(0.1)
+
+
+def test_killing_a_worker_mid_generation_loses_no_request(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    count, max_tokens = 24, 96
+    prompts = distinct_prompts(count, 8, seed=10)
+    # The reference: the same prompts, greedy, on one fresh worker.
+    with fresh_stub() as stub:
+        epoch = bring_up(stub, pool.model)
+        expected = drive(
+            stub, epoch, prompts, max_tokens=max_tokens, params=greedy(max_tokens, ignore_eos=True)
+        )
+
+    fleet = start_fleet(pool.targets)
+    streams = [Stream(fleet.stub, token_request(p, max_tokens)) for p in prompts]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first_token.wait(timeout=120), "a stream produced no token"
+    assert all(s.tokens and s.error is None for s in streams)
+    victim = pool.targets[0]
+    before = by_target(fleet.status())[victim]
+    assert before.up and before.num_running > 0, before
+    pool.kill(0)
+    unfinished = sum(s.finish_reason == pb.FINISH_REASON_UNSPECIFIED for s in streams)
+    for stream in streams:
+        stream.join(timeout=STREAM_TIMEOUT + 30)
+        assert not stream.is_alive(), "a Generate stream never ended"
+
+    assert unfinished == count, "streams finished before the kill: raise max_tokens"
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.error is None, stream.error
+        assert stream.finish_reason == pb.FINISH_REASON_LENGTH
+        assert stream.tokens == want
+        last = stream.messages[-1]
+        assert (last.prompt_tokens, last.completion_tokens) == (8, max_tokens)
+    status = fleet.status()
+    dead = by_target(status)[victim]
+    assert not dead.up and dead.last_error, dead
+    # Every request it held moved on (none had finished, none came in after).
+    assert dead.num_failed_over == before.num_running > 0
+    assert dead.num_finished == 0
+    assert all(w.up for w in status.workers if w.target != victim)
+    assert status.num_finished == count
+    assert sum(w.num_finished for w in status.workers) == count

@@ -623,3 +623,38 @@ def test_killing_a_worker_mid_generation_loses_no_request(
     assert all(w.up for w in status.workers if w.target != victim)
     assert status.num_finished == count
     assert sum(w.num_finished for w in status.workers) == count
+
+
+def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
+    tiny_stub: pb_grpc.WorkerServiceStub, server: Any
+) -> None:
+    """The queue bound counts requests whose prompt is still being tokenized."""
+    import asyncio
+
+    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig, Overloaded
+
+    async def main() -> tuple[list[str], int]:
+        config = FleetConfig(link=LinkConfig(max_num_seqs=1), queue_capacity=2)
+        fleet = FleetScheduler([f"127.0.0.1:{server.port}"], config)
+        await fleet.start()
+        await fleet.wait_ready()
+        sampling = greedy(4, ignore_eos=True)
+        peak = 0
+
+        async def one(i: int) -> str:
+            nonlocal peak
+            request = pb.GenerateRequest(prompt=f"hi {i}", sampling_params=sampling)
+            try:
+                async for _ in fleet.generate(request):
+                    peak = max(peak, fleet.status().num_queued)
+            except Overloaded:
+                return "rejected"
+            return "ok"
+
+        results = await asyncio.gather(*(one(i) for i in range(10)))
+        await fleet.stop()
+        return list(results), peak
+
+    results, peak = asyncio.run(main())
+    assert results.count("rejected") >= 7 and peak <= 2
+    assert results.count("ok") + results.count("rejected") == 10

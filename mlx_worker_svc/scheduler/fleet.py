@@ -80,6 +80,7 @@ class FleetScheduler:
         self._any_up = asyncio.Event()
         self.num_finished = 0
         self.num_rejected = 0
+        self._admitting = 0  # admitted requests whose prompt is being tokenized
 
     # --------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -114,7 +115,8 @@ class FleetScheduler:
         )
 
     def _queued(self) -> int:
-        return len(self._pending) + sum(len(link.waiting) for link in self.links)
+        waiting = sum(len(link.waiting) for link in self.links)
+        return self._admitting + len(self._pending) + waiting
 
     def _up(self) -> list[WorkerLink]:
         return [link for link in self.links if link.up]
@@ -128,7 +130,13 @@ class FleetScheduler:
                 f"the fleet's queue is full ({self.config.queue_capacity} requests waiting); "
                 "retry later"
             )
-        prompt = await self._prompt(request)
+        # The slot is taken before the prompt is tokenized (an await), so
+        # requests arriving meanwhile see it and the bound holds.
+        self._admitting += 1
+        try:
+            prompt = await self._prompt(request)
+        finally:
+            self._admitting -= 1
         params = request.sampling_params
         r = FleetRequest(
             request_id=request.request_id or uuid.uuid4().hex,

@@ -19,18 +19,26 @@ from mlx_worker_svc.domain import DeviceKind, LoadSpec
 
 def _serve(args: argparse.Namespace) -> int:
     from mlx_worker_svc.lifecycle import DeviceArgs
+    from mlx_worker_svc.security import SecurityError, server_security_from_args
     from mlx_worker_svc.server import ServerConfig, WorkerServer
 
+    try:  # before anything slow: an unsafe or broken setup exits at once
+        security = server_security_from_args(args)
+    except SecurityError as exc:
+        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     model = args.model
     if model is None:
         from mlx_worker_svc.embedded import ensure_default_model
 
         model = str(ensure_default_model(show_progress=True))
-    config = ServerConfig(host=args.host, port=args.port, grace_seconds=args.grace_seconds)
+    config = ServerConfig(
+        host=args.host, port=args.port, grace_seconds=args.grace_seconds, security=security
+    )
     server = WorkerServer(config)
     try:
         port = server.start()
-    except OSError as exc:
+    except (OSError, SecurityError) as exc:
         logging.error("%s", exc)
         return 2
     server.install_signal_handlers()
@@ -99,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model", help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other needs TLS, a token or --insecure)",
+    )
     serve.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any)")
     serve.add_argument(
         "--auto-init",
@@ -133,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM (default 30)"
     )
+    from mlx_worker_svc.security import add_server_arguments
+
+    add_server_arguments(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(

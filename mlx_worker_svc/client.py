@@ -35,12 +35,12 @@ Retries
     status code, the server's details, the RPC name and the attempts made.
 
 Credentials and the token
-    `ClientConfig.credentials` (`grpc.ssl_channel_credentials(...)`, with a
+    `ClientConfig.credentials` (`channel_credentials(ca, cert, key)`, with a
     client key and certificate for mTLS) makes the channel secure; without it
     the channel is plaintext. `ClientConfig.token` is sent on every call as
-    `authorization: Bearer <token>` metadata, for a proxy or interceptor in
-    front of the worker to check (the worker itself does not); send it only
-    over a secure channel or a trusted network.
+    `authorization: Bearer <token>` metadata, which a worker or fleet started
+    with tokens checks (mlx_worker_svc.security); send it only over a secure
+    channel or a trusted network.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import random
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Generator
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
@@ -67,6 +68,7 @@ __all__ = [
     "ClientConfig",
     "ClientError",
     "WorkerClient",
+    "channel_credentials",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,6 +223,29 @@ _GENERATE_PATH = "/mlx_worker.v1.WorkerService/Generate"
 
 IDEMPOTENT_METHODS: frozenset[str] = frozenset(rpc.name for rpc in _UNARY if rpc.idempotent)
 """The calls retried on UNAVAILABLE and DEADLINE_EXCEEDED ("Health.Check" is grpc.health.v1)."""
+
+
+def channel_credentials(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials for `ClientConfig.credentials` from PEM files.
+
+    `ca_file`: the CA bundle that signed the server's certificate (None: the
+    system's roots); `cert_file` and `key_file` (both or neither): the client
+    certificate and key a mutual-TLS server requires. Raises OSError for a file
+    that cannot be read, ValueError for a certificate without its key.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else Path(path).read_bytes()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file),
+        private_key=read(key_file),
+        certificate_chain=read(cert_file),
+    )
 
 
 def _client_error(exc: grpc.RpcError, method: str, attempts: int = 1) -> ClientError:

@@ -19,12 +19,17 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
+    """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options."""
+    from mlx_worker_svc.client import ClientConfig
     from mlx_worker_svc.scheduler import FleetConfig, LinkConfig
+    from mlx_worker_svc.security import worker_client_from_args
 
+    credentials, token = worker_client_from_args(args)
     link = LinkConfig(
         model=args.model or "",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        client=ClientConfig(credentials=credentials, token=token),
     )
     return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
 
@@ -32,12 +37,19 @@ def _fleet_config(args: argparse.Namespace) -> Any:
 async def _run_fleet(args: argparse.Namespace) -> int:
     from mlx_worker_svc.scheduler import FleetScheduler
     from mlx_worker_svc.scheduler.server import serve_fleet
+    from mlx_worker_svc.security import SecurityError, server_security_from_args
 
-    fleet = FleetScheduler(args.worker, _fleet_config(args))
+    try:  # before any worker is contacted
+        security = server_security_from_args(args)
+        config = _fleet_config(args)
+    except SecurityError as exc:
+        print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
+        return 2
+    fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     try:
-        server, port = await serve_fleet(fleet, args.host, args.port)
-    except OSError as exc:
+        server, port = await serve_fleet(fleet, args.host, args.port, security)
+    except (OSError, SecurityError) as exc:
         logging.error("%s", exc)
         await fleet.stop()
         return 2
@@ -54,8 +66,14 @@ async def _run_fleet(args: argparse.Namespace) -> int:
 
 async def _run_generate(args: argparse.Namespace) -> int:
     from mlx_worker_svc.scheduler import FleetError, FleetScheduler
+    from mlx_worker_svc.security import SecurityError
 
-    fleet = FleetScheduler(args.worker, _fleet_config(args))
+    try:
+        config = _fleet_config(args)
+    except SecurityError as exc:
+        print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
+        return 2
+    fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.raw:
@@ -79,6 +97,8 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Adds `fleet` and `generate` to the `mlx-worker` subcommands."""
+    from mlx_worker_svc.security import add_server_arguments, add_worker_client_arguments
+
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
         ("generate", "stream one answer from the workers to the terminal", _run_generate),
@@ -93,13 +113,19 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name == "fleet":
-            cmd.add_argument("--host", default="127.0.0.1")
+            cmd.add_argument(
+                "--host",
+                default="127.0.0.1",
+                help="default 127.0.0.1; any other needs TLS, a token or --insecure",
+            )
             cmd.add_argument("--port", type=int, default=50050, help="default 50050; 0 = any")
+            add_server_arguments(cmd)
         else:
             cmd.add_argument("prompt")
             cmd.add_argument("--max-tokens", type=int, default=128)
             cmd.add_argument("--temperature", type=float, default=0.0)
             cmd.add_argument("--raw", action="store_true", help="no chat template")
+        add_worker_client_arguments(cmd)
 
         def run(args: argparse.Namespace, runner: Any = runner) -> int:
             with contextlib.suppress(KeyboardInterrupt):

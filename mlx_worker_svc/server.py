@@ -4,7 +4,8 @@
 and server reflection in one place. SIGTERM and the Shutdown RPC share
 `shutdown()`: health turns NOT_SERVING, the worker stops taking new work,
 in-flight Generate streams get the grace period to finish, the server stops,
-and the model and caches are freed.
+and the model and caches are freed. `ServerConfig.security` adds TLS, mutual
+TLS and the bearer-token check, and enforces the bind rule (security.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,13 @@ from mlx_worker_svc.domain import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import EXECUTABLE
+from mlx_worker_svc.security import (
+    SecurityConfig,
+    TokenInterceptor,
+    check_bind,
+    server_credentials,
+    token_check,
+)
 from mlx_worker_svc.servicer import WorkerServicer
 from mlx_worker_svc.worker import Worker
 
@@ -39,6 +47,8 @@ class ServerConfig:
     max_workers: int = 64
     grace_seconds: float = 30.0
     max_message_bytes: int = 64 * 1024 * 1024
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS, mTLS and tokens; the default is plaintext and loopback only (security.py)."""
 
 
 class WorkerServer:
@@ -48,8 +58,12 @@ class WorkerServer:
         self.config = config
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self.worker = worker or Worker(on_state=self._on_state)
+        check = token_check(config.security)
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
+            interceptors=[TokenInterceptor(check)] if check is not None else None,
+            thread_pool=futures.ThreadPoolExecutor(
+                max_workers=config.max_workers, thread_name_prefix="grpc"
+            ),
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -79,18 +93,36 @@ class WorkerServer:
         self._health.set(SERVICE_NAME, serving if state in EXECUTABLE else not_serving)
 
     def start(self) -> int:
-        """Binds and starts serving; returns the bound port."""
+        """Binds and starts serving; returns the bound port.
+
+        Raises `security.UnsafeBind` for a non-loopback host without TLS or a
+        token (unless insecure), `security.SecurityError` for unreadable PEM
+        files and OSError when the address cannot be bound.
+        """
         address = f"{self.config.host}:{self.config.port}"
+        security = self.config.security
+        check_bind(self.config.host, security)
+        credentials = server_credentials(security)
         try:
-            self.port = self._server.add_insecure_port(address)
+            if credentials is None:
+                self.port = self._server.add_insecure_port(address)
+            else:
+                self.port = self._server.add_secure_port(address, credentials)
         except RuntimeError as exc:
-            raise OSError(f"cannot listen on {address}: {exc}") from exc
+            hint = "" if credentials is None else " (or the TLS key does not match the certificate)"
+            raise OSError(f"cannot listen on {address}{hint}: {exc}") from exc
         if self.port == 0:
             raise OSError(f"cannot listen on {address} (in use or not a local address)")
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._on_state(self.worker.state)
         self._server.start()
-        log.info("serving %s on %s:%d", SERVICE_NAME, self.config.host, self.port)
+        log.info(
+            "serving %s on %s:%d (%s)",
+            SERVICE_NAME,
+            self.config.host,
+            self.port,
+            security.describe(),
+        )
         return self.port
 
     def shutdown(self, grace_seconds: float = 0.0, abort: bool = False) -> None:

@@ -22,6 +22,13 @@ from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.scheduler.fleet import FleetError, FleetScheduler
+from mlx_worker_svc.security import (
+    AsyncTokenInterceptor,
+    SecurityConfig,
+    check_bind,
+    server_credentials,
+    token_check,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name
@@ -53,14 +60,26 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
         return self._fleet.status()
 
 
-async def serve_fleet(fleet: FleetScheduler, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Starts the fleet's gRPC server; returns it and the bound port."""
+async def serve_fleet(
+    fleet: FleetScheduler, host: str, port: int, security: SecurityConfig | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the fleet's gRPC server; returns it and the bound port.
+
+    `security` (default: plaintext, loopback only) adds TLS, mutual TLS and the
+    bearer-token check; raises `security.UnsafeBind` for a non-loopback host
+    without TLS or a token (unless insecure), OSError when it cannot bind.
+    """
+    security = security or SecurityConfig()
+    check_bind(host, security)
+    credentials = server_credentials(security)
+    check = token_check(security)
     server = grpc.aio.server(
+        interceptors=[AsyncTokenInterceptor(check)] if check is not None else None,
         options=[
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(  # type: ignore[no-untyped-call]
         FleetServicer(fleet), server
@@ -75,14 +94,22 @@ async def serve_fleet(fleet: FleetScheduler, host: str, port: int) -> tuple[grpc
         ),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        hint = "" if credentials is None else " (or the TLS key does not match the certificate)"
+        raise OSError(f"cannot listen on {address}{hint}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
     await checker.set("", health_pb2.HealthCheckResponse.SERVING)
     # The fleet service is SERVING while at least one worker is up.
     server_tasks.add(asyncio.create_task(_track_health(fleet, checker)))
-    log.info("fleet serving %s on %s:%d", SERVICE_NAME, host, bound)
+    log.info("fleet serving %s on %s:%d (%s)", SERVICE_NAME, host, bound, security.describe())
     return server, bound
 
 

@@ -21,9 +21,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import grpc
-
 from mlx_worker_svc.client import ClientError
+from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.scheduler.link import LinkConfig, WorkerLink
@@ -33,22 +32,20 @@ log = logging.getLogger(__name__)
 Routing = Literal["prefix", "least-loaded"]
 
 
-class FleetError(Exception):
+class FleetError(WorkerError):
     """A request the fleet cannot take; `code` is the gRPC status for callers."""
 
-    code = grpc.StatusCode.UNKNOWN
+
+class Overloaded(FleetError, ResourceExhausted):
+    """The queue is full."""
 
 
-class Overloaded(FleetError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+class NoWorkers(FleetError, Unavailable):
+    """No worker is up (in time)."""
 
 
-class NoWorkers(FleetError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class BadRequest(FleetError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+class BadRequest(FleetError, InvalidArgument):
+    """The request is malformed."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,20 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
+# Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_BLOCKS = 1 << 32
+MAX_WARM_UP_SHAPES = 64
+MAX_WARM_UP_BATCH = 1024
+# MLX takes the memory limit as a size_t; keep clear of its edge.
+MAX_MEMORY_LIMIT = 1 << 62
+
+
+def _check_block_size(block: int, where: str) -> None:
+    if not 1 <= block <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"{where} must be in [1, {MAX_BLOCK_SIZE}], got {block}")
+
+
 class Worker(GenerateMixin):
     """One model on one device, driven through its lifecycle."""
 
@@ -101,6 +115,7 @@ class Worker(GenerateMixin):
             raise InvalidArgument(f"memory_utilization must be in (0, 1], got {util}")
         tokens = max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
         block = block_size or DEFAULT_BLOCK_SIZE
+        _check_block_size(block, "DetermineMemory.block_size")
 
         def job() -> MemoryProfile:
             self._require("DetermineMemory", S.MODEL_LOADED)
@@ -132,8 +147,10 @@ class Worker(GenerateMixin):
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
     ) -> CacheConfig:
-        if num_blocks < 1:
-            raise InvalidArgument(f"num_blocks must be >= 1, got {num_blocks}")
+        if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
+        if block_size:
+            _check_block_size(block_size, "InitCache.block_size")
 
         def job() -> CacheConfig:
             self._require("InitCache", S.MEMORY_PROFILED)
@@ -146,8 +163,11 @@ class Worker(GenerateMixin):
                 num_blocks=num_blocks,
                 block_size=block_size or profile.block_size,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
-                memory_limit_bytes=memory_limit_bytes
-                or memory_guard.derived_limit(profile, num_blocks, allowance),
+                memory_limit_bytes=min(
+                    memory_limit_bytes
+                    or memory_guard.derived_limit(profile, num_blocks, allowance),
+                    MAX_MEMORY_LIMIT,
+                ),
             )
             if self._runner is not None and self._cache_config == config:
                 return config
@@ -165,6 +185,11 @@ class Worker(GenerateMixin):
         lengths = prefill_lengths or [16]
         if any(b < 1 for b in sizes) or any(n < 1 for n in lengths):
             raise InvalidArgument("WarmUp batch_sizes and prefill_lengths must all be >= 1")
+        if len(sizes) + len(lengths) > MAX_WARM_UP_SHAPES or max(sizes) > MAX_WARM_UP_BATCH:
+            raise InvalidArgument(
+                f"WarmUp runs at most {MAX_WARM_UP_SHAPES} shapes and batch sizes up to "
+                f"{MAX_WARM_UP_BATCH}"
+            )
 
         def job() -> tuple[int, float]:
             self._require("WarmUp", S.READY)

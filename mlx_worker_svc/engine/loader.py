@@ -36,6 +36,13 @@ class LoadedModel:
 
 
 def _resolve(spec: LoadSpec) -> str:
+    try:
+        return _resolve_path(spec)
+    except (OSError, RuntimeError) as exc:  # name too long, unknown ~user, ...
+        raise InvalidArgument(f"model {spec.model[:200]!r} is not a usable path: {exc}") from exc
+
+
+def _resolve_path(spec: LoadSpec) -> str:
     path = Path(spec.model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -57,7 +64,11 @@ def load(spec: LoadSpec) -> LoadedModel:
     from mlx_lm import load as mlx_load
 
     source = _resolve(spec)
-    if spec.adapter_path and not Path(spec.adapter_path).is_dir():
+    try:
+        adapter_missing = bool(spec.adapter_path) and not Path(spec.adapter_path).is_dir()
+    except OSError as exc:
+        raise InvalidArgument(f"adapter_path is not a usable path: {exc}") from exc
+    if adapter_missing:
         raise NotFound(f"adapter_path {spec.adapter_path!r} does not exist")
     start = time.perf_counter()
     try:

@@ -97,6 +97,17 @@ def drive(
     return [outputs[rid] for rid in ids]
 
 
+def reference_tokens(
+    model: Path | str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    params: pb.SamplingParams | None = None,
+) -> list[list[int]]:
+    """Greedy tokens of `prompts` run together on a brand-new, unconstrained worker."""
+    with fresh_stub() as stub:
+        return drive(stub, bring_up(stub, model), prompts, max_tokens=max_tokens, params=params)
+
+
 def code_of(error: BaseException) -> grpc.StatusCode:
     """The status code of an RpcError raised by a stub call."""
     return cast(grpc.Call, error).code()

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
-from driver import bring_up, code_of, details_of, drive, fresh_stub, greedy
+from driver import code_of, details_of, greedy, reference_tokens
 from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
 from tiny_model import build_tiny_model
 
@@ -532,11 +532,9 @@ def test_a_hung_worker_loses_its_requests_and_rejoins_holding_nothing(
 ) -> None:
     count, max_tokens = 6, 96
     prompts = distinct_prompts(count, 8, seed=11)
-    with fresh_stub() as stub:
-        epoch = bring_up(stub, pool.model)
-        expected = drive(
-            stub, epoch, prompts, max_tokens=max_tokens, params=greedy(max_tokens, ignore_eos=True)
-        )
+    expected = reference_tokens(
+        pool.model, prompts, max_tokens, greedy(max_tokens, ignore_eos=True)
+    )
 
     fleet = start_fleet(pool.targets[:2])
     victim, hung = pool.targets[0], pool.procs[0].proc
@@ -585,11 +583,9 @@ def test_killing_a_worker_mid_generation_loses_no_request(
     count, max_tokens = 24, 96
     prompts = distinct_prompts(count, 8, seed=10)
     # The reference: the same prompts, greedy, on one fresh worker.
-    with fresh_stub() as stub:
-        epoch = bring_up(stub, pool.model)
-        expected = drive(
-            stub, epoch, prompts, max_tokens=max_tokens, params=greedy(max_tokens, ignore_eos=True)
-        )
+    expected = reference_tokens(
+        pool.model, prompts, max_tokens, greedy(max_tokens, ignore_eos=True)
+    )
 
     fleet = start_fleet(pool.targets)
     streams = [Stream(fleet.stub, token_request(p, max_tokens)) for p in prompts]

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from driver import bring_up, code_of, details_of, drive, fresh_stub, greedy
+from driver import bring_up, code_of, details_of, drive, greedy, reference_tokens
 from mlx_lm.models import llama
 from tiny_model import build_tiny_model
 
@@ -196,14 +196,8 @@ def test_a_step_too_large_for_the_memory_limit_is_refused_and_others_finish(
     assert "memory limit" in details_of(info.value)
     assert _health(stub).state == pb.WORKER_STATE_SERVING
     steps.run_out("p1", "p2")
-    reference = _reference(tiny_dir, [p1, p2])
+    reference = reference_tokens(tiny_dir, [p1, p2], 12)
     assert [steps.outputs["p1"], steps.outputs["p2"]] == reference
-
-
-def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of `prompts` on a fresh, unconstrained worker."""
-    with fresh_stub() as stub:
-        return drive(stub, bring_up(stub, model), prompts, max_tokens=12)
 
 
 class _FailingForward:
@@ -256,5 +250,5 @@ def test_an_allocation_failure_mid_step_is_undone_and_nothing_is_lost(
     # p3 was never added: the scheduler may submit it again as new.
     steps.step(new={"p3": p3})
     steps.run_out("p1", "p2", "p3")
-    reference = _reference(tiny_dir, [p1, p2, p3])
+    reference = reference_tokens(tiny_dir, [p1, p2, p3], 12)
     assert [steps.outputs[r] for r in ("p1", "p2", "p3")] == reference

@@ -84,7 +84,7 @@ class WorkerLink:
     @property
     def load(self) -> float:
         """Least-loaded routing score: requests here plus the KV share in use."""
-        used = sum(self._blocks(r.computed) for r in self.running.values())
+        used = self._used_blocks()
         kv = used / self.num_blocks if self.num_blocks else 0.0
         return len(self.running) + len(self.waiting) + kv
 
@@ -94,7 +94,7 @@ class WorkerLink:
         out.up, out.state, out.worker_epoch, out.model = self.up, self.state, self.epoch, self.model
         out.num_running = len(self.running) + len(self.waiting)
         out.last_error = self.last_error
-        used = sum(self._blocks(r.computed) for r in self.running.values())
+        used = self._used_blocks()
         out.kv.CopyFrom(
             pb.KVUsage(
                 num_blocks=self.num_blocks,
@@ -107,6 +107,10 @@ class WorkerLink:
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def _used_blocks(self) -> int:
+        """KV blocks the running requests hold, as far as this link knows."""
+        return sum(self._blocks(r.computed) for r in self.running.values())
 
     # ----------------------------------------------------------- control
     def assign(self, request: FleetRequest, *, front: bool = False) -> None:
@@ -221,7 +225,7 @@ class WorkerLink:
         self._step_id += 1
         request.finished_req_ids.extend(self.to_free)
         self.to_free.clear()
-        used = sum(self._blocks(r.computed) for r in self.running.values())
+        used = self._used_blocks()
         # Decodes first (one token each), then prefill chunks, shortest first.
         order = sorted(self.running.values(), key=lambda r: len(r.tokens) - r.computed)
         for r in order:

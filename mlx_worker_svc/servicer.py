@@ -27,11 +27,22 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Status messages travel in a header; gRPC refuses headers past 8 KiB, and a
+# message may quote the caller's input (a path, say), so keep them short.
+_MAX_MESSAGE = 2000
+
+
+def _short(message: str) -> str:
+    if len(message) <= _MAX_MESSAGE:
+        return message
+    return message[: _MAX_MESSAGE - 30] + f"... ({len(message)} characters)"
+
+
 def _status(context: grpc.ServicerContext, exc: BaseException, method: str) -> NoReturn:
     if isinstance(exc, WorkerError):
-        context.abort(exc.code, exc.message)
+        context.abort(exc.code, _short(exc.message))
     log.exception("%s failed with an unexpected error", method)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+    context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
 
 
 def _unary(fn: F) -> F:

@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlx_worker_svc.domain import DeviceKind, LoadSpec
 
+if TYPE_CHECKING:
+    from mlx_worker_svc.server import WorkerServer
+
 
 def _serve(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.errors import WorkerError
     from mlx_worker_svc.lifecycle import DeviceArgs
+    from mlx_worker_svc.limits import AdmissionLimits, context_hint
     from mlx_worker_svc.security import SecurityError, server_security_from_args
     from mlx_worker_svc.server import ServerConfig, WorkerServer
 
@@ -32,10 +41,24 @@ def _serve(args: argparse.Namespace) -> int:
         from mlx_worker_svc.embedded import ensure_default_model
 
         model = str(ensure_default_model(show_progress=True))
+    try:
+        limits = AdmissionLimits(
+            max_running_requests=args.max_running_requests, max_queued_steps=args.max_queued_steps
+        )
+    except WorkerError as exc:
+        print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     config = ServerConfig(
-        host=args.host, port=args.port, grace_seconds=args.grace_seconds, security=security
+        host=args.host,
+        port=args.port,
+        grace_seconds=args.grace_seconds,
+        limits=limits,
+        max_context_tokens=context_hint(model, args.max_model_len),
+        death_exit_seconds=args.death_exit_seconds,
+        security=security,
     )
     server = WorkerServer(config)
+    _exit_after_engine_death(server, args.death_exit_seconds)
     try:
         port = server.start()
     except (OSError, SecurityError) as exc:
@@ -75,7 +98,22 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
     server.wait()
+    if server.engine_died.is_set():
+        logging.critical("exiting: the engine thread died (%s)", server.worker.engine_dead)
+        return 3
     return 0
+
+
+def _exit_after_engine_death(server: WorkerServer, seconds: float) -> None:
+    """Ends the process (exit status 3) `seconds` after the engine dies, whatever hangs."""
+
+    def watch() -> None:
+        server.engine_died.wait()
+        time.sleep(seconds)
+        logging.critical("the engine died %.1fs ago and the server has not stopped: exit", seconds)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="death-watch", daemon=True).start()
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -99,6 +137,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlx_worker_svc.limits import DEFAULT_MAX_QUEUED_STEPS, DEFAULT_MAX_RUNNING_REQUESTS
+
     parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM (default 30)"
+    )
+    serve.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="live requests admitted; past it RESOURCE_EXHAUSTED at once "
+        f"(default {DEFAULT_MAX_RUNNING_REQUESTS})",
+    )
+    serve.add_argument(
+        "--max-queued-steps",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_STEPS,
+        help="Execute steps and Generate starts waiting for the engine; past it "
+        f"RESOURCE_EXHAUSTED at once (default {DEFAULT_MAX_QUEUED_STEPS})",
+    )
+    serve.add_argument(
+        "--death-exit-seconds",
+        type=float,
+        default=10.0,
+        help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
     from mlx_worker_svc.security import add_server_arguments
 

@@ -6,6 +6,8 @@ future. Between jobs the loop runs `idle_step` (the worker's own scheduling of
 Generate requests) while it reports pending work. If the thread dies, every
 waiting and later call fails with INTERNAL naming the cause, never hangs, and
 `on_death` tells the owner (which ends its streams and reports unhealthy).
+Work that callers bring (Execute steps, Generate starts) is admitted only while
+fewer than `max_queued` such jobs wait; past that, RESOURCE_EXHAUSTED at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from mlx_worker_svc.errors import Internal, Unavailable
+from mlx_worker_svc.errors import Internal, ResourceExhausted, Unavailable
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -36,8 +38,12 @@ class EngineLoop:
         on_exit: Callable[[], None] = lambda: None,
         on_death: Callable[[BaseException], None] = lambda _exc: None,
         name: str = "mlx-engine",
+        max_queued: int = 1 << 30,
     ) -> None:
         self._jobs: queue.Queue[Any] = queue.Queue()
+        self._max_queued = max_queued
+        self._admitted = 0  # bounded jobs queued and not yet started
+        self._admitted_lock = threading.Lock()
         self._idle_pending = idle_pending
         self._idle_step = idle_step
         self._on_exit = on_exit
@@ -55,21 +61,45 @@ class EngineLoop:
     def dead(self) -> BaseException | None:
         return self._dead
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    @property
+    def queued(self) -> int:
+        """Bounded jobs waiting for the engine thread."""
+        return self._admitted
+
+    def submit(self, fn: Callable[[], T], *, bounded: bool = False) -> Future[T]:
+        """Queues `fn`; a `bounded` job is refused when `max_queued` already wait."""
         future: Future[T] = Future()
         if self._dead is not None:
             future.set_exception(Internal(f"the engine thread died: {self._dead!r}"))
         elif self._stopped:
             future.set_exception(Unavailable("the worker has shut down"))
+        elif bounded and not self._admit():
+            future.set_exception(
+                ResourceExhausted(
+                    f"the engine has {self._max_queued} steps queued (the limit): retry later, "
+                    "send the work to another worker, or raise --max-queued-steps"
+                )
+            )
         else:
-            self._jobs.put((fn, future))
+            self._jobs.put((fn, future, bounded))
         return future
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def call(self, fn: Callable[[], T], *, bounded: bool = False) -> T:
         """Runs `fn` on the engine thread and returns its result (or raises)."""
         if threading.current_thread() is self._thread:
             return fn()
-        return self.submit(fn).result()
+        return self.submit(fn, bounded=bounded).result()
+
+    def _admit(self) -> bool:
+        with self._admitted_lock:
+            if self._admitted >= self._max_queued:
+                return False
+            self._admitted += 1
+            return True
+
+    def _release(self) -> None:
+        with self._admitted_lock:
+            self._admitted -= 1
 
     def stop(self, timeout: float | None = None) -> None:
         """Finishes queued jobs, then stops the thread."""
@@ -89,7 +119,9 @@ class EngineLoop:
                     continue
                 if item is _STOP:
                     break
-                fn, future = item
+                fn, future, bounded = item
+                if bounded:
+                    self._release()
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
@@ -113,7 +145,7 @@ class EngineLoop:
                 return
             if item is _STOP:
                 continue
-            _, future = item
+            _, future, _ = item
             if self._dead is not None:
                 future.set_exception(Internal(f"the engine thread died: {self._dead!r}"))
             else:

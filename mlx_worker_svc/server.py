@@ -6,6 +6,10 @@ and server reflection in one place. SIGTERM and the Shutdown RPC share
 in-flight Generate streams get the grace period to finish, the server stops,
 and the model and caches are freed. `ServerConfig.security` adds TLS, mutual
 TLS and the bearer-token check, and enforces the bind rule (security.py).
+`ServerConfig.limits` bounds the work admitted (limits.py); the thread pool and
+message sizes follow from it. If the engine thread dies, health turns
+NOT_SERVING, every call ends with INTERNAL, and the server stops within
+`death_exit_seconds` so a supervisor can restart the process.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from mlx_worker_svc.domain import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import EXECUTABLE
+from mlx_worker_svc.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.security import (
     SecurityConfig,
     TokenInterceptor,
@@ -44,11 +49,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    max_workers: int = 64
     grace_seconds: float = 30.0
-    max_message_bytes: int = 64 * 1024 * 1024
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    """Running requests and queued steps admitted; past them RESOURCE_EXHAUSTED."""
+    max_context_tokens: int = FALLBACK_CONTEXT_TOKENS
+    """The model's context length, which sizes the message limit."""
+    max_message_bytes: int = 0
+    """Largest message either way; 0 derives it from the context and the limits."""
+    death_exit_seconds: float = 10.0
+    """After the engine thread dies, the server stops within this time."""
+    keepalive_seconds: float = 60.0
+    """The server pings a client this often to find dead connections (and free their KV)."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """TLS, mTLS and tokens; the default is plaintext and loopback only (security.py)."""
+
+    @property
+    def message_bytes(self) -> int:
+        return self.max_message_bytes or message_limit(self.max_context_tokens, self.limits)
 
 
 class WorkerServer:
@@ -57,21 +74,31 @@ class WorkerServer:
     def __init__(self, config: ServerConfig, worker: Worker | None = None) -> None:
         self.config = config
         self._health = health.HealthServicer(experimental_non_blocking=True)
-        self.worker = worker or Worker(on_state=self._on_state)
+        self.worker = worker or Worker(
+            on_state=self._on_state, on_death=self._on_engine_death, limits=config.limits
+        )
+        self.engine_died = threading.Event()
         check = token_check(config.security)
+        threads = config.limits.threads
         self._server = grpc.server(
             interceptors=[TokenInterceptor(check)] if check is not None else None,
-            thread_pool=futures.ThreadPoolExecutor(
-                max_workers=config.max_workers, thread_name_prefix="grpc"
-            ),
+            thread_pool=futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+            # Admission keeps the pool from filling; if it ever does, further
+            # calls are refused at once rather than queued.
+            maximum_concurrent_rpcs=threads,
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-                ("grpc.max_send_message_length", config.max_message_bytes),
+                ("grpc.max_receive_message_length", config.message_bytes),
+                ("grpc.max_send_message_length", config.message_bytes),
+                ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                # Clients ping every 30 s during long calls (client.py): allow it.
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
         pb_grpc.add_WorkerServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            WorkerServicer(self.worker, self.shutdown), self._server
+            WorkerServicer(self.worker, self.shutdown, max_message_bytes=config.message_bytes),
+            self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
@@ -91,6 +118,19 @@ class WorkerServer:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         self._health.set(SERVICE_NAME, serving if state in EXECUTABLE else not_serving)
+
+    def _on_engine_death(self, cause: BaseException) -> None:
+        log.critical("the engine thread died (%r): stopping the server", cause)
+        self.engine_died.set()
+        # For half the time, probes can still read NOT_SERVING and the cause; then
+        # the server stops. The command line's watchdog ends the process at the full time.
+        half = self.config.death_exit_seconds / 2
+
+        def stop() -> None:
+            time.sleep(half)
+            self.shutdown(grace_seconds=max(half / 2, 0.1), abort=True)
+
+        threading.Thread(target=stop, name="engine-death", daemon=True).start()
 
     def start(self) -> int:
         """Binds and starts serving; returns the bound port.

@@ -59,9 +59,16 @@ def _unary(fn: F) -> F:
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     """Maps WorkerService RPCs onto a `Worker`."""
 
-    def __init__(self, worker: Worker, on_shutdown: Callable[[float, bool], None]) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        on_shutdown: Callable[[float, bool], None],
+        *,
+        max_message_bytes: int = 0,
+    ) -> None:
         self._worker = worker
         self._on_shutdown = on_shutdown
+        self._max_message_bytes = max_message_bytes
 
     @_unary
     def InitDevice(
@@ -158,6 +165,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             worker_epoch=worker.epoch,
             kv=convert.kv_usage(worker.kv_usage()),
             worker_version=version("mlx-worker-svc"),
+            limits=pb.WorkerLimits(
+                max_running_requests=worker.limits.max_running_requests,
+                max_queued_steps=worker.limits.max_queued_steps,
+                max_message_bytes=self._max_message_bytes,
+            ),
         )
         if worker.device is not None:
             response.device.CopyFrom(convert.device_info(worker.device))

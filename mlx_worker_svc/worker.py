@@ -208,7 +208,7 @@ class Worker(GenerateMixin):
     def execute(self, plan: StepPlan, *, received_ns: int | None = None) -> StepResult:
         """Runs one scheduler step; `received_ns` (perf_counter_ns) starts total_ns."""
         received = received_ns if received_ns is not None else time.perf_counter_ns()
-        return self._engine.call(lambda: self._execute(plan, received))
+        return self._engine.call(lambda: self._execute(plan, received), bounded=True)
 
     def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:
         # While draining, steps for requests already running still run, so the
@@ -221,6 +221,8 @@ class Worker(GenerateMixin):
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "
                 f"{self._epoch} (it restarted or reloaded): resubmit requests from scratch"
             )
+        leaving = sum((Origin.EXECUTE, r) in runner.seqs for r in plan.finished_req_ids)
+        self._admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)
         work = runner.plan(plan)
         if self._streams:
             internal, _ = runner.internal_work(GENERATE_PREFILL_CHUNK, base=work)
@@ -242,7 +244,7 @@ class Worker(GenerateMixin):
         deep_ns = 0
         if deep and self._loaded is not None and self._state not in (S.STOPPED, S.SLEEPING):
             model = self._loaded.model
-            deep_ns = self._engine.call(lambda: memory.deep_check(model))
+            deep_ns = self._engine.call(lambda: memory.deep_check(model), bounded=True)
         runner = self._runner
         running, preempted = runner.count() if runner else (0, 0)
         dead = self._engine.dead
@@ -347,7 +349,13 @@ class Worker(GenerateMixin):
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:
         """Stops accepting new work; running requests may finish."""
-        self._engine.call(lambda: self._set_state(S.DRAINING))
+
+        def job() -> None:
+            if self._state is not S.STOPPED:
+                self._set_state(S.DRAINING)
+
+        if self._engine.dead is None:
+            self._engine.call(job)
 
     def wait_generate_idle(self, timeout: float) -> bool:
         """Waits until no Generate stream is open; returns whether it got there."""

@@ -29,6 +29,7 @@ from mlx_worker_svc.engine_loop import EngineLoop
 from mlx_worker_svc.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
 from mlx_worker_svc.generation import StreamTable
 from mlx_worker_svc.lifecycle import DeviceArgs, require
+from mlx_worker_svc.limits import AdmissionLimits
 
 S = WorkerState
 
@@ -36,8 +37,18 @@ S = WorkerState
 class WorkerCore:
     """State shared by the parts of the worker."""
 
-    def __init__(self, *, on_state: Callable[[WorkerState], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        on_state: Callable[[WorkerState], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
+        limits: AdmissionLimits | None = None,
+    ) -> None:
         self._on_state = on_state or (lambda _state: None)
+        self._on_death = on_death or (lambda _cause: None)
+        self.limits = limits or AdmissionLimits()
+        self.steps_run = 0
+        """Model steps run so far (Execute steps and Generate-only steps)."""
         self._state = S.NEW
         self._started = time.monotonic()
         self._device_args: DeviceArgs | None = None
@@ -60,6 +71,7 @@ class WorkerCore:
             self._generate_step,
             on_exit=device_mod.settle_thread,
             on_death=self._engine_died,
+            max_queued=self.limits.max_queued_steps,
         )
 
     def _engine_died(self, cause: BaseException) -> None:
@@ -68,6 +80,7 @@ class WorkerCore:
         for request_id in self._streams.ids():
             self._streams.close(request_id, Internal(self._last_error))
         self._set_state(S.STOPPED)
+        self._on_death(cause)
 
     @property
     def engine_dead(self) -> BaseException | None:
@@ -102,6 +115,16 @@ class WorkerCore:
     def _require(self, call: str, minimum: WorkerState) -> None:
         require(self._state, call, minimum)
 
+    def _admit_requests(self, call: str, new: int, leaving: int = 0) -> None:
+        """Refuses `new` requests that would take the worker past its running limit."""
+        live = len(self._runner.seqs) if self._runner is not None else 0
+        limit = self.limits.max_running_requests
+        if new and live - leaving + new > limit:
+            raise ResourceExhausted(
+                f"{call}: {live} requests are live and the limit is {limit}: retry later, "
+                "send the work to another worker, or raise --max-running-requests"
+            )
+
     def _require_idle(self, call: str) -> None:
         if self._runner is not None and self._runner.seqs:
             raise FailedPrecondition(
@@ -110,6 +133,7 @@ class WorkerCore:
 
     def _run(self, runner: ModelRunner, work: Work) -> StepOutcome:
         """Runs work on the engine thread and routes Generate outputs to streams."""
+        self.steps_run += 1
         try:
             outcome = runner.run(work)
         except WorkerError:

@@ -58,12 +58,14 @@ class GenerateMixin(WorkerCore):
     def generate(self, spec: GenerateSpec) -> tuple[Iterator[GenerateChunk], Callable[[], None]]:
         """Starts a Generate request; returns its chunk iterator and a cancel."""
         self._require("Generate", S.READY)
+        self._admit_requests("Generate", 1)  # fast path; the job decides
         prompt = self._generate_prompt(spec)
         request_id = spec.request_id or uuid.uuid4().hex
 
         def job() -> GenerateStream:
             self._require("Generate", S.READY)
             runner = self._need_runner("Generate")
+            self._admit_requests("Generate", 1)
             loaded = self._need_model()
             if request_id in self._streams:
                 raise InvalidArgument(f"request_id {request_id!r} is already streaming")
@@ -77,7 +79,7 @@ class GenerateMixin(WorkerCore):
             self._streams.open(stream)
             return stream
 
-        stream = self._engine.call(job)
+        stream = self._engine.call(job, bounded=True)
 
         def cancel() -> None:
             self._engine.submit(lambda: self._end_stream(request_id, None))

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
@@ -19,16 +19,25 @@ from mlx_worker_svc.server import ServerConfig, WorkerServer
 
 
 @contextmanager
-def fresh_stub() -> Iterator[pb_grpc.WorkerServiceStub]:
-    """A stub to a second, brand-new in-process worker (stopped afterwards)."""
-    server = WorkerServer(ServerConfig(port=0))
+def live_server(
+    config: ServerConfig | None = None,
+) -> Iterator[tuple[WorkerServer, pb_grpc.WorkerServiceStub]]:
+    """A brand-new in-process worker on port 0 and a stub to it (stopped afterwards)."""
+    server = WorkerServer(config or ServerConfig(port=0))
     port = server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
-            yield pb_grpc.WorkerServiceStub(chan)
+            yield server, pb_grpc.WorkerServiceStub(chan)
     finally:
         server.shutdown(grace_seconds=1.0, abort=True)
         assert server.wait(timeout=30)
+
+
+@contextmanager
+def fresh_stub() -> Iterator[pb_grpc.WorkerServiceStub]:
+    """A stub to a second, brand-new in-process worker (stopped afterwards)."""
+    with live_server() as (_, stub):
+        yield stub
 
 
 def bring_up(stub: pb_grpc.WorkerServiceStub, model: Path | str, *, num_blocks: int = 4096) -> int:
@@ -121,12 +130,16 @@ def details_of(error: BaseException) -> str:
 class ServeProcess:
     """A `mlx-worker serve` subprocess; always reaped, even when a test fails."""
 
-    def __init__(self, model: Path, grace: float) -> None:
+    def __init__(
+        self,
+        model: Path,
+        grace: float,
+        extra: Sequence[str] = (),
+        launcher: Sequence[str] = (sys.executable, "-m", "mlx_worker_svc"),
+    ) -> None:
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "mlx_worker_svc",
+                *launcher,
                 "serve",
                 "--model",
                 str(model),
@@ -135,6 +148,7 @@ class ServeProcess:
                 "0",
                 "--grace-seconds",
                 str(grace),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

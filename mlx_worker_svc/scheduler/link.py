@@ -69,6 +69,7 @@ class WorkerLink:
         self.num_blocks = 0
         self.block_size = 16
         self.max_context = 0
+        self.max_seqs = config.max_num_seqs
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
         self.to_free: list[str] = []
@@ -191,6 +192,9 @@ class WorkerLink:
         self.model = info.model.model_path
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.max_context = info.model.max_context_length
+        # Never past what the worker admits (it would refuse the step).
+        admitted = info.limits.max_running_requests or self.config.max_num_seqs
+        self.max_seqs = min(self.config.max_num_seqs, admitted)
         self.up, self.last_error = True, ""
         log.info("worker %s up: epoch %d, %d KV blocks", self.target, self.epoch, self.num_blocks)
         return True
@@ -240,7 +244,7 @@ class WorkerLink:
             budget -= count
             used += self._blocks(r.computed + count) - self._blocks(r.computed)
         started: list[FleetRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             r = self.waiting[0]
             count = min(len(r.tokens), budget)
             if used + self._blocks(count + 1) > self.num_blocks and self.running:

@@ -484,7 +484,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("state", "device", "model", "worker_epoch", "kv", "worker_version", "chat_template", "memory")
+    __slots__ = ("state", "device", "model", "worker_epoch", "kv", "worker_version", "chat_template", "memory", "limits")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +493,7 @@ class GetInfoResponse(_message.Message):
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     device: DeviceInfo
     model: ModelInfo
@@ -501,7 +502,18 @@ class GetInfoResponse(_message.Message):
     worker_version: str
     chat_template: str
     memory: MemoryUsage
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., worker_version: _Optional[str] = ..., chat_template: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
+    limits: WorkerLimits
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., worker_version: _Optional[str] = ..., chat_template: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ...) -> None: ...
+
+class WorkerLimits(_message.Message):
+    __slots__ = ("max_running_requests", "max_queued_steps", "max_message_bytes")
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_running_requests: int
+    max_queued_steps: int
+    max_message_bytes: int
+    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

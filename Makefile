@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
 
-.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench soak clean
+.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench soak loadtest clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,9 @@ bench: $(STAMP) model blas ## benchmarks (JSON + PNG under benchmarks/results)
 
 soak: $(STAMP) model blas ## bounded soak through Execute: MLX memory must stay flat (JSON under benchmarks/results)
 	$(BLAS_ENV) $(PY) -m benchmarks.soak
+
+loadtest: $(STAMP) model blas ## bounded load test at 3x the admission limit (JSON under benchmarks/results)
+	$(BLAS_ENV) $(PY) -m benchmarks.loadtest
 
 clean: ## remove the venv, node tools and caches (not the model cache)
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -55,6 +55,25 @@ def ratio(num: float, den: float) -> float | None:
     return round(num / den, 4) if den > 0 else None
 
 
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys over xs (0.0 with fewer than two distinct xs)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx_, my = sum(xs) / n, sum(ys) / n
+    den = sum((x - mx_) ** 2 for x in xs)
+    return sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process (Linux /proc), 0 where unknown."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def machine_name() -> str:
     """A short, hostname-free name: the GPU's name, or e.g. linux-x86_64-2cpu."""
     if mx.is_available(mx.gpu):
@@ -94,16 +113,27 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
-    """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`."""
+def _tiny_model_module() -> Any:
+    """The tests' model builders (tests/tiny_model.py), which are not a package."""
     spec = importlib.util.spec_from_file_location("tiny_model", REPO / "tests" / "tiny_model.py")
     if spec is None or spec.loader is None:
         raise RuntimeError("tests/tiny_model.py is missing")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    path: Path = module.build_tiny_model(
+    return module
+
+
+def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
+    """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`."""
+    path: Path = _tiny_model_module().build_tiny_model(
         out_dir / "tiny", tokenizer_dir, max_position_embeddings=4096
     )
+    return path
+
+
+def float32_copy(out_dir: Path, quantized_dir: Path) -> Path:
+    """A float32 copy of a quantized model (fast through BLAS on a CPU), as the tests use."""
+    path: Path = _tiny_model_module().dequantized_copy(quantized_dir, out_dir / "f32")
     return path
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
 import sys
 import tempfile
@@ -47,6 +46,8 @@ from benchmarks.common import (
     live_worker,
     machine_facts,
     machine_name,
+    rss_bytes,
+    slope,
     temp_dir,
 )
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -309,14 +310,6 @@ class Scheduler:
 
 
 # ------------------------------------------------------------------- samples
-def rss_bytes() -> int:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 def sample(worker: Worker, scheduler: Scheduler, started: float) -> dict[str, Any]:
     health = worker.stub.CheckHealth(pb.CheckHealthRequest())
     prefix_bytes = int(health.kv.prefix_cache_blocks) * worker.bytes_per_block
@@ -336,16 +329,6 @@ def sample(worker: Worker, scheduler: Scheduler, started: float) -> dict[str, An
         "num_preempted_requests": int(health.num_preempted_requests),
         "prefix_hits": scheduler.counts.prefix_hits,
     }
-
-
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs (0.0 with fewer than two distinct xs)."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mx_, my = sum(xs) / n, sum(ys) / n
-    den = sum((x - mx_) ** 2 for x in xs)
-    return sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
 
 
 def verdict(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.server import ServerConfig, WorkerServer
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MIB = 1 << 20
 BLOCK_SIZE = 16
 
 

@@ -43,6 +43,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import (
+    MIB,
+    RESULTS,
     float32_copy,
     machine_facts,
     machine_name,
@@ -55,8 +57,6 @@ from mlx_worker_svc.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
-RESULTS = Path(__file__).resolve().parent / "results"
-MIB = 1 << 20
 SERVICE = "mlx_worker.v1.WorkerService"
 
 
@@ -139,12 +139,12 @@ def one_request(stub: Any, rng: random.Random, args: argparse.Namespace, tally: 
             got += len(message.token_ids)
             last = message
     except grpc.RpcError as exc:
-        code = exc.code()  # type: ignore[attr-defined]
+        code = exc.code()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and got == 0:
             tally.add("rejected", reject_ns=time.perf_counter_ns() - started)
             time.sleep(args.backoff)
             return
-        tally.add("lost", why=f"{code.name} after {got} tokens: {exc.details()}")  # type: ignore[attr-defined]
+        tally.add("lost", why=f"{code.name} after {got} tokens: {exc.details()}")
         return
     if (
         last is None
@@ -222,7 +222,9 @@ def memory_trend(samples: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     worker = WorkerProcess(model, args.limit, args.queued)
-    tally, probes, samples = Tally(), [], []
+    tally = Tally()
+    probes: list[int] = []
+    samples: list[dict[str, Any]] = []
     stop = threading.Event()
     started = time.perf_counter()
     try:

@@ -17,14 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import chart, report
-from benchmarks.common import build_tiny, live_worker, machine_facts, machine_name, temp_dir
+from benchmarks.common import (
+    RESULTS,
+    build_tiny,
+    live_worker,
+    machine_facts,
+    machine_name,
+    temp_dir,
+)
 from benchmarks.decode import section_a, section_b
 from benchmarks.fleet import section_g
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ALL_SECTIONS = "abcdefg"
 
 

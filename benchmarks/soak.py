@@ -41,6 +41,8 @@ from typing import Any
 
 from benchmarks.common import (
     BLOCK_SIZE,
+    MIB,
+    RESULTS,
     Worker,
     build_tiny,
     live_worker,
@@ -52,8 +54,6 @@ from benchmarks.common import (
 )
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
-RESULTS = Path(__file__).resolve().parent / "results"
-MIB = 1 << 20
 TOLERANCE = 0.05
 
 

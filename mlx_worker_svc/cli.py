@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlx_worker_svc.domain import DeviceKind, LoadSpec
+from mlx_worker_svc.log_format import add_logging_arguments, configure_logging
 
 if TYPE_CHECKING:
     from mlx_worker_svc.server import WorkerServer
@@ -56,6 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_context_tokens=context_hint(model, args.max_model_len),
         death_exit_seconds=args.death_exit_seconds,
         security=security,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     server = WorkerServer(config)
     _exit_after_engine_death(server, args.death_exit_seconds)
@@ -66,6 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     server.install_signal_handlers()
     print(f"mlx-worker listening on {args.host}:{port}", flush=True)
+    if server.metrics_port:
+        print(f"mlx-worker metrics on {args.metrics_host}:{server.metrics_port}", flush=True)
     if args.auto_init:
         worker = server.worker
         try:
@@ -140,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mlx_worker_svc.limits import DEFAULT_MAX_QUEUED_STEPS, DEFAULT_MAX_RUNNING_REQUESTS
 
     parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_logging_arguments(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the gRPC worker")
@@ -205,9 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
+    from mlx_worker_svc.metrics import add_metrics_arguments
     from mlx_worker_svc.security import add_server_arguments
 
     add_server_arguments(serve)
+    add_metrics_arguments(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(
@@ -220,15 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     from mlx_worker_svc.fleet_cli import add_commands
 
     add_commands(sub)
+    for command in sub.choices.values():
+        add_logging_arguments(command, defaults=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     return int(args.func(args))
 
 

@@ -35,6 +35,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
 
 
 async def _run_fleet(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.metrics import MetricsEndpoint
     from mlx_worker_svc.scheduler import FleetScheduler
     from mlx_worker_svc.scheduler.server import serve_fleet
     from mlx_worker_svc.security import SecurityError, server_security_from_args
@@ -47,19 +48,26 @@ async def _run_fleet(args: argparse.Namespace) -> int:
         return 2
     fleet = FleetScheduler(args.worker, config)
     await fleet.start()
+    endpoint = MetricsEndpoint(fleet.metrics.registry)
     try:
+        if args.metrics_port is not None:
+            endpoint.start(args.metrics_host, args.metrics_port)
         server, port = await serve_fleet(fleet, args.host, args.port, security)
     except (OSError, SecurityError) as exc:
         logging.error("%s", exc)
+        endpoint.close()
         await fleet.stop()
         return 2
     print(f"mlx-worker fleet listening on {args.host}:{port}", flush=True)
+    if endpoint.port:
+        print(f"mlx-worker fleet metrics on {args.metrics_host}:{endpoint.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     await server.stop(grace=5.0)
+    endpoint.close()
     await fleet.stop()
     return 0
 
@@ -97,6 +105,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Adds `fleet` and `generate` to the `mlx-worker` subcommands."""
+    from mlx_worker_svc.metrics import add_metrics_arguments
     from mlx_worker_svc.security import add_server_arguments, add_worker_client_arguments
 
     for name, help_text, runner in (
@@ -120,6 +129,7 @@ def add_commands(sub: Any) -> None:
             )
             cmd.add_argument("--port", type=int, default=50050, help="default 50050; 0 = any")
             add_server_arguments(cmd)
+            add_metrics_arguments(cmd)
         else:
             cmd.add_argument("prompt")
             cmd.add_argument("--max-tokens", type=int, default=128)

@@ -3,11 +3,13 @@
 The engine thread pushes each step's output for a Generate request into its
 `GenerateStream`; the gRPC thread serving the call reads chunks from it. The
 stream turns token ids into text pieces (incremental detokenization), counts
-tokens, and always ends with exactly one final chunk or one error.
+tokens, and always ends with exactly one final chunk or one error. Each
+stream logs one line when it opens and one when it ends, with its `req_id`.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +21,7 @@ from mlx_worker_svc.engine.text import TextStream
 from mlx_worker_svc.errors import WorkerError
 
 _END = object()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,15 @@ class GenerateStream:
         """Ends the stream with an error status."""
         if not self.done:
             self.done = True
+            log.info(
+                "request failed",
+                extra={
+                    "req_id": self.request_id,
+                    "code": error.code.name,
+                    "error": error.message,
+                    "completion_tokens": self.completion_tokens,
+                },
+            )
             self._chunks.put(error)
             self._chunks.put(_END)
 
@@ -66,6 +78,15 @@ class GenerateStream:
         chunk.prompt_tokens = self.prompt_tokens
         chunk.completion_tokens = self.completion_tokens
         self.done = True
+        log.info(
+            "request aborted" if reason is FinishReason.ABORTED else "request finished",
+            extra={
+                "req_id": self.request_id,
+                "finish_reason": reason.value,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+            },
+        )
         self._chunks.put(chunk)
         self._chunks.put(_END)
 
@@ -104,6 +125,10 @@ class StreamTable:
 
     def open(self, stream: GenerateStream) -> None:
         self._streams[stream.request_id] = stream
+        log.info(
+            "request admitted",
+            extra={"req_id": stream.request_id, "prompt_tokens": stream.prompt_tokens},
+        )
 
     def close(self, request_id: str, error: WorkerError | None = None) -> None:
         """Ends a stream: ABORTED finish when `error` is None, else the error."""

@@ -10,6 +10,8 @@ TLS and the bearer-token check, and enforces the bind rule (security.py).
 message sizes follow from it. If the engine thread dies, health turns
 NOT_SERVING, every call ends with INTERNAL, and the server stops within
 `death_exit_seconds` so a supervisor can restart the process.
+`ServerConfig.metrics_port` serves the worker's Prometheus metrics
+(worker_metrics.py) over HTTP until the server stops.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +33,7 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import EXECUTABLE
 from mlx_worker_svc.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
+from mlx_worker_svc.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from mlx_worker_svc.security import (
     SecurityConfig,
     TokenInterceptor,
@@ -39,6 +43,7 @@ from mlx_worker_svc.security import (
 )
 from mlx_worker_svc.servicer import WorkerServicer
 from mlx_worker_svc.worker import Worker
+from mlx_worker_svc.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,9 @@ class ServerConfig:
     """The server pings a client this often to find dead connections (and free their KV)."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """TLS, mTLS and tokens; the default is plaintext and loopback only (security.py)."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    """Prometheus metrics over HTTP on this port (0: any free one); None: not served."""
 
     @property
     def message_bytes(self) -> int:
@@ -78,10 +86,18 @@ class WorkerServer:
             on_state=self._on_state, on_death=self._on_engine_death, limits=config.limits
         )
         self.engine_died = threading.Event()
+        self.metrics: WorkerMetrics = self.worker.metrics
+        self.metrics.watch(lambda: self.worker.health(deep=False))
+        self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
+        interceptors: list[grpc.ServerInterceptor[Any, Any]] = [
+            RpcMetricsInterceptor(self.metrics.rpcs)
+        ]
         check = token_check(config.security)
+        if check is not None:
+            interceptors.append(TokenInterceptor(check))
         threads = config.limits.threads
         self._server = grpc.server(
-            interceptors=[TokenInterceptor(check)] if check is not None else None,
+            interceptors=interceptors,
             thread_pool=futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             # Admission keeps the pool from filling; if it ever does, further
             # calls are refused at once rather than queued.
@@ -113,6 +129,8 @@ class WorkerServer:
         self._drain_lock = threading.Lock()
         self._draining = False
         self.port = 0
+        self.metrics_port = 0
+        """The bound metrics port (0 until started, or when not served)."""
 
     def _on_state(self, state: WorkerState) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -153,6 +171,10 @@ class WorkerServer:
             raise OSError(f"cannot listen on {address}{hint}: {exc}") from exc
         if self.port == 0:
             raise OSError(f"cannot listen on {address} (in use or not a local address)")
+        if self.config.metrics_port is not None:
+            self.metrics_port = self._metrics_endpoint.start(
+                self.config.metrics_host, self.config.metrics_port
+            )
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._on_state(self.worker.state)
         self._server.start()
@@ -195,6 +217,7 @@ class WorkerServer:
         finally:
             self.worker.close()
             self._server.stop(max(deadline - time.monotonic(), 0.0)).wait()
+            self._metrics_endpoint.close()
             self._stopped.set()
             log.info("stopped")
 

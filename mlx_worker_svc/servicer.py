@@ -38,10 +38,17 @@ def _short(message: str) -> str:
     return message[: _MAX_MESSAGE - 30] + f"... ({len(message)} characters)"
 
 
-def _status(context: grpc.ServicerContext, exc: BaseException, method: str) -> NoReturn:
+def _status(
+    context: grpc.ServicerContext, exc: BaseException, method: str, req_id: str = ""
+) -> NoReturn:
+    fields = {"rpc": method, "req_id": req_id} if req_id else {"rpc": method}
     if isinstance(exc, WorkerError):
-        context.abort(exc.code, _short(exc.message))
-    log.exception("%s failed with an unexpected error", method)
+        message = _short(exc.message)
+        log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})
+        context.abort(exc.code, message)
+    log.exception(
+        "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
+    )
     context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
 
 
@@ -210,13 +217,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         try:
             chunks, cancel = self._worker.generate(convert.generate_spec(request))
         except Exception as exc:
-            _status(context, exc, "Generate")
+            _status(context, exc, "Generate", request.request_id)
         context.add_callback(cancel)
         try:
             for chunk in chunks:
                 yield convert.generate_chunk(chunk)
         except Exception as exc:
-            _status(context, exc, "Generate")
+            _status(context, exc, "Generate", request.request_id)
 
     @_unary
     def Sleep(self, request: pb.SleepRequest, context: grpc.ServicerContext) -> pb.SleepResponse:

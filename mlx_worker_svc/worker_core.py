@@ -9,6 +9,7 @@ the text calls and Generate.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -30,8 +31,10 @@ from mlx_worker_svc.errors import FailedPrecondition, Internal, ResourceExhauste
 from mlx_worker_svc.generation import StreamTable
 from mlx_worker_svc.lifecycle import DeviceArgs, require
 from mlx_worker_svc.limits import AdmissionLimits
+from mlx_worker_svc.worker_metrics import WorkerMetrics
 
 S = WorkerState
+log = logging.getLogger(__name__)
 
 
 class WorkerCore:
@@ -43,10 +46,12 @@ class WorkerCore:
         on_state: Callable[[WorkerState], None] | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         limits: AdmissionLimits | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self._on_state = on_state or (lambda _state: None)
         self._on_death = on_death or (lambda _cause: None)
         self.limits = limits or AdmissionLimits()
+        self.metrics = metrics or WorkerMetrics()
         self.steps_run = 0
         """Model steps run so far (Execute steps and Generate-only steps)."""
         self._state = S.NEW
@@ -146,6 +151,11 @@ class WorkerCore:
                     "kept its state: schedule fewer tokens or preempt requests"
                 ) from exc
             raise
+        self.metrics.observe_step(
+            outcome.timings, len(work.scheduled), sum(len(new.prompt) for new in work.new)
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            _log_requests(work, outcome)
         self._streams.dispatch(outcome.outputs)
         return outcome
 
@@ -167,3 +177,23 @@ class WorkerCore:
         if self._runner is not None:
             self._runner.free((Origin.GENERATE, request_id))
         self._streams.close(request_id, error)
+
+
+def _log_requests(work: Work, outcome: StepOutcome) -> None:
+    """Debug lines for the Execute requests a step admitted, freed or finished.
+
+    Generate requests log their own lines (generation.py); Execute requests
+    belong to a scheduler, which logs them, so here they are DEBUG only.
+    """
+    for new in work.new:
+        log.debug(
+            "request admitted", extra={"req_id": new.key[1], "prompt_tokens": len(new.prompt)}
+        )
+    for key in work.preempted:
+        log.debug("request preempted", extra={"req_id": key[1]})
+    for key in work.finished:
+        log.debug("request freed by the scheduler", extra={"req_id": key[1]})
+    for (origin, req_id), output in outcome.outputs.items():
+        if origin is Origin.EXECUTE and output.finish_reason is not None:
+            extra = {"req_id": req_id, "finish_reason": output.finish_reason.value}
+            log.debug("request finished", extra=extra)

@@ -77,6 +77,7 @@ class GenerateMixin(WorkerCore):
                 text=text.TextStream(loaded.tokenizer, skip_ids=skip),
             )
             self._streams.open(stream)
+            self.metrics.prompt_tokens.inc(len(prompt))
             return stream
 
         stream = self._engine.call(job, bounded=True)

@@ -70,7 +70,10 @@ class ModelRunner(Admission):
 
     # ----------------------------------------------------------------- views
     def _request_blocks(self) -> int:
-        return self.budget.used(s.num_computed for s in self.seqs.values() if not s.preempted)
+        # A copy first (one C call, so atomic under the GIL): CheckHealth and the
+        # metrics endpoint read this from their own threads while steps run.
+        seqs = list(self.seqs.values())
+        return self.budget.used(s.num_computed for s in seqs if not s.preempted)
 
     def kv_usage(self) -> KVUsage:
         return KVUsage(
@@ -92,7 +95,7 @@ class ModelRunner(Admission):
     def count(self, origin: Origin | None = None) -> tuple[int, int]:
         """(running, preempted) requests, optionally of one origin."""
         running = preempted = 0
-        for key, seq in self.seqs.items():
+        for key, seq in list(self.seqs.items()):  # a copy: read off the engine thread too
             if origin is not None and key[0] is not origin:
                 continue
             if seq.preempted:

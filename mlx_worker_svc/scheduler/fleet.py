@@ -7,6 +7,8 @@ cache; otherwise, and in `least-loaded` mode, the worker with the least work),
 and streamed back as the worker's `GenerateResponse` messages. Stop strings
 are checked here on the detokenized text. A request whose worker dies
 continues on another from prompt + generated tokens; callers see no error.
+Each request logs a line, with its `req_id`, when it is admitted, moves to
+another worker and ends, and is counted in `metrics` (scheduler/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+import grpc
+
 from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.scheduler.link import LinkConfig, WorkerLink
+from mlx_worker_svc.scheduler.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.scheduler.request import FleetRequest, Phase
 
 log = logging.getLogger(__name__)
 Routing = Literal["prefix", "least-loaded"]
+# Outcomes that are finish reasons (a request that ended normally).
+_FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
 
 
 class FleetError(WorkerError):
@@ -78,9 +85,11 @@ class FleetScheduler:
         self.num_finished = 0
         self.num_rejected = 0
         self._admitting = 0  # admitted requests whose prompt is being tokenized
+        self.metrics = FleetMetrics()
 
     # --------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        self.metrics.watch(self.status, asyncio.get_running_loop())
         self._tasks = [asyncio.create_task(link.run(), name=link.target) for link in self.links]
         self._tasks.append(asyncio.create_task(self._watchdog(), name="fleet-watchdog"))
 
@@ -121,6 +130,30 @@ class FleetScheduler:
     # ---------------------------------------------------------- generate
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Runs one request on the fleet; yields the worker's Generate messages."""
+        started = time.monotonic()
+        try:
+            r = await self._admit(request, started)
+        except (WorkerError, ClientError) as exc:
+            self._ended(request.request_id, error_outcome(exc.code), started, error=str(exc))
+            raise
+        try:
+            while True:
+                message = await r.outbox.get()
+                if isinstance(message, BaseException):
+                    code = getattr(message, "code", grpc.StatusCode.UNKNOWN)
+                    self._ended(r.request_id, error_outcome(code), r.admitted, error=str(message))
+                    raise message
+                yield message
+                if message.finish_reason:
+                    return
+        finally:
+            if r.phase is not Phase.DONE:
+                self._cancel(r)
+                self._ended(r.request_id, "cancelled", r.admitted)
+            self._where.pop(r, None)
+
+    async def _admit(self, request: pb.GenerateRequest, started: float) -> FleetRequest:
+        """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
         if self._queued() >= self.config.queue_capacity:
             self.num_rejected += 1
             raise Overloaded(
@@ -143,20 +176,23 @@ class FleetScheduler:
             skip_special_tokens=(
                 request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             ),
+            admitted=started,
         )
+        self.metrics.prompt_tokens.inc(len(prompt))
+        log.info("request admitted", extra={"req_id": r.request_id, "prompt_tokens": len(prompt)})
         self._route(r)
-        try:
-            while True:
-                message = await r.outbox.get()
-                if isinstance(message, BaseException):
-                    raise message
-                yield message
-                if message.finish_reason:
-                    return
-        finally:
-            if r.phase is not Phase.DONE:
-                self._cancel(r)
-            self._where.pop(r, None)
+        return r
+
+    def _ended(self, req_id: str, outcome: str, since: float, **fields: object) -> None:
+        """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""
+        self.metrics.ended(outcome, time.monotonic() - since)
+        extra = {"req_id": req_id, "outcome": outcome, **fields}
+        if outcome == "cancelled":
+            log.info("request cancelled", extra=extra)
+        elif outcome in _FINISHED:
+            log.info("request finished", extra=extra)
+        else:
+            log.warning("request failed", extra=extra)
 
     async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         forms = sum(bool(x) for x in (request.prompt, request.messages, request.prompt_token_ids))
@@ -193,6 +229,7 @@ class FleetScheduler:
             return
         link = self._pick(r, up)
         self._where[r] = link
+        log.debug("request routed", extra={"req_id": r.request_id, "worker": link.target})
         link.assign(r, front=front)
 
     def _pick(self, r: FleetRequest, up: list[WorkerLink]) -> WorkerLink:
@@ -217,6 +254,8 @@ class FleetScheduler:
         for r in reversed(lost):
             if r.phase is Phase.DONE or r.cancelled:
                 continue
+            extra = {"req_id": r.request_id, "generated_tokens": len(r.generated)}
+            log.info("request moves to another worker", extra=extra)
             self._route(r, front=True)
 
     def _cancel(self, r: FleetRequest) -> None:
@@ -252,9 +291,11 @@ class FleetScheduler:
         message = pb.GenerateResponse(
             token_ids=tokens, text=piece, logprobs=logprobs, request_id=r.request_id
         )
+        self.metrics.generation_tokens.inc(len(tokens))
         if not r.streamed:
             r.streamed = True
             message.num_cached_prompt_tokens = r.cached_tokens
+            self.metrics.time_to_first_token.observe(time.monotonic() - r.admitted)
         if stopped or r.phase is Phase.DONE:
             if stopped:
                 message.finish_reason = pb.FINISH_REASON_STOP_STRING
@@ -265,6 +306,14 @@ class FleetScheduler:
             message.completion_tokens = len(r.generated)
             r.phase = Phase.DONE
             self.num_finished += 1
+            self._ended(
+                r.request_id,
+                finish_outcome(message.finish_reason),
+                r.admitted,
+                worker=link.target,
+                prompt_tokens=message.prompt_tokens,
+                completion_tokens=message.completion_tokens,
+            )
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
         return stopped

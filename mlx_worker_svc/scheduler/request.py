@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -48,6 +49,7 @@ class FleetRequest:
     reported_cached: bool = False
     affinity: int = 0
     outbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    admitted: float = field(default_factory=time.monotonic)  # when Generate was called
 
     @property
     def worker_id(self) -> str:

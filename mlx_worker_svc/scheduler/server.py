@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.metrics import AsyncRpcMetricsInterceptor
 from mlx_worker_svc.scheduler.fleet import FleetError, FleetScheduler
 from mlx_worker_svc.security import (
     AsyncTokenInterceptor,
@@ -73,8 +75,13 @@ async def serve_fleet(
     check_bind(host, security)
     credentials = server_credentials(security)
     check = token_check(security)
+    interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [
+        AsyncRpcMetricsInterceptor(fleet.metrics.rpcs)
+    ]
+    if check is not None:
+        interceptors.append(AsyncTokenInterceptor(check))
     server = grpc.aio.server(
-        interceptors=[AsyncTokenInterceptor(check)] if check is not None else None,
+        interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             ("grpc.max_receive_message_length", _MAX_MESSAGE),

@@ -2,7 +2,8 @@
 
 Every server keeps its metrics in a `CollectorRegistry` of its own (never the
 process-wide default, so several servers can live in one process, as in the
-tests). `RpcMetrics` counts every RPC by method and final status code through
+tests): `ServerMetrics` holds it, with the RPC and token counters the worker
+and the fleet both have. `RpcMetrics` counts every RPC by method and final status code through
 a server interceptor: `RpcMetricsInterceptor` for the synchronous
 `grpc.server` (the worker), `AsyncRpcMetricsInterceptor` for `grpc.aio` (the
 fleet). Unknown method names are not counted, so a caller cannot grow the
@@ -24,7 +25,7 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 import grpc.aio
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from mlx_worker_svc.security import is_loopback
 
@@ -53,6 +54,22 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
+
+
+class ServerMetrics:
+    """A registry of its own, with what every server counts: RPCs and tokens."""
+
+    def __init__(self, prefix: str, *, prompt_doc: str, generation_doc: str) -> None:
+        self.prefix = prefix
+        self.registry = CollectorRegistry()
+        self.rpcs = RpcMetrics(prefix, self.registry)
+        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", prompt_doc, registry=self.registry)
+        self.generation_tokens = Counter(
+            f"{prefix}_generation_tokens", generation_doc, registry=self.registry
+        )
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"{self.prefix}_{name}", doc, buckets=buckets, registry=self.registry)
 
 
 class RpcMetrics:

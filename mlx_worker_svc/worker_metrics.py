@@ -12,47 +12,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mlx_worker_svc.domain import HealthReport, StepTimings, WorkerState
-from mlx_worker_svc.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RpcMetrics
+from mlx_worker_svc.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, ServerMetrics
 
 PREFIX = "mlx_worker"
 
 
-class WorkerMetrics:
+class WorkerMetrics(ServerMetrics):
     """What the worker counts; `watch` adds the gauges read at scrape time."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.rpcs = RpcMetrics(PREFIX, r)
-        self.step_seconds = Histogram(
-            f"{PREFIX}_step_duration_seconds",
-            "Wall time of one engine step (an Execute step or a Generate step)",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        super().__init__(
+            PREFIX,
+            prompt_doc="Prompt tokens of the requests admitted (Execute and Generate)",
+            generation_doc="Tokens sampled (generated)",
         )
-        self.step_requests = Histogram(
-            f"{PREFIX}_step_batch_size",
+        self.step_seconds = self._histogram(
+            "step_duration_seconds",
+            "Wall time of one engine step (an Execute step or a Generate step)",
+            LATENCY_BUCKETS,
+        )
+        self.step_requests = self._histogram(
+            "step_batch_size",
             "Requests computed in one step (prefill chunks and decodes)",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+            BATCH_BUCKETS,
         )
         self.computed_tokens = Counter(
             f"{PREFIX}_computed_tokens",
             "Tokens whose KV the steps computed (prefill and decode; prefix-cache hits excluded)",
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens",
-            "Prompt tokens of the requests admitted (Execute new requests, Generate calls)",
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "Tokens sampled (generated)", registry=r
+            registry=self.registry,
         )
 
     def observe_step(self, timings: StepTimings, num_requests: int, prompt_tokens: int) -> None:

@@ -85,15 +85,23 @@ def run(stub: pb_grpc.WorkerServiceStub, request: pb.GenerateRequest) -> pb.Gene
     return messages[-1]
 
 
+@dataclass
+class Live:
+    """The module's in-process worker: a stub to it and its metrics port."""
+
+    stub: pb_grpc.WorkerServiceStub
+    port: int
+
+
 @pytest.fixture(scope="module")
-def worker(tiny_dir: Path) -> Iterator[tuple[WorkerServer, pb_grpc.WorkerServiceStub]]:
+def worker(tiny_dir: Path) -> Iterator[Live]:
     server = WorkerServer(ServerConfig(port=0, grace_seconds=5.0, metrics_port=0))
     server.start()
     assert server.metrics_port
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         bring_up(stub, tiny_dir, num_blocks=NUM_BLOCKS)
-        yield server, stub
+        yield Live(stub, server.metrics_port)
     server.shutdown(grace_seconds=1.0, abort=True)
     assert server.wait(timeout=30)
     with pytest.raises(urllib.error.URLError):  # the endpoint closed with the server
@@ -101,20 +109,16 @@ def worker(tiny_dir: Path) -> Iterator[tuple[WorkerServer, pb_grpc.WorkerService
 
 
 # ------------------------------------------------------------------ worker
-def test_worker_counters_match_the_work_done(
-    worker: tuple[WorkerServer, pb_grpc.WorkerServiceStub],
-) -> None:
-    server, stub = worker
-    port = server.metrics_port
-    before = Scrape(port)
+def test_worker_counters_match_the_work_done(worker: Live) -> None:
+    before = Scrape(worker.port)
     # Distinct prompts (no prefix-cache hits), run one after the other: every
     # step computes one request and samples one token.
     work = [(list(range(100, 105)), 4), (list(range(200, 209)), 7), (list(range(300, 317)), 10)]
-    finals = [run(stub, generate_request(p, n)) for p, n in work]
+    finals = [run(worker.stub, generate_request(p, n)) for p, n in work]
     with pytest.raises(grpc.RpcError) as bad:
-        run(stub, pb.GenerateRequest(prompt="both", prompt_token_ids=[1, 2]))
+        run(worker.stub, pb.GenerateRequest(prompt="both", prompt_token_ids=[1, 2]))
     assert code_of(bad.value) == grpc.StatusCode.INVALID_ARGUMENT
-    after = Scrape(port)
+    after = Scrape(worker.port)
 
     prompt_tokens = sum(f.prompt_tokens for f in finals)
     generated = sum(f.completion_tokens for f in finals)
@@ -141,20 +145,16 @@ def test_worker_counters_match_the_work_done(
     assert after("mlx_worker_state", state="NEW") == 0
 
 
-def test_a_scrape_during_a_run_sees_it_running(
-    worker: tuple[WorkerServer, pb_grpc.WorkerServiceStub],
-) -> None:
-    server, stub = worker
-    port = server.metrics_port
-    before = Scrape(port)
+def test_a_scrape_during_a_run_sees_it_running(worker: Live) -> None:
+    before = Scrape(worker.port)
     prompt = list(range(400, 440))  # 40 tokens: 3 blocks of 16
-    call = stub.Generate(
+    call = worker.stub.Generate(
         generate_request(prompt, 470),
         timeout=120,
     )
     first = next(call)
     assert first.token_ids
-    during = Scrape(port)
+    during = Scrape(worker.port)
     call.cancel()
     assert during("mlx_worker_requests_running") >= 1
     assert during("mlx_worker_kv_blocks_used") >= 3
@@ -164,7 +164,7 @@ def test_a_scrape_during_a_run_sees_it_running(
     cancelled = {"method": "Generate", "code": "CANCELLED"}
     generate = {"service": "mlx_worker.v1.WorkerService", **cancelled}
     after = wait_for(
-        port,
+        worker.port,
         "cancelled Generate counted and its KV freed",
         lambda s: (
             delta(before, s, "mlx_worker_rpcs_total", **generate) == 1
@@ -175,14 +175,11 @@ def test_a_scrape_during_a_run_sees_it_running(
     assert delta(before, after, "mlx_worker_prompt_tokens_total") == len(prompt)
 
 
-def test_worker_logs_carry_request_ids(
-    worker: tuple[WorkerServer, pb_grpc.WorkerServiceStub], caplog: pytest.LogCaptureFixture
-) -> None:
-    _, stub = worker
+def test_worker_logs_carry_request_ids(worker: Live, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="mlx_worker_svc"):
-        final = run(stub, generate_request(list(range(500, 506)), 3, "log-me"))
+        final = run(worker.stub, generate_request(list(range(500, 506)), 3, "log-me"))
         with pytest.raises(grpc.RpcError):
-            run(stub, pb.GenerateRequest(request_id="bad-one"))
+            run(worker.stub, pb.GenerateRequest(request_id="bad-one"))
     assert final.request_id == "log-me"
     mine = [r for r in caplog.records if getattr(r, "req_id", None) == "log-me"]
     assert [r.getMessage() for r in mine] == ["request admitted", "request finished"]

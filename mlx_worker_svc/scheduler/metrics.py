@@ -14,13 +14,13 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.metrics import LATENCY_BUCKETS, RpcMetrics
+from mlx_worker_svc.metrics import LATENCY_BUCKETS, ServerMetrics
 
 PREFIX = "mlx_fleet"
 # How long a scrape waits for the event loop to read the fleet's state.
@@ -37,37 +37,29 @@ def error_outcome(code: grpc.StatusCode) -> str:
     return code.name.lower()
 
 
-class FleetMetrics:
+class FleetMetrics(ServerMetrics):
     """What the fleet counts; `watch` adds the gauges read at scrape time."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.rpcs = RpcMetrics(PREFIX, r)
+        super().__init__(
+            PREFIX,
+            prompt_doc="Prompt tokens of the requests admitted",
+            generation_doc="Tokens streamed to callers",
+        )
         self.requests = Counter(
             f"{PREFIX}_requests",
             "Requests ended, by outcome: the finish reason (length, eos, stop_string, ...), "
             "cancelled, or the status code that failed them (resource_exhausted, ...)",
             ["outcome"],
-            registry=r,
+            registry=self.registry,
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of the requests admitted", registry=r
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "From Generate to its first token", LATENCY_BUCKETS
         )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "Tokens streamed to callers", registry=r
-        )
-        self.time_to_first_token = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "From Generate to its first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.request_seconds = Histogram(
-            f"{PREFIX}_request_duration_seconds",
+        self.request_seconds = self._histogram(
+            "request_duration_seconds",
             "From Generate to the request's end, whatever the outcome",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
 
     def ended(self, outcome: str, seconds: float) -> None:

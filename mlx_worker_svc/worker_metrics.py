@@ -1,9 +1,10 @@
 """The worker's Prometheus metrics (`mlx_worker_*`), in a registry of its own.
 
-Counted as the work happens, at a cost of a few increments per step: step
-latency and requests per step (histograms), tokens computed, prompt tokens of
-admitted requests and generated tokens (counters), and every RPC by method and
-status code (`metrics.RpcMetrics`). Read only when scraped, from the worker's
+Counted as the work happens, on the engine thread only (so with one-writer
+instruments: a few adds per step, no lock): step latency and requests per
+step (histograms), tokens computed, prompt tokens of admitted requests and
+generated tokens (counters); every RPC by method and status code
+(`metrics.RpcMetrics`). Read only when scraped, from the worker's
 health report: KV blocks used and free, prefix-cache blocks, running and
 preempted requests, MLX memory and the lifecycle state.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -31,20 +31,19 @@ class WorkerMetrics(ServerMetrics):
             prompt_doc="Prompt tokens of the requests admitted (Execute and Generate)",
             generation_doc="Tokens sampled (generated)",
         )
-        self.step_seconds = self._histogram(
+        self.step_seconds = self.histogram(
             "step_duration_seconds",
             "Wall time of one engine step (an Execute step or a Generate step)",
             LATENCY_BUCKETS,
         )
-        self.step_requests = self._histogram(
+        self.step_requests = self.histogram(
             "step_batch_size",
             "Requests computed in one step (prefill chunks and decodes)",
             BATCH_BUCKETS,
         )
-        self.computed_tokens = Counter(
-            f"{PREFIX}_computed_tokens",
+        self.computed_tokens = self.counter(
+            "computed_tokens",
             "Tokens whose KV the steps computed (prefill and decode; prefix-cache hits excluded)",
-            registry=self.registry,
         )
 
     def observe_step(self, timings: StepTimings, num_requests: int, prompt_tokens: int) -> None:

@@ -25,12 +25,14 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up, code_of, greedy
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_fleet import Fleet, Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.log_format import JsonFormatter, TextFormatter
+from mlx_worker_svc.metrics import ServerMetrics
 from mlx_worker_svc.security import SecurityConfig
 from mlx_worker_svc.server import ServerConfig, WorkerServer
 
@@ -106,6 +108,26 @@ def worker(tiny_dir: Path) -> Iterator[Live]:
     assert server.wait(timeout=30)
     with pytest.raises(urllib.error.URLError):  # the endpoint closed with the server
         Scrape(server.metrics_port)
+
+
+def test_one_writer_histogram_buckets_are_cumulative_and_inclusive() -> None:
+    metrics = ServerMetrics("t", prompt_doc="p", generation_doc="g")
+    histogram = metrics.histogram("latency_seconds", "l", (0.01, 0.1, 1.0))
+    for value in (0.01, 0.05, 0.1, 7.0):
+        histogram.observe(value)
+    metrics.prompt_tokens.inc(3)
+    text = generate_latest(metrics.registry).decode()
+    samples = {
+        (s.name, s.labels.get("le", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    # A value on a bound counts in that bound's bucket (le: less than or equal).
+    buckets = [samples["t_latency_seconds_bucket", le] for le in ("0.01", "0.1", "1.0", "+Inf")]
+    assert buckets == [1, 3, 3, 4]
+    assert samples["t_latency_seconds_count", ""] == 4
+    assert samples["t_latency_seconds_sum", ""] == pytest.approx(7.16)
+    assert samples["t_prompt_tokens_total", ""] == 3
 
 
 # ------------------------------------------------------------------ worker

@@ -1,8 +1,9 @@
 """The fleet's Prometheus metrics (`mlx_fleet_*`), in a registry of its own.
 
-Counted as requests go: requests ended by outcome (the finish reason, a status
-code, or `cancelled`), prompt and generated tokens, time to first token and
-request duration (histograms), and every FleetService RPC by status code.
+Counted as requests go, on the event loop only (one-writer instruments):
+requests ended by outcome (the finish reason, a status code, or `cancelled`),
+prompt and generated tokens, time to first token and request duration
+(histograms); every FleetService RPC by status code (`metrics.RpcMetrics`).
 Read when scraped, from `FleetScheduler.status()` on the scheduler's event
 loop (its state is not thread-safe): queued requests, and per worker whether
 it is up, the requests it has in flight, its KV blocks and its failovers.
@@ -53,10 +54,10 @@ class FleetMetrics(ServerMetrics):
             ["outcome"],
             registry=self.registry,
         )
-        self.time_to_first_token = self._histogram(
+        self.time_to_first_token = self.histogram(
             "time_to_first_token_seconds", "From Generate to its first token", LATENCY_BUCKETS
         )
-        self.request_seconds = self._histogram(
+        self.request_seconds = self.histogram(
             "request_duration_seconds",
             "From Generate to the request's end, whatever the outcome",
             LATENCY_BUCKETS,

@@ -87,7 +87,9 @@ class WorkerServer:
         )
         self.engine_died = threading.Event()
         self.metrics: WorkerMetrics = self.worker.metrics
-        self.metrics.watch(lambda: self.worker.health(deep=False))
+        self.metrics.watch(
+            lambda: self.worker.health(deep=False), lambda: self.worker.queued_steps, config.limits
+        )
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
         interceptors: list[grpc.ServerInterceptor[Any, Any]] = [
             RpcMetricsInterceptor(self.metrics.rpcs)

@@ -88,6 +88,11 @@ class WorkerCore:
         self._on_death(cause)
 
     @property
+    def queued_steps(self) -> int:
+        """Execute steps and Generate starts waiting for the engine thread."""
+        return self._engine.queued
+
+    @property
     def engine_dead(self) -> BaseException | None:
         """Why the engine thread died, or None while it runs."""
         return self._engine.dead

@@ -6,7 +6,8 @@ step (histograms), tokens computed, prompt tokens of admitted requests and
 generated tokens (counters); every RPC by method and status code
 (`metrics.RpcMetrics`). Read only when scraped, from the worker's
 health report: KV blocks used and free, prefix-cache blocks, running and
-preempted requests, MLX memory and the lifecycle state.
+preempted requests, steps queued for the engine (and the admission limits on
+both), MLX memory and the lifecycle state.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mlx_worker_svc.domain import HealthReport, StepTimings, WorkerState
+from mlx_worker_svc.limits import AdmissionLimits
 from mlx_worker_svc.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, ServerMetrics
 
 PREFIX = "mlx_worker"
@@ -56,17 +58,29 @@ class WorkerMetrics(ServerMetrics):
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
 
-    def watch(self, health: Callable[[], HealthReport]) -> None:
-        """Reads the gauges from `health()` whenever the registry is scraped."""
-        self.registry.register(_HealthGauges(health))
+    def watch(
+        self,
+        health: Callable[[], HealthReport],
+        queued_steps: Callable[[], int],
+        limits: AdmissionLimits,
+    ) -> None:
+        """Reads the gauges from `health()` and `queued_steps()` whenever scraped."""
+        self.registry.register(_HealthGauges(health, queued_steps, limits))
 
 
 class _HealthGauges(Collector):
-    def __init__(self, health: Callable[[], HealthReport]) -> None:
+    def __init__(
+        self,
+        health: Callable[[], HealthReport],
+        queued_steps: Callable[[], int],
+        limits: AdmissionLimits,
+    ) -> None:
         self._health = health
+        self._queued_steps = queued_steps
+        self._limits = limits
 
     def collect(self) -> Iterator[Metric]:
-        report = self._health()
+        report, limits = self._health(), self._limits
         kv, memory = report.kv, report.memory
         for name, doc, value in (
             ("kv_blocks_used", "KV blocks the requests hold", kv.used_blocks),
@@ -86,6 +100,21 @@ class _HealthGauges(Collector):
                 "requests_preempted",
                 "Preempted requests: tokens kept, KV freed, waiting to be resumed",
                 report.num_preempted_requests,
+            ),
+            (
+                "max_running_requests",
+                "Live requests admitted (running or preempted) before RESOURCE_EXHAUSTED",
+                limits.max_running_requests,
+            ),
+            (
+                "steps_queued",
+                "Execute steps and Generate starts waiting for the engine thread",
+                self._queued_steps(),
+            ),
+            (
+                "max_queued_steps",
+                "Steps that may wait for the engine before RESOURCE_EXHAUSTED",
+                limits.max_queued_steps,
             ),
             ("memory_active_bytes", "MLX active memory", memory.active_bytes),
             ("memory_cache_bytes", "MLX buffer cache", memory.cache_bytes),

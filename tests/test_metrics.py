@@ -31,6 +31,7 @@ from test_fleet import Fleet, Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.limits import AdmissionLimits
 from mlx_worker_svc.log_format import JsonFormatter, TextFormatter
 from mlx_worker_svc.metrics import ServerMetrics
 from mlx_worker_svc.security import SecurityConfig
@@ -163,6 +164,10 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
     assert after("mlx_worker_kv_blocks_used") == 0
     assert after("mlx_worker_kv_blocks_free") == after("mlx_worker_kv_blocks_total") == NUM_BLOCKS
     assert after("mlx_worker_requests_running") == after("mlx_worker_requests_preempted") == 0
+    assert after("mlx_worker_steps_queued") == 0
+    limits = AdmissionLimits()
+    assert after("mlx_worker_max_running_requests") == limits.max_running_requests
+    assert after("mlx_worker_max_queued_steps") == limits.max_queued_steps
     assert after("mlx_worker_state", state="READY") == 1
     assert after("mlx_worker_state", state="NEW") == 0
 

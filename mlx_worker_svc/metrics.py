@@ -81,8 +81,8 @@ class OneWriterCounter:
 class OneWriterHistogram:
     """A histogram only one thread observes: a bisect and two adds, no lock.
 
-    A scrape may see it one observation late but never inconsistent: the
-    count is the sum of the buckets it reads.
+    A scrape may see it an observation late (the sum read before a bucket
+    moved), but `_count` is always the +Inf bucket: both come from one read.
     """
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:

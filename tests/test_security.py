@@ -485,6 +485,12 @@ def test_fleet_with_a_token_and_tls_toward_a_secured_worker(pki: Pki) -> None:
         assert worker.worker.state is WorkerState.DEVICE_READY
 
 
+def _fleet_reflection_refused(port: int, pki: Pki, metadata: tuple[tuple[str, str], ...]) -> bool:
+    credentials = grpc.ssl_channel_credentials(pki.read("ca"))
+    with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        return _reflection_refused(channel, metadata)
+
+
 async def _fleet_scenario(pki: Pki, target: str) -> None:
     credentials = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
 
@@ -514,14 +520,9 @@ async def _fleet_scenario(pki: Pki, target: str) -> None:
                     assert error.value.code() == UNAUTHENTICATED, error.value
                     assert error.value.details() == UNAUTHENTICATED_DETAILS
                     refused += 1
-                reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-                ask = reflection_pb2.ServerReflectionRequest(list_services="")
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    _ = [
-                        m
-                        async for m in reflect.ServerReflectionInfo(iter([ask]), metadata=metadata)
-                    ]
-                assert error.value.code() == UNAUTHENTICATED
+                # Through the sync client: grpc.aio reports a stream refused before it
+                # read its first request as INTERNAL in ~2 % of calls (a client-side race).
+                assert await asyncio.to_thread(_fleet_reflection_refused, port, pki, metadata)
             assert refused == len(FLEET_SERVICE.methods) * len(BAD_METADATA) == 14
             assert fleet.num_finished == 0 and fleet.status().num_queued == 0
             # Probes pass with the flag; the right token opens the rest.

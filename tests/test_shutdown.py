@@ -29,30 +29,43 @@ def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:
     raise AssertionError("health did not turn NOT_SERVING after SIGTERM")
 
 
-def test_sigterm_lets_a_running_generate_finish_and_exits_zero(
+def test_sigterm_lets_running_generates_finish_and_exits_zero(
     start_worker: Callable[[float], ServeProcess],
 ) -> None:
     worker = start_worker(60.0)
     chan = worker.channel()
     stub = pb_grpc.WorkerServiceStub(chan)
-    stream = stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(300, ignore_eos=True))
-    )
-    first = next(stream)
+    lengths = [300, 200, 250, 120]  # k = 4 streams in flight
+    streams = [
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=[1, 2, 3 + i], sampling_params=greedy(n, ignore_eos=True)
+            )
+        )
+        for i, n in enumerate(lengths)
+    ]
+    firsts = [next(stream) for stream in streams]
+    started = time.monotonic()
     os.kill(worker.proc.pid, signal.SIGTERM)
     _wait_not_serving(health_pb2_grpc.HealthStub(chan))
-    # New work during the drain is refused by the worker, while the old stream runs on.
+    # New work during the drain is refused by the worker, while the old streams run on.
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling_params=greedy(2))))
     assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
     assert "DRAINING" in (info.value.details() or "")
-    tokens = list(first.token_ids)
-    last = first
-    for message in stream:
-        tokens += message.token_ids
-        last = message
-    assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 300
+    completed = 0
+    for stream, first, n in zip(streams, firsts, lengths, strict=True):
+        tokens, last = list(first.token_ids), first
+        for message in stream:
+            tokens += message.token_ids
+            last = message
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == n
+        completed += 1
     assert worker.exit_code() == 0
+    print(
+        f"drain: {len(lengths)} in flight, 1 new call refused, {completed} completed, "
+        f"{len(lengths) - completed} lost, exit 0 {time.monotonic() - started:.1f}s after SIGTERM"
+    )
 
 
 def test_sigterm_past_the_grace_period_ends_streams_with_a_clear_status(

@@ -7,6 +7,8 @@ import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -115,7 +117,7 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def _tiny_model_module() -> Any:
+def tiny_model_module() -> Any:
     """The tests' model builders (tests/tiny_model.py), which are not a package."""
     spec = importlib.util.spec_from_file_location("tiny_model", REPO / "tests" / "tiny_model.py")
     if spec is None or spec.loader is None:
@@ -127,7 +129,7 @@ def _tiny_model_module() -> Any:
 
 def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
     """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`."""
-    path: Path = _tiny_model_module().build_tiny_model(
+    path: Path = tiny_model_module().build_tiny_model(
         out_dir / "tiny", tokenizer_dir, max_position_embeddings=4096
     )
     return path
@@ -135,7 +137,7 @@ def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
 
 def float32_copy(out_dir: Path, quantized_dir: Path) -> Path:
     """A float32 copy of a quantized model (fast through BLAS on a CPU), as the tests use."""
-    path: Path = _tiny_model_module().dequantized_copy(quantized_dir, out_dir / "f32")
+    path: Path = tiny_model_module().dequantized_copy(quantized_dir, out_dir / "f32")
     return path
 
 
@@ -152,7 +154,8 @@ class Worker:
     stub: Any
     epoch: int
     info: Any
-    server: WorkerServer
+    # The in-process server (`live_worker`); None for a worker process.
+    server: WorkerServer | None
     # DetermineMemory's measure of one KV block (`BLOCK_SIZE` tokens) of this model.
     bytes_per_block: int = 0
     _counter: int = 0
@@ -160,6 +163,33 @@ class Worker:
     def new_id(self, prefix: str) -> str:
         self._counter += 1
         return f"{prefix}-{self._counter}"
+
+
+def bring_up(stub: Any, model: Path | str, *, num_blocks: int, prefix_caching: bool) -> Worker:
+    """Takes a fresh worker through InitDevice .. InitCache (no WarmUp)."""
+    stub.InitDevice(pb.InitDeviceRequest())
+    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(model)))
+    # The profile is not used (InitCache sets the budget); keep it small on a CPU.
+    profile = stub.DetermineMemory(
+        pb.DetermineMemoryRequest(max_num_batched_tokens=16, block_size=BLOCK_SIZE)
+    )
+    cache = stub.InitCache(
+        pb.InitCacheRequest(
+            num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
+        )
+    )
+    if cache.prefix_caching != prefix_caching:
+        raise RuntimeError(
+            f"InitCache(enable_prefix_caching={prefix_caching}) answered "
+            f"prefix_caching={cache.prefix_caching} for {model}"
+        )
+    return Worker(
+        stub=stub,
+        epoch=int(loaded.worker_epoch),
+        info=loaded.model,
+        server=None,
+        bytes_per_block=int(profile.bytes_per_block),
+    )
 
 
 @contextmanager
@@ -176,31 +206,49 @@ def live_worker(
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
-            stub.InitDevice(pb.InitDeviceRequest())
-            loaded = stub.LoadModel(pb.LoadModelRequest(model=str(model)))
-            # The profile is not used (InitCache sets the budget); keep it small on a CPU.
-            profile = stub.DetermineMemory(
-                pb.DetermineMemoryRequest(max_num_batched_tokens=16, block_size=BLOCK_SIZE)
-            )
-            cache = stub.InitCache(
-                pb.InitCacheRequest(
-                    num_blocks=num_blocks,
-                    block_size=BLOCK_SIZE,
-                    enable_prefix_caching=prefix_caching,
-                )
-            )
-            if cache.prefix_caching != prefix_caching:
-                raise RuntimeError(
-                    f"InitCache(enable_prefix_caching={prefix_caching}) answered "
-                    f"prefix_caching={cache.prefix_caching} for {model}"
-                )
-            yield Worker(
-                stub=stub,
-                epoch=int(loaded.worker_epoch),
-                info=loaded.model,
-                server=server,
-                bytes_per_block=int(profile.bytes_per_block),
-            )
+            worker = bring_up(stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching)
+            worker.server = server
+            yield worker
     finally:
         server.shutdown(grace_seconds=1.0, abort=True)
         server.wait(30)
+
+
+@contextmanager
+def process_worker(
+    model: Path | str, *, num_blocks: int = 4096, prefix_caching: bool = False
+) -> Iterator[Worker]:
+    """Like `live_worker`, but the worker is its own process (`mlx-worker serve`).
+
+    The client then does not share a GIL with the worker's gRPC and engine
+    threads, as with a real remote scheduler.
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "mlx_worker_svc", "--log-level", "WARNING", "serve"]
+    command += ["--port", "0", "--model", str(model)]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        port = _listening_port(proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
+            yield bring_up(stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching)
+            stub.Shutdown(pb.ShutdownRequest(grace_seconds=1.0, abort=True))
+    finally:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _listening_port(proc: subprocess.Popen[str]) -> int:
+    """Reads `mlx-worker listening on HOST:PORT` from a starting `serve` process."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = re.search(r"listening on \S+:(\d+)", line)
+        if match:
+            return int(match.group(1))
+    raise RuntimeError(f"the worker process exited (code {proc.wait()}) before it listened")

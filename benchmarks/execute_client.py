@@ -49,6 +49,8 @@ def greedy(max_tokens: int) -> pb.SamplingParams:
 
 def in_process_call(worker: Worker) -> ExecuteCall:
     """What the servicer's Execute does, called directly: no gRPC, no serialization."""
+    if worker.server is None:
+        raise ValueError("in_process_call needs an in-process worker (live_worker)")
     engine = worker.server.worker
 
     def call(request: pb.ExecuteRequest) -> pb.ExecuteResponse:

@@ -253,6 +253,7 @@ class Scheduler:
                 self.counts.finished[pb.FinishReason.Name(out.finish_reason)] += 1
 
     def _watch_kv(self) -> None:
+        assert self.worker.server is not None  # soak runs an in-process worker
         kv = self.worker.server.worker.kv_usage()
         c = self.counts
         c.max_used_blocks = max(c.max_used_blocks, kv.used_blocks)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -25,9 +27,15 @@ def build_tiny_model(
     seed: int = 0,
     head_dim: int | None = None,
     max_position_embeddings: int = 512,
+    overrides: Mapping[str, Any] | None = None,
+    dtype: mx.Dtype | None = None,
 ) -> Path:
-    """Writes a random tiny llama into `out` (config, weights, tokenizer)."""
-    config = {
+    """Writes a random tiny llama into `out` (config, weights, tokenizer).
+
+    `overrides` replaces config entries (another shape, e.g. the GPU benchmark's
+    Llama-3.2-1B); `dtype` casts the weights before they are saved.
+    """
+    config: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -44,10 +52,14 @@ def build_tiny_model(
     }
     if head_dim is not None:
         config["head_dim"] = head_dim
+    config.update(overrides or {})
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    # Default init gives near-uniform logits; sharpen them so greedy has clear winners.
-    model.update({"lm_head": {"weight": model.lm_head.weight * 8.0}})
+    if not config["tie_word_embeddings"]:
+        # Default init gives near-uniform logits; sharpen them so greedy has clear winners.
+        model.update({"lm_head": {"weight": model.lm_head.weight * 8.0}})
+    if dtype is not None:
+        model.set_dtype(dtype)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights)
@@ -72,6 +84,21 @@ def dequantized_copy(source: Path, out: Path) -> Path:
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
+
+
+def quantized_copy(source: Path, out: Path, *, bits: int = 4, group_size: int = 64) -> Path:
+    """Writes `source` quantized with mlx-lm's `quantize_model` (affine) into `out`."""
+    from mlx_lm.utils import load_model, quantize_model
+
+    model, config = load_model(source)
+    model, config = quantize_model(model, config, group_size, bits)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,275 @@
+"""`python -m benchmarks.gpu.bench_gpu`: the worker against raw mlx-lm on one GPU.
+
+Builds a random-weight Llama-3.2-1B-shaped model (bf16 and a 4-bit copy), then
+for each dtype and batch size runs raw mlx-lm in this process
+(`stream_generate` at batch 1, `BatchGenerator` at every size) and the worker
+in its own process over gRPC on loopback (Execute, one step per token, driven
+by benchmarks/execute_client.py; Generate too at batch 1). Every shape is
+warmed first; prefill (TTFT) and decode (tokens after the first) are reported
+apart. A greedy parity check on the bf16 model compares the worker's tokens
+with mlx-lm's. Writes `<out>/<date>-<machine>-gpu.json` and `.md` after every
+measurement, so a run stopped at its time limit keeps what it measured.
+`--smoke` runs a tiny shape on any machine (CPU included) in about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from benchmarks.baselines import raw_batch, raw_stream
+from benchmarks.common import Worker, machine_name, process_worker, ratio, summary_ms, temp_dir
+from benchmarks.execute_client import run_execute, run_generate, warm_up
+from benchmarks.gpu import report
+from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.bench_gpu", description=__doc__)
+    p.add_argument("--dtypes", default="bf16,4bit", help="comma-separated: bf16, 4bit")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--warm-tokens", type=int, default=4, help="tokens of each warm-up run")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved runs per shape, best kept")
+    p.add_argument("--parity-prompts", type=int, default=4)
+    p.add_argument("--parity-tokens", type=int, default=64)
+    p.add_argument("--deadline-s", type=float, default=540.0, help="skip shapes past this")
+    p.add_argument("--models", type=Path, help="build (or reuse) the models here")
+    p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
+    p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch_sizes, args.prompt_tokens, args.new_tokens = "1,2,4", 16, 8
+        args.parity_prompts, args.parity_tokens, args.warm_tokens = 2, 8, 2
+    args.shape = SMOKE if args.smoke else LLAMA_1B
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[bench-gpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def gpu_facts() -> dict[str, Any]:
+    """GPU name, driver and CUDA version (nvidia-smi), MLX and mlx-lm versions."""
+    import platform
+    import subprocess
+    from importlib.metadata import version
+
+    facts: dict[str, Any] = {
+        "machine": machine_name(),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "mlx_device": str(mx.default_device()),
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(RuntimeError, AttributeError):
+        facts["mlx_device_info"] = {k: str(v) for k, v in dict(mx.device_info()).items()}
+    smi: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 30}
+    query = ["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(["nvidia-smi", *query], check=False, **smi)
+        name, driver, memory = (x.strip() for x in out.stdout.splitlines()[0].split(","))
+        facts.update(gpu=name, driver=driver, gpu_memory=memory)
+        header = subprocess.run(["nvidia-smi"], check=False, **smi).stdout.split("CUDA Version:")
+        facts["cuda_driver_api"] = header[1].split()[0] if len(header) > 1 else None
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        facts.update(gpu=None, driver=None)
+    return facts
+
+
+def prompt_set(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`count` distinct prompts of random ordinary token ids (no BOS/EOS)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 2) for _ in range(length)] for _ in range(count)]
+
+
+def _step_times(run: Any) -> dict[str, Any]:
+    decode = [s for s in run.steps[1:] if s.sampled]
+    return {
+        "client_wall": summary_ms([s.wall_ns for s in decode]),
+        "worker_total": summary_ms([s.total_ns for s in decode]),
+        "worker_forward": summary_ms([s.forward_ns for s in decode]),
+    }
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(runs, key=lambda r: r["stats"].get("decode_tok_s") or 0.0)
+
+
+def measure_shape(
+    model: Any, tokenizer: Any, worker: Worker, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One batch size: warm every path, then raw and worker runs, interleaved."""
+    size, n = len(prompts), args.new_tokens
+    single = size == 1
+    if single:
+        raw_stream(model, tokenizer, prompts[0], args.warm_tokens)
+        run_generate(worker, prompts[0], args.warm_tokens)
+    raw_batch(model, prompts, args.warm_tokens)
+    run_execute(worker, prompts, args.warm_tokens)
+    raw_runs, gen_runs, exe_runs, bg_runs = [], [], [], []
+    for _ in range(args.repeats):
+        if single:
+            timeline, tokens = raw_stream(model, tokenizer, prompts[0], n)
+            raw_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
+            timeline, tokens = run_generate(worker, prompts[0], n)
+            gen_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
+        timeline, batch_tokens = raw_batch(model, prompts, n)
+        bg_runs.append({"stats": timeline.stats(), "tokens": batch_tokens})
+        run = run_execute(worker, prompts, n)
+        exe_runs.append({"stats": run.timeline.stats(), "tokens": run.tokens, "run": run})
+    exe, bg = _best(exe_runs), _best(bg_runs)
+    raw = _best(raw_runs) if single else bg
+    row: dict[str, Any] = {
+        "batch": size,
+        "raw_path": "stream_generate" if single else "BatchGenerator",
+        "raw": raw["stats"],
+        "worker_execute": exe["stats"],
+        "ratio_execute_vs_raw": ratio(
+            exe["stats"].get("decode_tok_s") or 0, raw["stats"].get("decode_tok_s") or 0
+        ),
+        "worker_step_ms": _step_times(exe["run"]),
+        "requests_with_identical_tokens": sum(
+            a == b for a, b in zip(exe["tokens"], raw["tokens"], strict=True)
+        ),
+        "prefill_tok_s": {
+            "raw": _prefill_rate(raw["stats"], size, len(prompts[0])),
+            "worker_execute": _prefill_rate(exe["stats"], size, len(prompts[0])),
+        },
+    }
+    if single:
+        gen = _best(gen_runs)
+        row["batch_generator"] = bg["stats"]
+        row["worker_generate"] = gen["stats"]
+        row["ratio_generate_vs_raw"] = ratio(
+            gen["stats"].get("decode_tok_s") or 0, raw["stats"].get("decode_tok_s") or 0
+        )
+    return row
+
+
+def _prefill_rate(stats: dict[str, Any], size: int, prompt: int) -> float | None:
+    ttft = stats.get("ttft_s")
+    return round(size * prompt / ttft, 1) if ttft else None
+
+
+def parity(
+    model: Any, tokenizer: Any, worker: Worker, prompts: list[list[int]], tokens: int
+) -> dict[str, Any]:
+    """Greedy parity on one model: the worker's tokens against mlx-lm's.
+
+    The check that must hold: each prompt alone through Execute (batch 1)
+    gives exactly `stream_generate`'s tokens (mlx_lm.generate's path). For
+    information: the prompts as one batch, worker against BatchGenerator
+    (batched kernels may round differently, and a random model's near-ties
+    then flip a token).
+    """
+    reference = [raw_stream(model, tokenizer, p, tokens)[1] for p in prompts]
+    alone = [run_execute(worker, [p], tokens).tokens[0] for p in prompts]
+    together = run_execute(worker, prompts, tokens).tokens
+    batch_ref = raw_batch(model, prompts, tokens)[1]
+
+    def agree(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+    return {
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "single_matches_generate": [a == r for a, r in zip(alone, reference, strict=True)],
+        "ok": alone == reference,
+        "batched_matches_batch_generator": [
+            a == b for a, b in zip(together, batch_ref, strict=True)
+        ],
+        "batched_tokens_agreeing_before_first_difference": [
+            agree(a, b) for a, b in zip(together, batch_ref, strict=True)
+        ],
+        "batched_matches_single": [a == b for a, b in zip(together, alone, strict=True)],
+    }
+
+
+def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
+    from mlx_lm import load
+
+    started = time.monotonic()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    vocab = int(args.shape["vocab_size"])
+    prompts = prompt_set(max(sizes), args.prompt_tokens, vocab)
+    with temp_dir() as tmp:
+        root = args.models or tmp / "models"
+        log(f"building the models ({', '.join(dtypes)}) under {root}")
+        start = time.monotonic()
+        dirs = build_models(root, args.shape, dtypes)
+        results["build_seconds"] = round(time.monotonic() - start, 1)
+        for dtype in dtypes:
+            log(f"{dtype}: loading the model and starting the worker process")
+            model, tokenizer = load(str(dirs[dtype]))
+            blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
+            with process_worker(dirs[dtype], num_blocks=blocks) as worker:
+                warm_up(worker, sizes, [args.prompt_tokens - 1])
+                rows = results["rows"].setdefault(dtype, [])
+                for size in sizes:
+                    if time.monotonic() - started > args.deadline_s:
+                        results["skipped"].append(f"{dtype} batch {size}: past --deadline-s")
+                        continue
+                    log(f"{dtype}: batch {size}")
+                    rows.append(measure_shape(model, tokenizer, worker, prompts[:size], args))
+                    save()
+                if dtype == "bf16" and args.parity_prompts:
+                    log("bf16: greedy parity check")
+                    chosen = prompts[: args.parity_prompts]
+                    results["parity"] = parity(model, tokenizer, worker, chosen, args.parity_tokens)
+                    save()
+            del model, tokenizer
+            gc.collect()
+            mx.clear_cache()
+    results["run_seconds"] = round(time.monotonic() - started, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    stem = out / f"{date}-{machine_name()}-gpu{'-smoke' if args.smoke else ''}"
+    results: dict[str, Any] = {
+        "date": date,
+        "machine": gpu_facts(),
+        "model": {
+            "shape": "smoke" if args.smoke else "Llama-3.2-1B (random weights)",
+            **{k: v for k, v in args.shape.items() if k != "rope_scaling"},
+        },
+        "options": {k: str(v) for k, v in vars(args).items() if k != "shape"},
+        "rows": {},
+        "skipped": [],
+    }
+
+    def save() -> None:
+        stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+        stem.with_suffix(".md").write_text(report.markdown(results) + "\n")
+
+    log(f"machine: {results['machine']}")
+    run(args, results, save)
+    save()
+    print(report.markdown(results))
+    print(f"\nwrote {stem}.json and {stem}.md")
+    parity_ok = results.get("parity", {}).get("ok", True)
+    if not parity_ok:
+        print("PARITY FAILED: the worker's greedy tokens differ from mlx-lm's", file=sys.stderr)
+    return 0 if parity_ok else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -39,18 +39,24 @@ class DecodeBatch(Generic[K]):
     stream runs exactly mlx-lm's single-sequence computation, with no mask or
     per-row offsets; a second row turns it into batch caches.
 
-    Look-ahead: after a step, `prefetch` starts the next decode forward for
-    every row (each row's newest token as input) while the reply travels and
-    the scheduler decides. If the next step asks for exactly that forward, its
-    logits are ready; any other change to the batch first rolls the caches
-    back by the one speculative token, so what runs is always what was asked.
+    Look-ahead: the next decode forward of every row is queued on the device
+    before the host waits for this step's tokens. `speculate` runs it on the
+    sampled tokens while they are still device arrays (as mlx-lm's generate
+    loop does), so the device computes step t+1 while the host reads step t's
+    tokens, answers and waits for the scheduler's next step; `prefetch` does
+    the same from known tokens where no speculation is pending. If the next
+    step asks for exactly that forward, its logits are ready. Rows that leave
+    keep the look-ahead of the others (their rows are filtered out of it);
+    any other change first rolls the caches back by the one speculative
+    token, so what runs is always what was asked.
     """
 
     def __init__(self) -> None:
         self.keys: list[K] = []
         self._cache: LayerCaches = []
         self._batched = False
-        self._ahead: tuple[tuple[K, ...], tuple[int, ...], mx.array] | None = None
+        # (row keys, input tokens or None until they are read, logits [B, V])
+        self._ahead: tuple[tuple[K, ...], tuple[int, ...] | None, mx.array] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -77,16 +83,18 @@ class DecodeBatch(Generic[K]):
         self.keys.extend(key for key, _ in entries)
 
     def remove(self, keys: set[K]) -> None:
-        """Drops rows (their KV is freed)."""
+        """Drops rows (their KV is freed); the others keep their look-ahead."""
         keep = [i for i, key in enumerate(self.keys) if key not in keys]
         if len(keep) == len(self.keys):
             return
-        self._drop_ahead()
         if not keep:
+            self._ahead = None
             self.keys, self._cache, self._batched = [], [], False
             return
         if len(keep) == 1:
-            # Back to one row: give it its own cache again.
+            # Back to one row: give it its own cache again (it then computes
+            # exactly as a single stream, so its look-ahead is recomputed).
+            self._drop_ahead()
             self._cache = [layer.extract(keep[0]) for layer in self._cache]
             mx.eval([c.state for c in self._cache])
             self._batched = False
@@ -94,6 +102,10 @@ class DecodeBatch(Generic[K]):
             index = mx.array(keep)
             for layer in self._cache:
                 layer.filter(index)
+            if self._ahead is not None:
+                _, tokens, logits = self._ahead
+                kept = tuple(tokens[i] for i in keep) if tokens is not None else None
+                self._ahead = (tuple(self.keys[i] for i in keep), kept, logits[index])
         self.keys = [self.keys[i] for i in keep]
 
     def extract(self, keys: set[K]) -> dict[K, LayerCaches]:
@@ -106,12 +118,15 @@ class DecodeBatch(Generic[K]):
                 return lone
             return {}
         out: dict[K, LayerCaches] = {}
-        if any(key in keys for key in self.keys):
-            self._drop_ahead()
         for i, key in enumerate(self.keys):
             if key in keys:
                 out[key] = [layer.extract(i) for layer in self._cache]
         if out:
+            if self._ahead is not None:
+                # Their copies hold the speculative token: take it off them only.
+                for caches in out.values():
+                    for layer in caches:
+                        layer.trim(1)
             mx.eval([c.state for caches in out.values() for c in caches])
             self.remove(set(out))
         return out
@@ -128,14 +143,41 @@ class DecodeBatch(Generic[K]):
         logits: mx.array = model(inputs, cache=self._cache)
         return logits[:, -1, :]
 
+    def speculate(self, model: nn.Module, sampled: mx.array) -> None:
+        """Queues the next forward on this step's sampled tokens (a lazy [B] array).
+
+        Call `mx.async_eval(sampled)` first, so that reading the tokens waits
+        for them only, not for the forward queued behind them; then `confirm`
+        once the tokens are read.
+        """
+        self._drop_ahead()
+        if not self.keys or not self._trimmable():
+            return
+        logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
+        logits = logits[:, -1, :]
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
+        self._ahead = (tuple(self.keys), None, logits)
+
+    def confirm(self, tokens: Sequence[int]) -> None:
+        """Records the tokens the pending `speculate` ran on."""
+        if self._ahead is not None and self._ahead[1] is None:
+            self._ahead = (self._ahead[0], tuple(tokens), self._ahead[2])
+
     def prefetch(self, model: nn.Module, last_tokens: Sequence[int]) -> None:
-        """Starts the next decode forward now (see the class docstring)."""
-        if not self.keys or not all(layer.is_trimmable() for layer in self._cache):
+        """Starts the next decode forward now, unless it is already under way."""
+        tokens = tuple(last_tokens)
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == tuple(self.keys) and ahead[1] == tokens:
+            return
+        if not self.keys or not self._trimmable():
             return
         self._drop_ahead()
-        logits = self.forward(model, last_tokens)
+        logits = self.forward(model, tokens)
         mx.async_eval(logits)  # type: ignore[no-untyped-call]
-        self._ahead = (tuple(self.keys), tuple(last_tokens), logits)
+        self._ahead = (tuple(self.keys), tokens, logits)
+
+    def _trimmable(self) -> bool:
+        return all(layer.is_trimmable() for layer in self._cache)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:

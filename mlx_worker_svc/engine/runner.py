@@ -36,7 +36,13 @@ from mlx_worker_svc.engine.memory_guard import MemoryGuard
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.recovery import StepJournal
-from mlx_worker_svc.engine.sampling import RequestSampler, prompt_logprobs, sample_rows
+from mlx_worker_svc.engine.sampling import (
+    RequestSampler,
+    choose_tokens,
+    prompt_logprobs,
+    read_tokens,
+    token_logprobs,
+)
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
 
@@ -311,9 +317,17 @@ class ModelRunner(Admission):
         self.batch.join(joining)
         rows = [self.seqs[key] for key in self.batch.keys]
         logits = self.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
-        tokens, infos = sample_rows(
-            logits, [s.sampler for s in rows], [(s.tokens, s.prompt_len) for s in rows]
-        )
+        samplers = [s.sampler for s in rows]
+        chosen = choose_tokens(logits, samplers, [(s.tokens, s.prompt_len) for s in rows])
+        # The next forward is queued before the host waits for this step's
+        # tokens: the device never idles while the host reads, answers and
+        # waits for the scheduler (batch.DecodeBatch, look-ahead).
+        mx.async_eval(chosen)  # type: ignore[no-untyped-call]
+        if not any(self._last_token(seq) for seq in rows):
+            self.batch.speculate(self.model, chosen)
+        tokens = read_tokens(chosen)
+        self.batch.confirm(tokens)
+        infos = token_logprobs(logits, samplers, tokens)
         finished: list[RequestKey] = []
         for seq, token, info in zip(rows, tokens, infos, strict=True):
             seq.num_computed = len(seq.tokens)
@@ -331,6 +345,18 @@ class ModelRunner(Admission):
             self.free(key)
         rows = [self.seqs[key] for key in self.batch.keys]
         self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
+
+    def _last_token(self, seq: Sequence) -> bool:
+        """Whether the token sampled now is surely the request's last (length limits).
+
+        Then the step does not speculate: that row would leave the batch and
+        take the look-ahead's work with it; `prefetch` starts the next forward
+        for the rows that stay once they are known.
+        """
+        limit = seq.params.max_tokens
+        return (limit is not None and seq.num_output + 1 >= limit) or len(
+            seq.tokens
+        ) + 1 >= self.limits.max_context
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""

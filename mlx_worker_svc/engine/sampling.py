@@ -84,7 +84,7 @@ class RequestSampler:
         """Samples a token id (0-d array) from a processed row of shape [V]."""
         p = self.params
         if p.greedy:
-            return mx.argmax(logits, axis=-1)
+            return greedy(logits)
         scaled = logits.astype(mx.float32) * (1.0 / p.temperature)
         logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
         if 0 < p.top_k < self.vocab_size:
@@ -97,6 +97,18 @@ class RequestSampler:
             return mx.random.categorical(logprobs)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logprobs, key=sub)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """The greedy token of each row, chosen exactly as mlx-lm chooses it.
+
+    mlx-lm takes the argmax of the log-probabilities (logits - logsumexp) in
+    the logits' dtype. In bf16 or fp16 that subtraction rounds near-equal
+    logits to equal values, and the argmax then picks the lowest id, which an
+    argmax of the raw logits does not always pick: the same rule keeps greedy
+    parity in every dtype.
+    """
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
 def _ints(values: mx.array) -> list[int]:
@@ -143,25 +155,32 @@ def prompt_logprobs(logits: mx.array, targets: Sequence[int], n: int) -> list[To
     return rows
 
 
-def sample_rows(
+def choose_tokens(
     logits: mx.array,
     samplers: Sequence[RequestSampler],
     histories: Sequence[tuple[Sequence[int], int]],
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Samples one token per row of `logits` [B, V].
+) -> mx.array:
+    """The next token of each row of `logits` [B, V], as a lazy [B] array.
 
-    `histories[i]` is (tokens so far, prompt length) of row i. Returns the
-    token ids and, for rows that asked for them, their logprobs.
+    `histories[i]` is (tokens so far, prompt length) of row i. Nothing is
+    read back to the host here, so the caller can queue more work (the next
+    forward) before it waits for the tokens.
     """
     if all(s.trivial for s in samplers):
-        return _ints(mx.argmax(logits, axis=-1)), [None] * len(samplers)
+        return greedy(logits)
     chosen = []
     for i, sampler in enumerate(samplers):
         row = logits[i]
         if not sampler.trivial:
             row = sampler.process(row, *histories[i])
         chosen.append(sampler.choose(row))
-    tokens = _ints(mx.stack(chosen))
+    return mx.stack(chosen)
+
+
+def token_logprobs(
+    logits: mx.array, samplers: Sequence[RequestSampler], tokens: Sequence[int]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the chosen tokens, for the rows that asked for them (else None)."""
     infos: list[TokenLogprobs | None] = []
     for i, sampler in enumerate(samplers):
         n = sampler.params.logprobs
@@ -170,4 +189,9 @@ def sample_rows(
             continue
         raw = logits[i].astype(mx.float32)
         infos.append(_top_logprobs(raw - mx.logsumexp(raw), tokens[i], n))
-    return tokens, infos
+    return infos
+
+
+def read_tokens(tokens: mx.array) -> list[int]:
+    """The host's copy of a [B] token array (waits for it)."""
+    return _ints(tokens)

@@ -1,0 +1,105 @@
+"""`python -m benchmarks.gpu.overhead`: the host's cost per decode step, on any machine.
+
+On a GPU a 1B model's decode step takes a few milliseconds, so whatever the
+worker and its client do in Python per step, and per request per step, is a
+visible share. This measures that share on a CPU: a micro llama (one layer,
+hidden 32, vocabulary 512) whose forward costs almost nothing, driven like the
+GPU benchmark drives the worker (a worker process, Execute over gRPC, greedy,
+one step per token), beside mlx-lm's BatchGenerator on the same model. Per
+batch size it prints the p50 per decode step of the client's wall time, the
+worker's `total_ns` and `forward_ns` (the runner's forward + sampling), and
+the host cost per request per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.baselines import raw_batch
+from benchmarks.common import percentile, process_worker, temp_dir, tiny_model_module
+from benchmarks.execute_client import run_execute
+from benchmarks.gpu.bench_gpu import prompt_set
+from benchmarks.gpu.synthetic import write_tokenizer
+
+MICRO: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+
+
+def _p50_ms(values: list[int]) -> float:
+    return round(percentile([v / 1e6 for v in values], 50), 3)
+
+
+def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[dict[str, Any]]:
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    prompts = prompt_set(max(sizes), prompt, int(MICRO["vocab_size"]))
+    rows = []
+    with process_worker(model_dir) as worker:
+        for size in sizes:
+            batch = prompts[:size]
+            run_execute(worker, batch, 4)
+            raw_batch(model, batch, 4)
+            run = run_execute(worker, batch, steps)
+            decode = run.steps[1:]
+            raw = raw_batch(model, batch, steps)[0].stats()
+            wall = _p50_ms([s.wall_ns for s in decode])
+            total = _p50_ms([s.total_ns for s in decode])
+            forward = _p50_ms([s.forward_ns for s in decode])
+            raw_step = raw["decode_s"] * 1e3 / max(steps - 1, 1)
+            rows.append(
+                {
+                    "batch": size,
+                    "client_wall_ms": wall,
+                    "worker_total_ms": total,
+                    "worker_forward_ms": forward,
+                    "outside_worker_ms": round(wall - total, 3),
+                    "host_us_per_request": round((wall - forward) * 1e3 / size, 1),
+                    "batch_generator_step_ms": round(raw_step, 3),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.overhead", description=__doc__)
+    p.add_argument("--batch-sizes", default="1,8,32,64,128")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    with temp_dir() as tmp:
+        tokenizer = tmp / "tokenizer"
+        write_tokenizer(tokenizer, int(MICRO["vocab_size"]))
+        model_dir = tiny_model_module().build_tiny_model(tmp / "micro", tokenizer, overrides=MICRO)
+        rows = measure(model_dir, sizes, args.steps, args.prompt_tokens)
+    print(
+        "| batch | client wall ms | worker total ms | forward+sample ms | outside worker ms "
+        "| host µs / request | BatchGenerator step ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['client_wall_ms']} | {r['worker_total_ms']} "
+            f"| {r['worker_forward_ms']} | {r['outside_worker_ms']} "
+            f"| {r['host_us_per_request']} | {r['batch_generator_step_ms']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

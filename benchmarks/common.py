@@ -216,15 +216,21 @@ def live_worker(
 
 @contextmanager
 def process_worker(
-    model: Path | str, *, num_blocks: int = 4096, prefix_caching: bool = False
+    model: Path | str,
+    *,
+    num_blocks: int = 4096,
+    prefix_caching: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[Worker]:
     """Like `live_worker`, but the worker is its own process (`mlx-worker serve`).
 
     The client then does not share a GIL with the worker's gRPC and engine
-    threads, as with a real remote scheduler.
+    threads, as with a real remote scheduler. `extra_env` is added to its
+    environment.
     """
     env = {
         **os.environ,
+        **(extra_env or {}),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     command = [sys.executable, "-m", "mlx_worker_svc", "--log-level", "WARNING", "serve"]

@@ -46,7 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs per shape, best kept")
     p.add_argument("--parity-prompts", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=64)
-    p.add_argument("--deadline-s", type=float, default=540.0, help="skip shapes past this")
+    p.add_argument(
+        "--variants",
+        default="speculate,after",
+        help="worker look-ahead modes (MLX_WORKER_LOOKAHEAD), one worker process each; "
+        "the first is compared with raw mlx-lm, the others are measured beside it",
+    )
+    p.add_argument("--deadline-s", type=float, default=480.0, help="skip shapes past this")
     p.add_argument("--models", type=Path, help="build (or reuse) the models here")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
@@ -160,6 +166,17 @@ def measure_shape(
     return row
 
 
+def measure_worker(worker: Worker, prompts: list[list[int]], args: argparse.Namespace) -> Any:
+    """Another worker variant at one batch size: warm, then Execute runs (best kept)."""
+    run_execute(worker, prompts, args.warm_tokens)
+    runs = []
+    for _ in range(args.repeats):
+        run = run_execute(worker, prompts, args.new_tokens)
+        runs.append({"stats": run.timeline.stats(), "run": run})
+    best = _best(runs)
+    return {"worker_execute": best["stats"], "worker_step_ms": _step_times(best["run"])}
+
+
 def _prefill_rate(stats: dict[str, Any], size: int, prompt: int) -> float | None:
     ttft = stats.get("ttft_s")
     return round(size * prompt / ttft, 1) if ttft else None
@@ -207,6 +224,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     vocab = int(args.shape["vocab_size"])
     prompts = prompt_set(max(sizes), args.prompt_tokens, vocab)
+    variants = [v for v in args.variants.split(",") if v]
+    blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
     with temp_dir() as tmp:
         root = args.models or tmp / "models"
         log(f"building the models ({', '.join(dtypes)}) under {root}")
@@ -214,24 +233,42 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
         dirs = build_models(root, args.shape, dtypes)
         results["build_seconds"] = round(time.monotonic() - start, 1)
         for dtype in dtypes:
-            log(f"{dtype}: loading the model and starting the worker process")
+            log(f"{dtype}: loading the model")
             model, tokenizer = load(str(dirs[dtype]))
-            blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
-            with process_worker(dirs[dtype], num_blocks=blocks) as worker:
-                warm_up(worker, sizes, [args.prompt_tokens - 1])
-                rows = results["rows"].setdefault(dtype, [])
-                for size in sizes:
-                    if time.monotonic() - started > args.deadline_s:
-                        results["skipped"].append(f"{dtype} batch {size}: past --deadline-s")
-                        continue
-                    log(f"{dtype}: batch {size}")
-                    rows.append(measure_shape(model, tokenizer, worker, prompts[:size], args))
-                    save()
-                if dtype == "bf16" and args.parity_prompts:
-                    log("bf16: greedy parity check")
-                    chosen = prompts[: args.parity_prompts]
-                    results["parity"] = parity(model, tokenizer, worker, chosen, args.parity_tokens)
-                    save()
+            rows = results["rows"].setdefault(dtype, [])
+            for index, variant in enumerate(variants):
+                log(f"{dtype}: starting a worker process (look-ahead {variant})")
+                env = {"MLX_WORKER_LOOKAHEAD": variant}
+                with process_worker(dirs[dtype], num_blocks=blocks, extra_env=env) as worker:
+                    warm_up(worker, sizes, [args.prompt_tokens - 1])
+                    for size in sizes:
+                        if time.monotonic() - started > args.deadline_s:
+                            results["skipped"].append(f"{dtype} {variant} batch {size}: deadline")
+                            continue
+                        log(f"{dtype}: batch {size}, look-ahead {variant}")
+                        try:
+                            if index == 0:
+                                row = measure_shape(model, tokenizer, worker, prompts[:size], args)
+                                rows.append({**row, "variant": variant, "variants": {}})
+                            else:
+                                row = next(r for r in rows if r["batch"] == size)
+                                row["variants"][variant] = measure_worker(
+                                    worker, prompts[:size], args
+                                )
+                        except Exception as exc:
+                            log(f"{dtype} batch {size} ({variant}) failed: {exc!r}")
+                            results["errors"].append(f"{dtype} {variant} batch {size}: {exc!r}")
+                        save()
+                    if index == 0 and dtype == "bf16" and args.parity_prompts:
+                        log("bf16: greedy parity check")
+                        chosen = prompts[: args.parity_prompts]
+                        try:
+                            results["parity"] = parity(
+                                model, tokenizer, worker, chosen, args.parity_tokens
+                            )
+                        except Exception as exc:
+                            results["errors"].append(f"parity: {exc!r}")
+                        save()
             del model, tokenizer
             gc.collect()
             mx.clear_cache()
@@ -254,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "options": {k: str(v) for k, v in vars(args).items() if k != "shape"},
         "rows": {},
         "skipped": [],
+        "errors": [],
     }
 
     def save() -> None:

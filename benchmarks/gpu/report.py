@@ -17,6 +17,9 @@ def _p50(step: dict[str, Any], key: str) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
+    others = sorted({v for rows in results["rows"].values() for r in rows for v in r["variants"]})
+    first = results["options"].get("variants", "").split(",")[0]
+    extra_head = "".join(f" | worker tok/s, look-ahead {v} | ratio" for v in others)
     lines = [
         f"GPU: {m.get('gpu')}, driver {m.get('driver')} (CUDA {m.get('cuda_driver_api')}), "
         f"MLX {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}, device {m.get('mlx_device')}, "
@@ -24,24 +27,30 @@ def markdown(results: dict[str, Any]) -> str:
         f"options: prompt {results['options']['prompt_tokens']} tokens, "
         f"{results['options']['new_tokens']} new tokens, repeats {results['options']['repeats']}",
         "",
-        "| dtype | batch | raw path | raw decode tok/s | worker decode tok/s (Execute) "
+        "| dtype | batch | raw path | raw decode tok/s "
+        f"| worker decode tok/s (Execute, look-ahead {first}) "
         "| ratio | worker step p50 ms: client wall / worker total / forward "
-        "| prefill tok/s raw / worker | identical requests |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| prefill tok/s raw / worker | identical requests{extra_head} |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(others),
     ]
     for dtype, rows in results["rows"].items():
         for row in rows:
             steps = row["worker_step_ms"]
             prefill = row["prefill_tok_s"]
+            raw = row["raw"].get("decode_tok_s")
+            extra = ""
+            for v in others:
+                got = row["variants"].get(v, {}).get("worker_execute", {}).get("decode_tok_s")
+                extra += f" | {_num(got)} | {_num(got / raw if got and raw else None, 3)}"
             lines.append(
                 f"| {dtype} | {row['batch']} | {row['raw_path']} "
-                f"| {_num(row['raw'].get('decode_tok_s'))} "
+                f"| {_num(raw)} "
                 f"| {_num(row['worker_execute'].get('decode_tok_s'))} "
                 f"| {_num(row['ratio_execute_vs_raw'], 3)} "
                 f"| {_p50(steps, 'client_wall')} / {_p50(steps, 'worker_total')} / "
                 f"{_p50(steps, 'worker_forward')} "
                 f"| {_num(prefill['raw'])} / {_num(prefill['worker_execute'])} "
-                f"| {row['requests_with_identical_tokens']}/{row['batch']} |"
+                f"| {row['requests_with_identical_tokens']}/{row['batch']}{extra} |"
             )
     singles = [
         (dtype, row) for dtype, rows in results["rows"].items() for row in rows if row["batch"] == 1
@@ -66,6 +75,8 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     for note in results.get("skipped", []):
         lines.append(f"- skipped: {note}")
+    for error in results.get("errors", []):
+        lines.append(f"- ERROR: {error}")
     if "run_seconds" in results:
         lines += [
             "",

@@ -10,6 +10,7 @@ scheduled by `internal_work()`, so both kinds share the same forward passes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,6 +47,13 @@ from mlx_worker_svc.engine.sampling import (
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
 
+# Look-ahead (batch.DecodeBatch): "speculate" queues the next decode forward on
+# the sampled tokens before the host reads them; "after" starts it once the
+# step is done (the engine before the GPU work); "off" never. For A/B runs of
+# the GPU benchmark; the default is the fastest.
+LOOK_AHEAD_MODES = ("speculate", "after", "off")
+LOOK_AHEAD = os.environ.get("MLX_WORKER_LOOKAHEAD", "speculate")
+
 # How many finished request ids are remembered, so that a scheduler naming a
 # request the worker already finished (EOS) in finished_req_ids is not an error.
 _REMEMBER_FINISHED = 65536
@@ -73,6 +81,9 @@ class ModelRunner(Admission):
         self.recently_finished: OrderedDict[RequestKey, None] = OrderedDict()
         self._journal: StepJournal | None = None
         self._reserved = 0  # request blocks the running step ends with
+        if LOOK_AHEAD not in LOOK_AHEAD_MODES:
+            raise ValueError(f"MLX_WORKER_LOOKAHEAD={LOOK_AHEAD!r}: use one of {LOOK_AHEAD_MODES}")
+        self.look_ahead = LOOK_AHEAD
 
     # ----------------------------------------------------------------- views
     def _request_blocks(self) -> int:
@@ -323,7 +334,7 @@ class ModelRunner(Admission):
         # tokens: the device never idles while the host reads, answers and
         # waits for the scheduler (batch.DecodeBatch, look-ahead).
         mx.async_eval(chosen)  # type: ignore[no-untyped-call]
-        if not any(self._last_token(seq) for seq in rows):
+        if self.look_ahead == "speculate" and not any(self._last_token(s) for s in rows):
             self.batch.speculate(self.model, chosen)
         tokens = read_tokens(chosen)
         self.batch.confirm(tokens)
@@ -344,7 +355,8 @@ class ModelRunner(Admission):
         for key in finished:
             self.free(key)
         rows = [self.seqs[key] for key in self.batch.keys]
-        self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
+        if self.look_ahead != "off":
+            self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
 
     def _last_token(self, seq: Sequence) -> bool:
         """Whether the token sampled now is surely the request's last (length limits).

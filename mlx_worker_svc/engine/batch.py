@@ -16,9 +16,40 @@ from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 from mlx import nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
+
+
+class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
+    """mlx-lm's BatchKVCache, knowing on the host whether any row is left-padded.
+
+    While no row is (every request's KV is equally long: requests that
+    started together), a one-token decode step attends to every cached
+    position of every row, so it needs no mask; without one, MLX runs its
+    fused decode attention kernel, which on CUDA it does not use with an
+    array mask (the unfused fallback then runs instead). The attention is
+    the same: the mask would only have kept every position.
+    """
+
+    padded = True
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> AlignedBatchKVCache:
+        merged: AlignedBatchKVCache = super().merge(caches)
+        merged.padded = len({c.size() for c in caches}) > 1
+        return merged
+
+    def extend(self, other: Any) -> None:
+        padded = self.padded or getattr(other, "padded", True) or self._idx != other._idx
+        super().extend(other)
+        self.padded = padded
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # noqa: N803
+        if N == 1 and not self.padded and not return_array:
+            return None
+        return super().make_mask(N, return_array=return_array, **kwargs)
 
 
 def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
@@ -28,7 +59,11 @@ def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
         first = caches[0][layer]
         if not hasattr(first, "merge"):
             raise TypeError(f"{type(first).__name__} cannot be batched")
-        merged.append(first.merge([c[layer] for c in caches]))
+        group = [c[layer] for c in caches]
+        if all(type(c) is KVCache for c in group):
+            merged.append(AlignedBatchKVCache.merge(group))
+        else:
+            merged.append(first.merge(group))
     return merged
 
 

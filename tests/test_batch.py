@@ -1,0 +1,134 @@
+"""The decode batch: its look-ahead and its mask-free aligned batches compute what was asked."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from mlx_worker_svc.engine.batch import AlignedBatchKVCache, DecodeBatch, merge_caches
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model() -> llama.Model:
+    mx.random.seed(3)
+    args = llama.ModelArgs.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": VOCAB,
+            "tie_word_embeddings": True,
+        }
+    )
+    return llama.Model(args)
+
+
+def prefilled(model: llama.Model, prompt: list[int]) -> list[object]:
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_aligned_rows_need_no_mask(model: llama.Model) -> None:
+    same = merge_caches([prefilled(model, [1, 2, 3]), prefilled(model, [4, 5, 6])])
+    assert all(isinstance(c, AlignedBatchKVCache) and not c.padded for c in same)
+    assert same[0].make_mask(1) is None
+    ragged = merge_caches([prefilled(model, [1, 2, 3]), prefilled(model, [4, 5])])
+    assert ragged[0].padded
+    assert isinstance(ragged[0].make_mask(1), mx.array)
+
+
+def test_aligned_batch_computes_what_the_masked_batch_computes(model: llama.Model) -> None:
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5, 5]]
+    ours = merge_caches([prefilled(model, p) for p in prompts])
+    theirs = [
+        BatchKVCache.merge([c[i] for c in [prefilled(model, p) for p in prompts]])
+        for i in range(len(ours))
+    ]
+    step = mx.array([[11], [12], [13]])
+    assert mx.array_equal(model(step, cache=ours), model(step, cache=theirs))
+
+
+def test_extending_with_rows_of_another_length_pads(model: llama.Model) -> None:
+    batch = merge_caches([prefilled(model, [1, 2]), prefilled(model, [3, 4])])
+    batch[0].extend(merge_caches([prefilled(model, [5, 6, 7])])[0])
+    assert batch[0].padded
+    even = merge_caches([prefilled(model, [1, 2]), prefilled(model, [3, 4])])
+    even[0].extend(merge_caches([prefilled(model, [5, 6])])[0])
+    assert not even[0].padded
+
+
+def greedy_rows(logits: mx.array) -> list[int]:
+    return [int(t) for t in cast(list[int], mx.argmax(logits, axis=-1).tolist())]
+
+
+def test_speculated_forward_equals_the_forward_it_stands_for(model: llama.Model) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+    def fresh() -> DecodeBatch[str]:
+        batch: DecodeBatch[str] = DecodeBatch()
+        batch.join([(f"r{i}", prefilled(model, p)) for i, p in enumerate(prompts)])
+        return batch
+
+    plain, ahead = fresh(), fresh()
+    first = greedy_rows(plain.forward(model, [3, 6, 9]))
+    logits = ahead.forward(model, [3, 6, 9])
+    chosen = mx.argmax(logits, axis=-1)
+    mx.async_eval(chosen)
+    ahead.speculate(model, chosen)
+    tokens = greedy_rows(logits)
+    ahead.confirm(tokens)
+    assert tokens == first
+    # r1 leaves: the others keep their look-ahead, and it is what they would compute.
+    plain.remove({"r1"})
+    ahead.remove({"r1"})
+    kept = [first[0], first[2]]
+    expected = plain.forward(model, kept)
+    assert mx.array_equal(ahead.forward(model, kept), expected)
+
+
+def test_a_different_next_step_rolls_the_speculation_back(model: llama.Model) -> None:
+    batch: DecodeBatch[str] = DecodeBatch()
+    batch.join([("a", prefilled(model, [1, 2])), ("b", prefilled(model, [3, 4]))])
+    reference: DecodeBatch[str] = DecodeBatch()
+    reference.join([("a", prefilled(model, [1, 2])), ("b", prefilled(model, [3, 4]))])
+    logits = batch.forward(model, [2, 4])
+    chosen = mx.argmax(logits, axis=-1)
+    batch.speculate(model, chosen)
+    batch.confirm(greedy_rows(logits))
+    reference.forward(model, [2, 4])
+    # The scheduler asks for other tokens than the sampled ones: nothing speculative stays.
+    assert mx.array_equal(batch.forward(model, [7, 7]), reference.forward(model, [7, 7]))
+    # A row taken out carries no speculative token either.
+    out = batch.extract({"a"})["a"]
+    assert out[0].offset == reference.extract({"a"})["a"][0].offset
+
+
+def test_rows_taken_out_during_a_speculation_leave_it_behind(model: llama.Model) -> None:
+    prompts = [[1, 2], [3, 4], [5, 6]]
+
+    def fresh() -> DecodeBatch[str]:
+        batch: DecodeBatch[str] = DecodeBatch()
+        batch.join([(f"r{i}", prefilled(model, p)) for i, p in enumerate(prompts)])
+        return batch
+
+    plain, ahead = fresh(), fresh()
+    first = greedy_rows(plain.forward(model, [2, 4, 6]))
+    logits = ahead.forward(model, [2, 4, 6])
+    ahead.speculate(model, mx.argmax(logits, axis=-1))
+    ahead.confirm(greedy_rows(logits))
+    taken = ahead.extract({"r0"})["r0"]
+    assert [c.offset for c in taken] == [c.offset for c in plain.extract({"r0"})["r0"]]
+    kept = first[1:]
+    assert mx.array_equal(ahead.forward(model, kept), plain.forward(model, kept))

@@ -242,15 +242,22 @@ def finish_reason(reason: FinishReason | None) -> pb.FinishReason:
 
 
 def request_output(output: RequestOutput) -> pb.RequestOutput:
-    return pb.RequestOutput(
+    # One message per request per step: fields left at their defaults are not
+    # passed (each keyword costs a conversion; the wire bytes are the same).
+    message = pb.RequestOutput(
         req_id=output.req_id,
         sampled_token_ids=output.sampled_token_ids,
-        logprobs=[token_logprobs(i) for i in output.logprobs],
-        prompt_logprobs=[token_logprobs(i) for i in output.prompt_logprobs],
-        num_cached_prompt_tokens=output.num_cached_prompt_tokens,
         num_computed_tokens=output.num_computed_tokens,
-        finish_reason=finish_reason(output.finish_reason),
     )
+    if output.logprobs:
+        message.logprobs.extend(token_logprobs(i) for i in output.logprobs)
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(token_logprobs(i) for i in output.prompt_logprobs)
+    if output.num_cached_prompt_tokens:
+        message.num_cached_prompt_tokens = output.num_cached_prompt_tokens
+    if output.finish_reason is not None:
+        message.finish_reason = _FINISH[output.finish_reason]
+    return message
 
 
 def step_result(result: StepResult) -> pb.ExecuteResponse:

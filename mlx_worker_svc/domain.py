@@ -54,6 +54,11 @@ class Origin(enum.Enum):
     EXECUTE = "execute"
     GENERATE = "generate"
 
+    # Request keys (origin, req_id) are hashed many times per request per step;
+    # Enum's own __hash__ is Python code, the identity hash is C (members are
+    # singletons, and Enum equality is identity).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class SamplingParams:

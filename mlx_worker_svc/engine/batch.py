@@ -88,6 +88,7 @@ class DecodeBatch(Generic[K]):
 
     def __init__(self) -> None:
         self.keys: list[K] = []
+        self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
         self._batched = False
         # (row keys, input tokens or None until they are read, logits [B, V])
@@ -97,7 +98,7 @@ class DecodeBatch(Generic[K]):
         return len(self.keys)
 
     def __contains__(self, key: K) -> bool:
-        return key in self.keys
+        return key in self._members
 
     def join(self, entries: Sequence[tuple[K, LayerCaches]]) -> None:
         """Adds requests with their private caches as new rows."""
@@ -116,6 +117,7 @@ class DecodeBatch(Generic[K]):
             for layer, theirs in zip(self._cache, merged, strict=True):
                 layer.extend(theirs)
         self.keys.extend(key for key, _ in entries)
+        self._members.update(key for key, _ in entries)
 
     def remove(self, keys: set[K]) -> None:
         """Drops rows (their KV is freed); the others keep their look-ahead."""
@@ -125,6 +127,7 @@ class DecodeBatch(Generic[K]):
         if not keep:
             self._ahead = None
             self.keys, self._cache, self._batched = [], [], False
+            self._members = set()
             return
         if len(keep) == 1:
             # Back to one row: give it its own cache again (it then computes
@@ -142,6 +145,7 @@ class DecodeBatch(Generic[K]):
                 kept = tuple(tokens[i] for i in keep) if tokens is not None else None
                 self._ahead = (tuple(self.keys[i] for i in keep), kept, logits[index])
         self.keys = [self.keys[i] for i in keep]
+        self._members = set(self.keys)
 
     def extract(self, keys: set[K]) -> dict[K, LayerCaches]:
         """Takes rows out of the batch, returning each as a private cache."""
@@ -150,6 +154,7 @@ class DecodeBatch(Generic[K]):
                 self._drop_ahead()
                 lone = {self.keys[0]: self._cache}
                 self.keys, self._cache = [], []
+                self._members = set()
                 return lone
             return {}
         out: dict[K, LayerCaches] = {}

@@ -15,7 +15,7 @@ tokens and `num_computed` but has its KV marked lost; the runner rebuilds it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from mlx_worker_svc.engine.runner import ModelRunner
 
 
-@dataclass(frozen=True)
-class _Saved:
+class _Saved(NamedTuple):
+    """A request's Python-side state before a step (a tuple: this runs per request per step)."""
+
     seq: Sequence
     num_tokens: int
     num_computed: int
@@ -41,15 +42,15 @@ class _Saved:
     @classmethod
     def of(cls, seq: Sequence) -> _Saved:
         return cls(
-            seq=seq,
-            num_tokens=len(seq.tokens),
-            num_computed=seq.num_computed,
-            preempted=seq.preempted,
-            prompt_scored=seq.prompt_scored,
-            fresh=seq.fresh,
-            kv_lost=seq.kv_lost,
-            cache=seq.cache,
-            rng=seq.sampler.rng_state(),
+            seq,
+            len(seq.tokens),
+            seq.num_computed,
+            seq.preempted,
+            seq.prompt_scored,
+            seq.fresh,
+            seq.kv_lost,
+            seq.cache,
+            seq.sampler.rng_state(),
         )
 
     def restore(self) -> None:

@@ -162,6 +162,18 @@ class ModelRunner(Admission):
         while len(self.recently_finished) > _REMEMBER_FINISHED:
             self.recently_finished.popitem(last=False)
 
+    def _free_all(self, keys: list[RequestKey]) -> None:
+        """Frees requests; their batch rows leave in one go (one filter of the batch)."""
+        rows = {key for key in keys if key in self.batch}
+        if len(rows) > 1:
+            if self.prefix is None:
+                self.batch.remove(rows)
+            else:
+                for key, cache in self.batch.extract(rows).items():
+                    self.seqs[key].cache = cache
+        for key in keys:
+            self.free(key)
+
     def _preempt(self, key: RequestKey) -> None:
         seq = self.seqs[key]
         self._release_kv(seq, True)
@@ -220,8 +232,7 @@ class ModelRunner(Admission):
     def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()
         self._fit_prefix(work)
-        for key in work.finished:
-            self.free(key)
+        self._free_all(work.finished)
         for key in work.preempted:
             self._preempt(key)
         for new in work.new:
@@ -237,7 +248,7 @@ class ModelRunner(Admission):
         num_tokens = 0
         for key, count in work.scheduled.items():
             seq = self.seqs[key]
-            output = outputs.setdefault(key, RequestOutput(req_id=key[1]))
+            output = outputs.get(key) or outputs.setdefault(key, RequestOutput(req_id=key[1]))
             self._ready_kv(seq, output)
             end = min(seq.num_computed + count, len(seq.tokens))
             num_tokens += end - seq.num_computed
@@ -343,7 +354,9 @@ class ModelRunner(Admission):
         for seq, token, info in zip(rows, tokens, infos, strict=True):
             seq.num_computed = len(seq.tokens)
             seq.tokens.append(token)
-            output = outputs.setdefault(seq.key, RequestOutput(req_id=seq.key[1]))
+            output = outputs.get(seq.key) or outputs.setdefault(
+                seq.key, RequestOutput(req_id=seq.key[1])
+            )
             output.sampled_token_ids.append(token)
             if info is not None:
                 output.logprobs.append(info)
@@ -352,8 +365,7 @@ class ModelRunner(Admission):
                 output.finish_reason = reason
                 output.num_computed_tokens = seq.num_computed
                 finished.append(seq.key)
-        for key in finished:
-            self.free(key)
+        self._free_all(finished)
         rows = [self.seqs[key] for key in self.batch.keys]
         if self.look_ahead != "off":
             self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])

@@ -34,6 +34,18 @@ from benchmarks.gpu import report
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+# Worker variants: the environment of the worker process (engine knobs for A/B runs).
+VARIANTS: dict[str, dict[str, str]] = {
+    # Everything on: the next forward queued before the host reads the tokens,
+    # aligned batches decode without a mask.
+    "speculate": {"MLX_WORKER_LOOKAHEAD": "speculate"},
+    # The look-ahead of the engine before this work: started after the step.
+    "after": {"MLX_WORKER_LOOKAHEAD": "after"},
+    # No look-ahead at all.
+    "off": {"MLX_WORKER_LOOKAHEAD": "off"},
+    # Speculation, but mlx-lm's masks on every batched step.
+    "masked": {"MLX_WORKER_LOOKAHEAD": "speculate", "MLX_WORKER_ALIGNED_DECODE": "0"},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,11 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parity-tokens", type=int, default=64)
     p.add_argument(
         "--variants",
-        default="speculate,after",
-        help="worker look-ahead modes (MLX_WORKER_LOOKAHEAD), one worker process each; "
-        "the first is compared with raw mlx-lm, the others are measured beside it",
+        default="speculate,after,masked",
+        help=f"worker variants, one worker process each ({', '.join(VARIANTS)}); the first "
+        "is compared with raw mlx-lm, the others are measured beside it",
     )
-    p.add_argument("--deadline-s", type=float, default=480.0, help="skip shapes past this")
+    p.add_argument("--deadline-s", type=float, default=420.0, help="skip shapes past this")
     p.add_argument("--models", type=Path, help="build (or reuse) the models here")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
@@ -61,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_sizes, args.prompt_tokens, args.new_tokens = "1,2,4", 16, 8
         args.parity_prompts, args.parity_tokens, args.warm_tokens = 2, 8, 2
     args.shape = SMOKE if args.smoke else LLAMA_1B
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown --variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     return args
 
 
@@ -237,15 +252,15 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
             model, tokenizer = load(str(dirs[dtype]))
             rows = results["rows"].setdefault(dtype, [])
             for index, variant in enumerate(variants):
-                log(f"{dtype}: starting a worker process (look-ahead {variant})")
-                env = {"MLX_WORKER_LOOKAHEAD": variant}
+                log(f"{dtype}: starting a worker process (variant {variant})")
+                env = VARIANTS[variant]
                 with process_worker(dirs[dtype], num_blocks=blocks, extra_env=env) as worker:
                     warm_up(worker, sizes, [args.prompt_tokens - 1])
                     for size in sizes:
                         if time.monotonic() - started > args.deadline_s:
                             results["skipped"].append(f"{dtype} {variant} batch {size}: deadline")
                             continue
-                        log(f"{dtype}: batch {size}, look-ahead {variant}")
+                        log(f"{dtype}: batch {size}, variant {variant}")
                         try:
                             if index == 0:
                                 row = measure_shape(model, tokenizer, worker, prompts[:size], args)

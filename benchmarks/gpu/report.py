@@ -19,7 +19,7 @@ def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     others = sorted({v for rows in results["rows"].values() for r in rows for v in r["variants"]})
     first = results["options"].get("variants", "").split(",")[0]
-    extra_head = "".join(f" | worker tok/s, look-ahead {v} | ratio" for v in others)
+    extra_head = "".join(f" | worker tok/s, {v} | ratio" for v in others)
     lines = [
         f"GPU: {m.get('gpu')}, driver {m.get('driver')} (CUDA {m.get('cuda_driver_api')}), "
         f"MLX {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}, device {m.get('mlx_device')}, "
@@ -28,7 +28,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['options']['new_tokens']} new tokens, repeats {results['options']['repeats']}",
         "",
         "| dtype | batch | raw path | raw decode tok/s "
-        f"| worker decode tok/s (Execute, look-ahead {first}) "
+        f"| worker decode tok/s (Execute, {first}) "
         "| ratio | worker step p50 ms: client wall / worker total / forward "
         f"| prefill tok/s raw / worker | identical requests{extra_head} |",
         "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(others),

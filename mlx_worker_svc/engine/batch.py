@@ -11,6 +11,7 @@ scheduler did not ask for.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +21,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
+# MLX_WORKER_ALIGNED_DECODE=0 keeps mlx-lm's masks on every batched step (for
+# A/B runs of the GPU benchmark; see AlignedBatchKVCache).
+ALIGNED = os.environ.get("MLX_WORKER_ALIGNED_DECODE", "1") != "0"
 
 
 class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
@@ -60,7 +64,7 @@ def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
         if not hasattr(first, "merge"):
             raise TypeError(f"{type(first).__name__} cannot be batched")
         group = [c[layer] for c in caches]
-        if all(type(c) is KVCache for c in group):
+        if ALIGNED and all(type(c) is KVCache for c in group):
             merged.append(AlignedBatchKVCache.merge(group))
         else:
             merged.append(first.merge(group))

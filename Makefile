@@ -7,6 +7,7 @@ NODE_STAMP := node_modules/.installed
 HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
+BENCH_GPU_ARGS ?=
 
 # MLX's Linux CPU wheel links a reference BLAS; OpenBLAS makes float32 matrix
 # products 10-30x faster. The tests and benchmarks run float32 models, so they
@@ -14,7 +15,7 @@ PYTEST_ARGS ?=
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
 
-.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench soak loadtest clean
+.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench bench-gpu gpu-pack soak loadtest clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +73,12 @@ test: $(STAMP) model blas ## run the test suite (warnings are errors)
 
 bench: $(STAMP) model blas ## benchmarks (JSON + PNG under benchmarks/results)
 	$(BLAS_ENV) $(PY) -m benchmarks.run
+
+bench-gpu: $(STAMP) ## worker vs raw mlx-lm on a GPU, Llama-3.2-1B-shaped (needs MLX's CUDA backend; benchmarks/gpu/README.md)
+	$(PY) -m benchmarks.gpu.bench_gpu $(BENCH_GPU_ARGS)
+
+gpu-pack: ## pack MLX's CUDA wheels for a GPU machine without registries (.gpupack/, benchmarks/gpu/README.md)
+	bash benchmarks/gpu/pack.sh
 
 soak: $(STAMP) model blas ## bounded soak through Execute: MLX memory must stay flat (JSON under benchmarks/results)
 	$(BLAS_ENV) $(PY) -m benchmarks.soak

@@ -231,16 +231,85 @@ def parity(
     }
 
 
-def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
-    from mlx_lm import load
+class _Run:
+    """One benchmark run's state: options, prompts, model directories, results."""
 
-    started = time.monotonic()
+    def __init__(self, args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
+        self.args, self.results, self.save = args, results, save
+        self.started = time.monotonic()
+        self.sizes = [int(b) for b in args.batch_sizes.split(",")]
+        self.prompts = prompt_set(
+            max(self.sizes), args.prompt_tokens, int(args.shape["vocab_size"])
+        )
+        self.blocks = max(self.sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
+
+    def late(self, what: str) -> bool:
+        """Past --deadline-s: `what` is skipped (and recorded so)."""
+        if time.monotonic() - self.started <= self.args.deadline_s:
+            return False
+        self.results["skipped"].append(f"{what}: past --deadline-s")
+        return True
+
+    def worker(self, model_dir: Path, variant: str) -> Any:
+        log(f"{model_dir.name}: starting a worker process (variant {variant})")
+        return process_worker(model_dir, num_blocks=self.blocks, extra_env=VARIANTS[variant])
+
+    def shapes(self, dtype: str, variant: str, measure: Any) -> None:
+        for size in self.sizes:
+            if self.late(f"{dtype} {variant} batch {size}"):
+                continue
+            log(f"{dtype}: batch {size}, variant {variant}")
+            try:
+                measure(size)
+            except Exception as exc:
+                log(f"{dtype} batch {size} ({variant}) failed: {exc!r}")
+                self.results["errors"].append(f"{dtype} {variant} batch {size}: {exc!r}")
+            self.save()
+
+    def compare(self, dtype: str, model_dir: Path, variant: str) -> None:
+        """Raw mlx-lm against the worker's first variant, every size; parity on bf16."""
+        from mlx_lm import load
+
+        args, rows = self.args, self.results["rows"].setdefault(dtype, [])
+        model, tokenizer = load(str(model_dir))
+        with self.worker(model_dir, variant) as worker:
+            warm_up(worker, self.sizes, [args.prompt_tokens - 1])
+
+            def measure(size: int) -> None:
+                row = measure_shape(model, tokenizer, worker, self.prompts[:size], args)
+                rows.append({**row, "variant": variant, "variants": {}})
+
+            self.shapes(dtype, variant, measure)
+            if dtype == "bf16" and args.parity_prompts and not self.late("parity"):
+                log("bf16: greedy parity check")
+                chosen = self.prompts[: args.parity_prompts]
+                try:
+                    self.results["parity"] = parity(
+                        model, tokenizer, worker, chosen, args.parity_tokens
+                    )
+                except Exception as exc:
+                    self.results["errors"].append(f"parity: {exc!r}")
+                self.save()
+
+    def beside(self, dtype: str, model_dir: Path, variant: str) -> None:
+        """Another worker variant, measured beside the compared rows."""
+        rows = {r["batch"]: r for r in self.results["rows"].get(dtype, [])}
+        with self.worker(model_dir, variant) as worker:
+            warm_up(worker, self.sizes, [self.args.prompt_tokens - 1])
+
+            def measure(size: int) -> None:
+                if size in rows:
+                    got = measure_worker(worker, self.prompts[:size], self.args)
+                    rows[size]["variants"][variant] = got
+
+            self.shapes(dtype, variant, measure)
+
+
+def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
+    """Raw against the first variant for every dtype first, then the other variants."""
     dtypes = [d for d in args.dtypes.split(",") if d]
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    vocab = int(args.shape["vocab_size"])
-    prompts = prompt_set(max(sizes), args.prompt_tokens, vocab)
     variants = [v for v in args.variants.split(",") if v]
-    blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
+    state = _Run(args, results, save)
     with temp_dir() as tmp:
         root = args.models or tmp / "models"
         log(f"building the models ({', '.join(dtypes)}) under {root}")
@@ -248,46 +317,15 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
         dirs = build_models(root, args.shape, dtypes)
         results["build_seconds"] = round(time.monotonic() - start, 1)
         for dtype in dtypes:
-            log(f"{dtype}: loading the model")
-            model, tokenizer = load(str(dirs[dtype]))
-            rows = results["rows"].setdefault(dtype, [])
-            for index, variant in enumerate(variants):
-                log(f"{dtype}: starting a worker process (variant {variant})")
-                env = VARIANTS[variant]
-                with process_worker(dirs[dtype], num_blocks=blocks, extra_env=env) as worker:
-                    warm_up(worker, sizes, [args.prompt_tokens - 1])
-                    for size in sizes:
-                        if time.monotonic() - started > args.deadline_s:
-                            results["skipped"].append(f"{dtype} {variant} batch {size}: deadline")
-                            continue
-                        log(f"{dtype}: batch {size}, variant {variant}")
-                        try:
-                            if index == 0:
-                                row = measure_shape(model, tokenizer, worker, prompts[:size], args)
-                                rows.append({**row, "variant": variant, "variants": {}})
-                            else:
-                                row = next(r for r in rows if r["batch"] == size)
-                                row["variants"][variant] = measure_worker(
-                                    worker, prompts[:size], args
-                                )
-                        except Exception as exc:
-                            log(f"{dtype} batch {size} ({variant}) failed: {exc!r}")
-                            results["errors"].append(f"{dtype} {variant} batch {size}: {exc!r}")
-                        save()
-                    if index == 0 and dtype == "bf16" and args.parity_prompts:
-                        log("bf16: greedy parity check")
-                        chosen = prompts[: args.parity_prompts]
-                        try:
-                            results["parity"] = parity(
-                                model, tokenizer, worker, chosen, args.parity_tokens
-                            )
-                        except Exception as exc:
-                            results["errors"].append(f"parity: {exc!r}")
-                        save()
-            del model, tokenizer
-            gc.collect()
-            mx.clear_cache()
-    results["run_seconds"] = round(time.monotonic() - started, 1)
+            if not state.late(f"{dtype}: raw and {variants[0]}"):
+                state.compare(dtype, dirs[dtype], variants[0])
+                gc.collect()  # the raw model goes with `compare`'s frame
+                mx.clear_cache()
+        for variant in variants[1:]:
+            for dtype in dtypes:
+                if not state.late(f"{dtype}: {variant}"):
+                    state.beside(dtype, dirs[dtype], variant)
+    results["run_seconds"] = round(time.monotonic() - state.started, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@
 # $MLXW survives between calls only while the machine stays warm (30 s).
 set -euo pipefail
 MLXW=${MLXW:-/tmp/mlxw}
+export MLXW
 here=$(cd "$(dirname "$0")" && pwd)
 mode=${1:?usage: install.sh stage|finish DIR}
 dir=${2:?usage: install.sh stage|finish DIR}
@@ -60,7 +61,11 @@ start = time.perf_counter()
 for _ in range(10):
     mx.eval(a @ a)
 print(f"4096^2 fp32 matmul: {10 * 2 * 4096**3 / (time.perf_counter() - start) / 1e12:.0f} TFLOP/s")
-import grpc_health, grpc_reflection, mlx_lm  # noqa: F401  (importable)
+import google.protobuf, grpc, grpc_health, grpc_reflection, mlx_lm  # importable, and ours
+print("protobuf", google.protobuf.__version__, google.protobuf.__file__)
+print("grpc", grpc.__version__, grpc.__file__)
+import os
+assert google.protobuf.__file__.startswith(os.environ["MLXW"]), "the image's protobuf shadows ours"
 PY
     ;;
   *)

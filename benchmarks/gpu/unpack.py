@@ -95,10 +95,18 @@ def install(root: Path) -> None:
             target = links / entry.name
             if entry.is_dir() and not target.exists():
                 target.symlink_to(entry)
-    (root / "env.sh").write_text(
-        f'export PYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
-        f'export MLX_PTX_CACHE_DIR="{root}/ptx"\n'
-    )
+    # The links are what libmlx.so's RPATH finds; the library path is a second way.
+    libs = sorted(str(d) for d in links.glob("*/lib") if d.is_dir())
+    if not libs:
+        print("warning: the image has no nvidia CUDA packages; MLX relies on system paths")
+    env = [
+        f'export PYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f'export MLX_PTX_CACHE_DIR="{root}/ptx"',
+    ]
+    if libs:
+        joined = ":".join(libs)
+        env.append(f'export LD_LIBRARY_PATH="{joined}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
+    (root / "env.sh").write_text("\n".join(env) + "\n")
     stamp.write_text("\n".join(names))
     linked = sorted(p.name for p in links.iterdir())
     print(f"installed into {site}; nvidia packages linked from the image: {linked}")

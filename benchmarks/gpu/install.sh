@@ -26,8 +26,8 @@ probe() {
 import importlib.metadata as md
 import importlib.util
 for name in ("numpy", "transformers", "tokenizers", "huggingface-hub", "jinja2", "pyyaml",
-             "sentencepiece", "safetensors", "grpcio", "protobuf", "nvidia-cublas",
-             "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft", "nvidia-cuda-nvrtc",
+             "sentencepiece", "safetensors", "grpcio", "protobuf", "prometheus-client",
+             "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft", "nvidia-cuda-nvrtc",
              "nvidia-cuda-runtime", "nvidia-cusolver"):
     try:
         print(f"{name} {md.version(name)}")

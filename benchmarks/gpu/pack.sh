@@ -4,7 +4,7 @@
 #   .gpupack/call1/  part 1 of the unpacked mlx-cuda-13 wheel (tar.xz, split)
 #   .gpupack/call2/  the rest of it, the mlx (cp312) and mlx-lm wheels, and
 #                    grpcio, grpcio-health-checking, grpcio-reflection, protobuf
-#                    at the versions the generated code needs
+#                    at the versions the generated code needs, prometheus-client
 # plus MANIFEST (sha256 of every file) in both. Run it on a machine that reaches
 # PyPI, in the checkout that makes the device calls. `.gpupack/` is ignored through
 # the repository's info/exclude: the wheels are never committed.
@@ -20,6 +20,7 @@ MLX_LM_VERSION=${MLX_LM_VERSION:-0.32.2}
 GRPC_VERSION=${GRPC_VERSION:-1.85.3}
 GRPC_PLUGINS_VERSION=${GRPC_PLUGINS_VERSION:-1.85.1}
 PROTOBUF_VERSION=${PROTOBUF_VERSION:-7.36.2}
+PROMETHEUS_VERSION=${PROMETHEUS_VERSION:-0.26.0}
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}   # the GPU image's python3 (KINDS.md)
 PART_SIZE=${PART_SIZE:-48m}              # the tar.xz is split into parts of this size
 LIMIT=$((64 * 1024 * 1024))              # the device tool's limit on one call's tree
@@ -43,7 +44,8 @@ echo "== downloading wheels into $cache/wheels"
   --python-version "$PYTHON_VERSION" "${platforms[@]}" -d "$cache/wheels" \
   "mlx-cuda-13==$MLX_VERSION" "mlx==$MLX_VERSION" "mlx-lm==$MLX_LM_VERSION" \
   "grpcio==$GRPC_VERSION" "grpcio-health-checking==$GRPC_PLUGINS_VERSION" \
-  "grpcio-reflection==$GRPC_PLUGINS_VERSION" "protobuf==$PROTOBUF_VERSION"
+  "grpcio-reflection==$GRPC_PLUGINS_VERSION" "protobuf==$PROTOBUF_VERSION" \
+  "prometheus-client==$PROMETHEUS_VERSION"
 
 if [ ! -s "$cache/mlx-cuda-13.tar.xz" ]; then
   echo "== unpacking mlx-cuda-13 and compressing it (xz -9, a few minutes)"

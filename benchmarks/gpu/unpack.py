@@ -104,8 +104,8 @@ def install(root: Path) -> None:
         f'export MLX_PTX_CACHE_DIR="{root}/ptx"',
     ]
     if libs:
-        joined = ":".join(libs)
-        env.append(f'export LD_LIBRARY_PATH="{joined}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
+        paths = ":".join(libs)
+        env.append(f'export LD_LIBRARY_PATH="{paths}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
     (root / "env.sh").write_text("\n".join(env) + "\n")
     stamp.write_text("\n".join(names))
     linked = sorted(p.name for p in links.iterdir())

@@ -158,6 +158,8 @@ class Worker:
     server: WorkerServer | None
     # DetermineMemory's measure of one KV block (`BLOCK_SIZE` tokens) of this model.
     bytes_per_block: int = 0
+    # The worker's process id (`process_worker`); None in-process.
+    pid: int | None = None
     _counter: int = 0
 
     def new_id(self, prefix: str) -> str:
@@ -240,7 +242,9 @@ def process_worker(
         port = _listening_port(proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
-            yield bring_up(stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching)
+            worker = bring_up(stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching)
+            worker.pid = proc.pid
+            yield worker
             stub.Shutdown(pb.ShutdownRequest(grace_seconds=1.0, abort=True))
     finally:
         try:

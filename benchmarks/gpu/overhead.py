@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,12 @@ MICRO: dict[str, Any] = {
 }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _p50_ms(values: list[int]) -> float:
     return round(percentile([v / 1e6 for v in values], 50), 3)
 
@@ -53,7 +61,11 @@ def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[
             batch = prompts[:size]
             run_execute(worker, batch, 4)
             raw_batch(model, batch, 4)
+            assert worker.pid is not None
+            worker_cpu, client_cpu = cpu_seconds(worker.pid), time.process_time()
             run = run_execute(worker, batch, steps)
+            worker_cpu = cpu_seconds(worker.pid) - worker_cpu
+            client_cpu = time.process_time() - client_cpu
             decode = run.steps[1:]
             raw = raw_batch(model, batch, steps)[0].stats()
             wall = _p50_ms([s.wall_ns for s in decode])
@@ -68,6 +80,9 @@ def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[
                     "worker_forward_ms": forward,
                     "outside_worker_ms": round(wall - total, 3),
                     "host_us_per_request": round((wall - forward) * 1e3 / size, 1),
+                    # CPU time per step (all steps of the run), steady under other load.
+                    "worker_cpu_ms_per_step": round(worker_cpu * 1e3 / len(run.steps), 3),
+                    "client_cpu_ms_per_step": round(client_cpu * 1e3 / len(run.steps), 3),
                     "batch_generator_step_ms": round(raw_step, 3),
                 }
             )
@@ -89,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(model_dir, sizes, args.steps, args.prompt_tokens)
     print(
         "| batch | client wall ms | worker total ms | forward+sample ms | outside worker ms "
-        "| host µs / request | BatchGenerator step ms |"
+        "| host µs / request | worker CPU ms / step | client CPU ms / step "
+        "| BatchGenerator step ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['batch']} | {r['client_wall_ms']} | {r['worker_total_ms']} "
             f"| {r['worker_forward_ms']} | {r['outside_worker_ms']} "
-            f"| {r['host_us_per_request']} | {r['batch_generator_step_ms']} |"
+            f"| {r['host_us_per_request']} | {r['worker_cpu_ms_per_step']} "
+            f"| {r['client_cpu_ms_per_step']} | {r['batch_generator_step_ms']} |"
         )
     return 0
 

@@ -37,15 +37,27 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 # Worker variants: the environment of the worker process (engine knobs for A/B runs).
 VARIANTS: dict[str, dict[str, str]] = {
     # Everything on: the next forward queued before the host reads the tokens,
-    # aligned batches decode without a mask.
+    # aligned batches decode without a mask, quantized models decode batches of
+    # 32 rows and more on dequantized weights.
     "speculate": {"MLX_WORKER_LOOKAHEAD": "speculate"},
     # The look-ahead of the engine before this work: started after the step.
     "after": {"MLX_WORKER_LOOKAHEAD": "after"},
     # No look-ahead at all.
     "off": {"MLX_WORKER_LOOKAHEAD": "off"},
     # Speculation, but mlx-lm's masks on every batched step.
-    "masked": {"MLX_WORKER_LOOKAHEAD": "speculate", "MLX_WORKER_ALIGNED_DECODE": "0"},
+    "masked": {"MLX_WORKER_ALIGNED_DECODE": "0"},
+    # Speculation, but MLX's quantized kernel at every batch size (quantized models only).
+    "quantized": {"MLX_WORKER_DEQUANT_MIN_BATCH": "0"},
 }
+QUANTIZED_ONLY = {"quantized"}
+# The rows from which quantized models decode on dequantized weights (the engine's
+# CUDA default; the smoke run lowers it so that a CPU exercises that path too).
+DEQUANT_MIN_BATCH = {"gpu": "32", "smoke": "2"}
+
+
+def variant_env(variant: str, smoke: bool) -> dict[str, str]:
+    env = {"MLX_WORKER_DEQUANT_MIN_BATCH": DEQUANT_MIN_BATCH["smoke" if smoke else "gpu"]}
+    return {**env, **VARIANTS[variant]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parity-tokens", type=int, default=64)
     p.add_argument(
         "--variants",
-        default="speculate,after,masked",
+        default="speculate,after,masked,quantized",
         help=f"worker variants, one worker process each ({', '.join(VARIANTS)}); the first "
         "is compared with raw mlx-lm, the others are measured beside it",
     )
@@ -252,7 +264,8 @@ class _Run:
 
     def worker(self, model_dir: Path, variant: str) -> Any:
         log(f"{model_dir.name}: starting a worker process (variant {variant})")
-        return process_worker(model_dir, num_blocks=self.blocks, extra_env=VARIANTS[variant])
+        env = variant_env(variant, self.args.smoke)
+        return process_worker(model_dir, num_blocks=self.blocks, extra_env=env)
 
     def shapes(self, dtype: str, variant: str, measure: Any) -> None:
         for size in self.sizes:
@@ -323,6 +336,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
                 mx.clear_cache()
         for variant in variants[1:]:
             for dtype in dtypes:
+                if variant in QUANTIZED_ONLY and dtype == "bf16":
+                    continue
                 if not state.late(f"{dtype}: {variant}"):
                     state.beside(dtype, dirs[dtype], variant)
     results["run_seconds"] = round(time.monotonic() - state.started, 1)

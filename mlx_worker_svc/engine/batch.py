@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlx_worker_svc.engine import dequant
+
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
 # MLX_WORKER_ALIGNED_DECODE=0 keeps mlx-lm's masks on every batched step (for
@@ -184,7 +186,8 @@ class DecodeBatch(Generic[K]):
                 return ahead[2]
             self._rollback()
         inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
-        logits: mx.array = model(inputs, cache=self._cache)
+        with dequant.rows(len(tokens)):
+            logits: mx.array = model(inputs, cache=self._cache)
         return logits[:, -1, :]
 
     def speculate(self, model: nn.Module, sampled: mx.array) -> None:
@@ -197,7 +200,8 @@ class DecodeBatch(Generic[K]):
         self._drop_ahead()
         if not self.keys or not self._trimmable():
             return
-        logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
+        with dequant.rows(len(self.keys)):
+            logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
         logits = logits[:, -1, :]
         mx.async_eval(logits)  # type: ignore[no-untyped-call]
         self._ahead = (tuple(self.keys), None, logits)

@@ -15,6 +15,7 @@ from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_worker_svc.domain import MemoryProfile, ModelInfo
+from mlx_worker_svc.engine import dequant
 from mlx_worker_svc.engine.batch import merge_caches
 from mlx_worker_svc.engine.device import memory_facts
 
@@ -134,7 +135,8 @@ def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]
             model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)
             caches.append(cache)
         batch = merge_caches(caches)
-        mx.eval(model(mx.zeros((size, 1), dtype=mx.uint32), cache=batch))
+        with dequant.rows(size):
+            mx.eval(model(mx.zeros((size, 1), dtype=mx.uint32), cache=batch))
         shapes += 1
     mx.clear_cache()
     return shapes

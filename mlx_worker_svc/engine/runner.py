@@ -29,6 +29,7 @@ from mlx_worker_svc.domain import (
     StepTimings,
     TokenLogprobs,
 )
+from mlx_worker_svc.engine import dequant
 from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission
 from mlx_worker_svc.engine.batch import DecodeBatch
 from mlx_worker_svc.engine.kv_budget import KVBudget
@@ -70,6 +71,7 @@ class ModelRunner(Admission):
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
         self.model = loaded.model
+        dequant.install(self.model)  # large decode batches of a quantized model
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)

@@ -1,0 +1,61 @@
+"""Quantized models: large decode batches on dequantized weights, the rest as before."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+from mlx_lm.models import llama
+
+from mlx_worker_svc.engine import dequant
+
+
+def tiny_llama(quantized: bool) -> llama.Model:
+    mx.random.seed(5)
+    args = llama.ModelArgs.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 256,
+            "tie_word_embeddings": True,
+        }
+    )
+    model = llama.Model(args)
+    if quantized:
+        nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_install_switches_every_quantized_layer_and_nothing_else() -> None:
+    # 2 layers x 7 projections, plus the tied embedding (also the output projection).
+    assert dequant.install(tiny_llama(quantized=True)) == 15
+    assert dequant.install(tiny_llama(quantized=False)) == 0
+
+
+def test_few_rows_compute_exactly_as_before() -> None:
+    plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
+    dequant.install(switched)
+    tokens = mx.array([[1, 2, 3], [4, 5, 6]])
+    with dequant.rows(2):
+        assert mx.array_equal(switched(tokens), plain(tokens))
+
+
+def test_many_rows_use_dequantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+    plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
+    dequant.install(switched)
+    tokens = mx.array([[i] for i in range(8)])
+    with dequant.rows(8):
+        ours = switched(tokens)
+    theirs = plain(tokens)
+    # The same model: the same values up to the products' rounding.
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
+    # Outside the block the switched layers use the quantized kernel again.
+    assert mx.array_equal(switched(tokens), theirs)

@@ -106,8 +106,11 @@ def greedy(logits: mx.array) -> mx.array:
     the logits' dtype. In bf16 or fp16 that subtraction rounds near-equal
     logits to equal values, and the argmax then picks the lowest id, which an
     argmax of the raw logits does not always pick: the same rule keeps greedy
-    parity in every dtype.
+    parity in every dtype. A single row is normalised over all its axes, as
+    `generate_step` does; several over the last, as `BatchGenerator` does.
     """
+    if logits.ndim == 2 and logits.shape[0] == 1:
+        return mx.argmax(logits - mx.logsumexp(logits, keepdims=True), axis=-1)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 

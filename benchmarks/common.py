@@ -223,12 +223,13 @@ def process_worker(
     num_blocks: int = 4096,
     prefix_caching: bool = False,
     extra_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> Iterator[Worker]:
     """Like `live_worker`, but the worker is its own process (`mlx-worker serve`).
 
     The client then does not share a GIL with the worker's gRPC and engine
     threads, as with a real remote scheduler. `extra_env` is added to its
-    environment.
+    environment, `extra_args` to `serve`'s options.
     """
     env = {
         **os.environ,
@@ -236,7 +237,7 @@ def process_worker(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     command = [sys.executable, "-m", "mlx_worker_svc", "--log-level", "WARNING", "serve"]
-    command += ["--port", "0", "--model", str(model)]
+    command += ["--port", "0", "--model", str(model), *(extra_args or [])]
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         port = _listening_port(proc)

@@ -11,8 +11,10 @@ built before the clock starts), and the worker's own `timings` are kept.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from benchmarks.common import Worker
@@ -131,16 +133,52 @@ def warm_up(worker: Worker, batch_sizes: list[int], prefill_lengths: list[int]) 
     worker.stub.WarmUp(pb.WarmUpRequest(batch_sizes=batch_sizes, prefill_lengths=prefill_lengths))
 
 
-def run_generate(worker: Worker, prompt: list[int], max_tokens: int) -> tuple[Timeline, list[int]]:
-    """One Generate stream (server streaming); returns its timeline and tokens."""
+def run_generate(
+    worker: Worker,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    start: threading.Barrier | None = None,
+    request_id: str | None = None,
+) -> tuple[Timeline, list[int]]:
+    """One Generate stream (server streaming); returns its timeline and tokens.
+
+    With `start`, the call waits on that barrier (concurrent streams start together).
+    """
     request = pb.GenerateRequest(
         prompt_token_ids=prompt,
         sampling_params=greedy(max_tokens),
-        request_id=worker.new_id("bench-gen"),
+        request_id=request_id or worker.new_id("bench-gen"),
     )
+    if start is not None:
+        start.wait()
     timeline = Timeline()
     tokens: list[int] = []
     for message in worker.stub.Generate(request):
         timeline.add(len(message.token_ids))
         tokens.extend(message.token_ids)
     return timeline, tokens
+
+
+def run_generate_streams(
+    worker: Worker, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[Timeline], list[list[int]]]:
+    """One Generate stream per prompt, all started together, one client thread each.
+
+    The worker schedules them itself (no per-step RPC). Returns each stream's
+    timeline (tokens stamped on arrival; `timeline.combined_stats` sums them up)
+    and tokens, in the prompts' order.
+    """
+    if len(prompts) == 1:
+        timeline, tokens = run_generate(worker, prompts[0], max_tokens)
+        return [timeline], [tokens]
+    start = threading.Barrier(len(prompts))
+    with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="bench-gen") as pool:
+        futures = [
+            pool.submit(
+                run_generate, worker, p, max_tokens, start=start, request_id=worker.new_id("gen")
+            )
+            for p in prompts
+        ]
+        done = [f.result() for f in futures]
+    return [t for t, _ in done], [tokens for _, tokens in done]

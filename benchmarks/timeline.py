@@ -27,20 +27,42 @@ class Timeline:
 
     def stats(self) -> dict[str, Any]:
         """TTFT, decode tokens/s (after the first token) and end-to-end tokens/s."""
-        hits = [(t, n) for t, n in self.events if n > 0]
-        if not hits:
-            return {"tokens": 0}
-        first_t, first_n = hits[0]
-        last_t = hits[-1][0]
-        decode_tokens = sum(n for _, n in hits[1:])
-        decode_s = (last_t - first_t) / 1e9
-        total_s = (last_t - self.start_ns) / 1e9
-        return {
-            "tokens": first_n + decode_tokens,
-            "ttft_s": round((first_t - self.start_ns) / 1e9, 4),
-            "decode_tokens": decode_tokens,
-            "decode_s": round(decode_s, 4),
-            "decode_tok_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
-            "total_s": round(total_s, 4),
-            "e2e_tok_s": round((first_n + decode_tokens) / total_s, 3) if total_s > 0 else None,
-        }
+        return combined_stats([self])
+
+
+def combined_stats(timelines: list[Timeline]) -> dict[str, Any]:
+    """`Timeline.stats` over requests that each have a timeline of their own.
+
+    Decode counts the tokens after each request's first, over the time from the
+    earliest first token to the last token of all; time to first token is when
+    the last request got its first (every request prefilled, as when a batch's
+    first tokens arrive together); `ttft_first_s` is the earliest. One timeline
+    (a whole batch stepped together) is the plain case.
+    """
+    firsts: list[tuple[int, int]] = []
+    last_t, decode_tokens = 0, 0
+    for timeline in timelines:
+        hits = [(t, n) for t, n in timeline.events if n > 0]
+        if hits:
+            firsts.append(hits[0])
+            decode_tokens += sum(n for _, n in hits[1:])
+            last_t = max(last_t, hits[-1][0])
+    if not firsts:
+        return {"tokens": 0}
+    start = min(t.start_ns for t in timelines)
+    first_t = min(t for t, _ in firsts)
+    first_n = sum(n for _, n in firsts)
+    decode_s = (last_t - first_t) / 1e9
+    total_s = (last_t - start) / 1e9
+    stats: dict[str, Any] = {
+        "tokens": first_n + decode_tokens,
+        "ttft_s": round((max(t for t, _ in firsts) - start) / 1e9, 4),
+        "decode_tokens": decode_tokens,
+        "decode_s": round(decode_s, 4),
+        "decode_tok_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+        "total_s": round(total_s, 4),
+        "e2e_tok_s": round((first_n + decode_tokens) / total_s, 3) if total_s > 0 else None,
+    }
+    if len(timelines) > 1:
+        stats["ttft_first_s"] = round((first_t - start) / 1e9, 4)
+    return stats

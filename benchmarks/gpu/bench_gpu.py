@@ -3,8 +3,9 @@
 Builds a random-weight Llama-3.2-1B-shaped model (bf16 and a 4-bit copy), then
 for each dtype and batch size runs raw mlx-lm in this process
 (`stream_generate` at batch 1, `BatchGenerator` at every size) and the worker
-in its own process over gRPC on loopback (Execute, one step per token, driven
-by benchmarks/execute_client.py; Generate too at batch 1). Every shape is
+in its own process over gRPC on loopback on two paths (`--paths`): Execute, one
+step per token, driven by benchmarks/execute_client.py, and one Generate stream
+per request, all started together and scheduled by the worker. Every shape is
 warmed first; prefill (TTFT) and decode (tokens after the first) are reported
 apart. A greedy parity check on the bf16 model compares the worker's tokens
 with mlx-lm's. Writes `<out>/<date>-<machine>-gpu.json` and `.md` after every
@@ -29,9 +30,10 @@ import mlx.core as mx
 
 from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, machine_name, process_worker, ratio, summary_ms, temp_dir
-from benchmarks.execute_client import run_execute, run_generate, warm_up
+from benchmarks.execute_client import run_execute, run_generate, run_generate_streams, warm_up
 from benchmarks.gpu import report
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
+from benchmarks.timeline import combined_stats
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 # Worker variants: the environment of the worker process (engine knobs for A/B runs).
@@ -49,6 +51,11 @@ VARIANTS: dict[str, dict[str, str]] = {
     # Speculation, but MLX's quantized kernel at every batch size (quantized models only).
     "quantized": {"MLX_WORKER_DEQUANT_MIN_BATCH": "0"},
 }
+# Worker paths (`--paths`): Execute (the benchmarks' Python scheduler, one RPC per
+# step) and Generate (one stream per request, the worker schedules them itself).
+PATHS = {"execute": "Execute", "generate": "Generate streams"}
+
+
 QUANTIZED_ONLY = {"quantized"}
 # The rows from which quantized models decode on dequantized weights (the engine's
 # CUDA default; the smoke run lowers it so that a CPU exercises that path too).
@@ -67,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per request")
     p.add_argument("--warm-tokens", type=int, default=4, help="tokens of each warm-up run")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved runs per shape, best kept")
+    p.add_argument("--repeats", type=int, default=1, help="runs per shape and path, best kept")
     p.add_argument("--parity-prompts", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=64)
     p.add_argument(
@@ -75,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="speculate,after,masked,quantized",
         help=f"worker variants, one worker process each ({', '.join(VARIANTS)}); the first "
         "is compared with raw mlx-lm, the others are measured beside it",
+    )
+    p.add_argument(
+        "--paths",
+        default="execute,generate",
+        help="worker paths: execute (one Execute RPC per step), generate (one Generate "
+        "stream per request, started together)",
     )
     p.add_argument("--deadline-s", type=float, default=420.0, help="skip shapes past this")
     p.add_argument("--models", type=Path, help="build (or reuse) the models here")
@@ -88,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown --variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    args.path_list = [x for x in args.paths.split(",") if x]
+    if not args.path_list or set(args.path_list) - set(PATHS):
+        p.error(f"--paths: one or more of {', '.join(PATHS)}")
     return args
 
 
@@ -142,66 +158,94 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return max(runs, key=lambda r: r["stats"].get("decode_tok_s") or 0.0)
 
 
+def _execute(worker: Worker, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    run = run_execute(worker, prompts, tokens)
+    return {"stats": run.timeline.stats(), "tokens": run.tokens, "run": run}
+
+
+def _generate(worker: Worker, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    timelines, outputs = run_generate_streams(worker, prompts, tokens)
+    return {"stats": combined_stats(timelines), "tokens": outputs}
+
+
+WORKER_RUNS = {"execute": _execute, "generate": _generate}
+
+
+def _decode(stats: dict[str, Any]) -> float:
+    return float(stats.get("decode_tok_s") or 0.0)
+
+
+def worker_paths(
+    worker: Worker, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """The worker's paths (`--paths`) at one batch size: each warmed, then runs (best kept)."""
+    paths = args.path_list
+    for path in paths:
+        WORKER_RUNS[path](worker, prompts, args.warm_tokens)
+    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    for _ in range(args.repeats):
+        for path in paths:
+            runs[path].append(WORKER_RUNS[path](worker, prompts, args.new_tokens))
+    return {path: _best(got) for path, got in runs.items()}
+
+
+def _path_fields(best: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for path, got in best.items():
+        fields[f"worker_{path}"] = got["stats"]
+        if "run" in got:
+            fields["worker_step_ms"] = _step_times(got["run"])
+    return fields
+
+
 def measure_shape(
     model: Any, tokenizer: Any, worker: Worker, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One batch size: warm every path, then raw and worker runs, interleaved."""
+    """One batch size: warm every path, then raw and worker runs."""
     size, n = len(prompts), args.new_tokens
     single = size == 1
     if single:
         raw_stream(model, tokenizer, prompts[0], args.warm_tokens)
-        run_generate(worker, prompts[0], args.warm_tokens)
     raw_batch(model, prompts, args.warm_tokens)
-    run_execute(worker, prompts, args.warm_tokens)
-    raw_runs, gen_runs, exe_runs, bg_runs = [], [], [], []
+    raw_runs, bg_runs = [], []
     for _ in range(args.repeats):
         if single:
             timeline, tokens = raw_stream(model, tokenizer, prompts[0], n)
             raw_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
-            timeline, tokens = run_generate(worker, prompts[0], n)
-            gen_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
         timeline, batch_tokens = raw_batch(model, prompts, n)
         bg_runs.append({"stats": timeline.stats(), "tokens": batch_tokens})
-        run = run_execute(worker, prompts, n)
-        exe_runs.append({"stats": run.timeline.stats(), "tokens": run.tokens, "run": run})
-    exe, bg = _best(exe_runs), _best(bg_runs)
+    best = worker_paths(worker, prompts, args)
+    bg = _best(bg_runs)
     raw = _best(raw_runs) if single else bg
+    raw_rate = _decode(raw["stats"])
     row: dict[str, Any] = {
         "batch": size,
         "raw_path": "stream_generate" if single else "BatchGenerator",
         "raw": raw["stats"],
-        "worker_execute": exe["stats"],
-        "ratio_execute_vs_raw": ratio(
-            exe["stats"].get("decode_tok_s") or 0, raw["stats"].get("decode_tok_s") or 0
-        ),
-        "worker_step_ms": _step_times(exe["run"]),
-        "requests_with_identical_tokens": sum(
-            a == b for a, b in zip(exe["tokens"], raw["tokens"], strict=True)
-        ),
-        "prefill_tok_s": {
-            "raw": _prefill_rate(raw["stats"], size, len(prompts[0])),
-            "worker_execute": _prefill_rate(exe["stats"], size, len(prompts[0])),
-        },
+        **_path_fields(best),
+        "prefill_tok_s": {"raw": _prefill_rate(raw["stats"], size, len(prompts[0]))},
+        "requests_with_identical_tokens": {},
+    }
+    for path, got in best.items():
+        row[f"ratio_{path}_vs_raw"] = ratio(_decode(got["stats"]), raw_rate)
+        row["prefill_tok_s"][f"worker_{path}"] = _prefill_rate(got["stats"], size, len(prompts[0]))
+        row["requests_with_identical_tokens"][path] = sum(
+            a == b for a, b in zip(got["tokens"], raw["tokens"], strict=True)
+        )
+    fastest = max(best, key=lambda path: _decode(best[path]["stats"]))
+    row["worker_best"] = {
+        "path": PATHS[fastest],
+        "decode_tok_s": best[fastest]["stats"].get("decode_tok_s"),
+        "ratio_vs_raw": row[f"ratio_{fastest}_vs_raw"],
     }
     if single:
-        gen = _best(gen_runs)
         row["batch_generator"] = bg["stats"]
-        row["worker_generate"] = gen["stats"]
-        row["ratio_generate_vs_raw"] = ratio(
-            gen["stats"].get("decode_tok_s") or 0, raw["stats"].get("decode_tok_s") or 0
-        )
     return row
 
 
 def measure_worker(worker: Worker, prompts: list[list[int]], args: argparse.Namespace) -> Any:
-    """Another worker variant at one batch size: warm, then Execute runs (best kept)."""
-    run_execute(worker, prompts, args.warm_tokens)
-    runs = []
-    for _ in range(args.repeats):
-        run = run_execute(worker, prompts, args.new_tokens)
-        runs.append({"stats": run.timeline.stats(), "run": run})
-    best = _best(runs)
-    return {"worker_execute": best["stats"], "worker_step_ms": _step_times(best["run"])}
+    """Another worker variant at one batch size: its paths, warmed, best run kept."""
+    return _path_fields(worker_paths(worker, prompts, args))
 
 
 def _prefill_rate(stats: dict[str, Any], size: int, prompt: int) -> float | None:
@@ -214,14 +258,17 @@ def parity(
 ) -> dict[str, Any]:
     """Greedy parity on one model: the worker's tokens against mlx-lm's.
 
-    The check that must hold: each prompt alone through Execute (batch 1)
-    gives exactly `stream_generate`'s tokens (mlx_lm.generate's path). For
-    information: the prompts as one batch, worker against BatchGenerator
+    The check that must hold: each prompt alone through Execute (batch 1), and
+    alone through Generate, gives exactly `stream_generate`'s tokens
+    (mlx_lm.generate's path). For information: the prompts as one batch
+    (Execute, and concurrent Generate streams), worker against BatchGenerator
     (batched kernels may round differently, and a random model's near-ties
     then flip a token).
     """
     reference = [raw_stream(model, tokenizer, p, tokens)[1] for p in prompts]
     alone = [run_execute(worker, [p], tokens).tokens[0] for p in prompts]
+    streams = run_generate_streams(worker, prompts, tokens)[1]
+    generated = [run_generate(worker, p, tokens)[1] for p in prompts]
     together = run_execute(worker, prompts, tokens).tokens
     batch_ref = raw_batch(model, prompts, tokens)[1]
 
@@ -232,7 +279,10 @@ def parity(
         "prompts": len(prompts),
         "tokens": tokens,
         "single_matches_generate": [a == r for a, r in zip(alone, reference, strict=True)],
-        "ok": alone == reference,
+        "generate_single_matches_generate": [
+            a == r for a, r in zip(generated, reference, strict=True)
+        ],
+        "ok": alone == reference and generated == reference,
         "batched_matches_batch_generator": [
             a == b for a, b in zip(together, batch_ref, strict=True)
         ],
@@ -240,6 +290,9 @@ def parity(
             agree(a, b) for a, b in zip(together, batch_ref, strict=True)
         ],
         "batched_matches_single": [a == b for a, b in zip(together, alone, strict=True)],
+        "generate_streams_match_batch_generator": [
+            a == b for a, b in zip(streams, batch_ref, strict=True)
+        ],
     }
 
 
@@ -265,7 +318,11 @@ class _Run:
     def worker(self, model_dir: Path, variant: str) -> Any:
         log(f"{model_dir.name}: starting a worker process (variant {variant})")
         env = variant_env(variant, self.args.smoke)
-        return process_worker(model_dir, num_blocks=self.blocks, extra_env=env)
+        # Every Generate stream of a batch is admitted at once: room for all of
+        # them in the engine's queue of starts and among the running requests.
+        room = str(max(self.sizes) + 64)
+        limits = ["--max-queued-steps", room, "--max-running-requests", str(max(256, int(room)))]
+        return process_worker(model_dir, num_blocks=self.blocks, extra_env=env, extra_args=limits)
 
     def shapes(self, dtype: str, variant: str, measure: Any) -> None:
         for size in self.sizes:

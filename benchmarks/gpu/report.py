@@ -15,11 +15,25 @@ def _p50(step: dict[str, Any], key: str) -> str:
     return _num(step.get(key, {}).get("p50_ms"), 2)
 
 
+PATHS = {"execute": "Execute", "generate": "Generate streams"}
+
+
+def _rate(stats: dict[str, Any] | None) -> Any:
+    return (stats or {}).get("decode_tok_s")
+
+
+def _best_path(row: dict[str, Any]) -> tuple[str, Any]:
+    """The worker path with the higher decode rate in a row (or a variant's entry)."""
+    rates = [(_rate(row.get(f"worker_{p}")) or 0, name) for p, name in PATHS.items()]
+    rate, name = max(rates)
+    return (name, rate) if rate else ("-", None)
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     others = sorted({v for rows in results["rows"].values() for r in rows for v in r["variants"]})
     first = results["options"].get("variants", "").split(",")[0]
-    extra_head = "".join(f" | worker tok/s, {v} | ratio" for v in others)
+    extra_head = "".join(f" | worker tok/s, {v} (best path) | ratio" for v in others)
     lines = [
         f"GPU: {m.get('gpu')}, driver {m.get('driver')} (CUDA {m.get('cuda_driver_api')}), "
         f"MLX {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}, device {m.get('mlx_device')}, "
@@ -27,50 +41,66 @@ def markdown(results: dict[str, Any]) -> str:
         f"options: prompt {results['options']['prompt_tokens']} tokens, "
         f"{results['options']['new_tokens']} new tokens, repeats {results['options']['repeats']}",
         "",
+        f"Worker variant {first}. Execute: one Execute RPC per step from the benchmarks' Python "
+        "scheduler; Generate streams: one Generate stream per request, all started together, "
+        "scheduled by the worker. Decode tok/s: tokens after each request's first over the time "
+        "from the first token to the last; prefill tok/s: prompt tokens over the time until every "
+        "request has its first token.",
+        "",
         "| dtype | batch | raw path | raw decode tok/s "
-        f"| worker decode tok/s (Execute, {first}) "
-        "| ratio | worker step p50 ms: client wall / worker total / forward "
-        f"| prefill tok/s raw / worker | identical requests{extra_head} |",
-        "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(others),
+        "| worker Execute tok/s | ratio | worker Generate streams tok/s | ratio "
+        "| best worker path: ratio "
+        "| Execute step p50 ms: client wall / worker total / forward "
+        "| prefill tok/s raw / Execute / Generate "
+        f"| identical requests Execute / Generate{extra_head} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(others),
     ]
     for dtype, rows in results["rows"].items():
         for row in rows:
-            steps = row["worker_step_ms"]
+            steps = row.get("worker_step_ms", {})
             prefill = row["prefill_tok_s"]
-            raw = row["raw"].get("decode_tok_s")
+            same = row["requests_with_identical_tokens"]
+            if not isinstance(same, dict):  # results written before the Generate path
+                same = {"execute": same}
+            raw = _rate(row["raw"])
+            best = row.get("worker_best") or {}
             extra = ""
             for v in others:
-                got = row["variants"].get(v, {}).get("worker_execute", {}).get("decode_tok_s")
-                extra += f" | {_num(got)} | {_num(got / raw if got and raw else None, 3)}"
+                name, got = _best_path(row["variants"].get(v, {}))
+                extra += f" | {_num(got)} ({name}) | {_num(got / raw if got and raw else None, 3)}"
             lines.append(
-                f"| {dtype} | {row['batch']} | {row['raw_path']} "
-                f"| {_num(raw)} "
-                f"| {_num(row['worker_execute'].get('decode_tok_s'))} "
-                f"| {_num(row['ratio_execute_vs_raw'], 3)} "
+                f"| {dtype} | {row['batch']} | {row['raw_path']} | {_num(raw)} "
+                f"| {_num(_rate(row.get('worker_execute')))} "
+                f"| {_num(row.get('ratio_execute_vs_raw'), 3)} "
+                f"| {_num(_rate(row.get('worker_generate')))} "
+                f"| {_num(row.get('ratio_generate_vs_raw'), 3)} "
+                f"| {best.get('path', '-')}: {_num(best.get('ratio_vs_raw'), 3)} "
                 f"| {_p50(steps, 'client_wall')} / {_p50(steps, 'worker_total')} / "
                 f"{_p50(steps, 'worker_forward')} "
-                f"| {_num(prefill['raw'])} / {_num(prefill['worker_execute'])} "
-                f"| {row['requests_with_identical_tokens']}/{row['batch']}{extra} |"
+                f"| {_num(prefill.get('raw'))} / {_num(prefill.get('worker_execute'))} / "
+                f"{_num(prefill.get('worker_generate'))} "
+                f"| {same.get('execute', '-')} / {same.get('generate', '-')} of {row['batch']}"
+                f"{extra} |"
             )
     singles = [
         (dtype, row) for dtype, rows in results["rows"].items() for row in rows if row["batch"] == 1
     ]
     if singles:
-        lines += ["", "Batch 1, other paths (decode tok/s):", ""]
+        lines += ["", "Batch 1, BatchGenerator (decode tok/s):", ""]
         for dtype, row in singles:
-            lines.append(
-                f"- {dtype}: BatchGenerator {_num(row['batch_generator'].get('decode_tok_s'))}, "
-                f"worker Generate stream {_num(row['worker_generate'].get('decode_tok_s'))} "
-                f"(ratio to stream_generate {_num(row['ratio_generate_vs_raw'], 3)})"
-            )
+            lines.append(f"- {dtype}: {_num(_rate(row.get('batch_generator')))}")
     parity = results.get("parity")
     if parity:
         lines += [
             "",
             f"Greedy parity (bf16, {parity['prompts']} prompts x {parity['tokens']} tokens): "
             f"worker batch 1 == mlx-lm stream_generate: {'OK' if parity['ok'] else 'FAILED'} "
-            f"{parity['single_matches_generate']}; worker batched == BatchGenerator: "
-            f"{parity['batched_matches_batch_generator']} (tokens agreeing before a difference: "
+            f"(Execute {parity['single_matches_generate']}, Generate "
+            f"{parity.get('generate_single_matches_generate')}); worker batched == "
+            f"BatchGenerator: Execute "
+            f"{parity['batched_matches_batch_generator']}, Generate streams "
+            f"{parity.get('generate_streams_match_batch_generator')} "
+            f"(Execute's tokens agreeing before a difference: "
             f"{parity['batched_tokens_agreeing_before_first_difference']}).",
         ]
     for note in results.get("skipped", []):

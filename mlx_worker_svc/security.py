@@ -149,8 +149,13 @@ def is_loopback(host: str) -> bool:
         return False  # a host name, "0.0.0.0", "::", "": reachable from elsewhere
 
 
-def check_bind(host: str, config: SecurityConfig) -> None:
-    """Raises `UnsafeBind` for a non-loopback host without TLS or a token, unless insecure."""
+def check_bind(
+    host: str, config: SecurityConfig, *, token_hint: str = f"--token-file (or {TOKEN_ENV})"
+) -> None:
+    """Raises `UnsafeBind` for a non-loopback host without TLS or a token, unless insecure.
+
+    `token_hint` names the flag that gives tokens, for the message.
+    """
     if is_loopback(host):
         return
     if config.tls or config.tokens:
@@ -162,7 +167,7 @@ def check_bind(host: str, config: SecurityConfig) -> None:
         return
     raise UnsafeBind(
         f"refusing to listen on {host} without TLS or a token: give --tls-cert and "
-        f"--tls-key, or --token-file (or {TOKEN_ENV}), or pass --insecure"
+        f"--tls-key, or {token_hint}, or pass --insecure"
     )
 
 
@@ -308,8 +313,15 @@ def token_check(config: SecurityConfig) -> TokenCheck | None:
 # -------------------------------------------------------------- command line
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The server-side flags of `serve` and `fleet`."""
+def add_server_arguments(
+    parser: argparse.ArgumentParser, *, token_flag: str = "--token-file", token_env: str = TOKEN_ENV
+) -> None:
+    """The server-side flags of `serve`, `fleet` and `gateway` (whose tokens are API keys).
+
+    `token_flag` names the token-file flag (its value lands in `args.token_file`)
+    and `token_env` the variable that adds one more token.
+    """
+    parser.set_defaults(token_flag=token_flag, token_env=token_env)
     group = parser.add_argument_group("security (see README: Security)")
     group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -319,9 +331,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="mutual TLS: require client certificates signed by this CA",
     )
     group.add_argument(
-        "--token-file",
+        token_flag,
+        dest="token_file",
         metavar="FILE",
-        help=f"require `authorization: Bearer <token>`, one token a line (also: ${TOKEN_ENV})",
+        help=f"require `authorization: Bearer <token>`, one token a line (also: ${token_env})",
     )
     group.add_argument(
         "--allow-health-without-token",
@@ -341,13 +354,13 @@ def server_security_from_args(args: argparse.Namespace) -> SecurityConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
-        tokens=load_tokens(args.token_file, env_var=TOKEN_ENV),
+        tokens=load_tokens(args.token_file, env_var=args.token_env),
         allow_health_without_token=args.allow_health_without_token,
         insecure=args.insecure,
     )
     if config.allow_health_without_token and not config.tokens:
         log.warning("--allow-health-without-token has no effect without a token")
-    check_bind(args.host, config)
+    check_bind(args.host, config, token_hint=f"{args.token_flag} (or {args.token_env})")
     return config
 
 

@@ -212,6 +212,10 @@ class FleetScheduler:
             ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
         return list((await link.client.tokenize(ask)).token_ids)
 
+    async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""
+        return await (await self._some_link()).client.detokenize(request)
+
     async def _some_link(self) -> WorkerLink:
         deadline = time.monotonic() + self.config.no_worker_timeout
         while not self._up():

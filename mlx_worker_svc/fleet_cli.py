@@ -1,8 +1,9 @@
-"""`mlx-worker fleet` and `mlx-worker generate`: the fleet scheduler from a shell.
+"""`mlx-worker fleet`, `gateway` and `generate`: the fleet scheduler from a shell.
 
 `fleet` serves `mlx_worker.v1.FleetService` in front of the given workers;
-`generate` runs the same scheduler in-process for one prompt and streams the
-text to the terminal.
+`gateway` serves an OpenAI-compatible HTTP API (mlx_worker_svc.gateway) over
+the same scheduler, in-process; `generate` runs the scheduler for one prompt
+and streams the text to the terminal.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 from typing import Any
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+GATEWAY_KEY_ENV = "MLX_GATEWAY_API_KEY"
+"""Environment variable with one more API key for `gateway` (beside --api-key-file)."""
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
@@ -72,6 +76,30 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_gateway(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
+    from mlx_worker_svc.scheduler import FleetScheduler
+    from mlx_worker_svc.security import SecurityError, server_security_from_args
+
+    try:  # before any worker is contacted
+        security = server_security_from_args(args)
+        fleet_config = _fleet_config(args)
+        config = GatewayConfig(served_model_name=args.served_model_name, security=security)
+        server = GatewayServer(
+            FleetScheduler(args.worker, fleet_config), args.host, args.port, config
+        )
+        await server.start()  # the app's lifespan starts the fleet
+    except (OSError, SecurityError) as exc:
+        print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.stop)
+    await server.wait()
+    return 0
+
+
 async def _run_generate(args: argparse.Namespace) -> int:
     from mlx_worker_svc.scheduler import FleetError, FleetScheduler
     from mlx_worker_svc.security import SecurityError
@@ -104,12 +132,13 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    """Adds `fleet` and `generate` to the `mlx-worker` subcommands."""
+    """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.metrics import add_metrics_arguments
     from mlx_worker_svc.security import add_server_arguments, add_worker_client_arguments
 
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
+        ("gateway", "serve an OpenAI-compatible HTTP API in front of workers", _run_gateway),
         ("generate", "stream one answer from the workers to the terminal", _run_generate),
     ):
         cmd = sub.add_parser(name, help=help_text)
@@ -121,15 +150,23 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
-        if name == "fleet":
+        if name in ("fleet", "gateway"):
+            port = 50050 if name == "fleet" else 8000
             cmd.add_argument(
                 "--host",
                 default="127.0.0.1",
                 help="default 127.0.0.1; any other needs TLS, a token or --insecure",
             )
-            cmd.add_argument("--port", type=int, default=50050, help="default 50050; 0 = any")
+            cmd.add_argument("--port", type=int, default=port, help=f"default {port}; 0 = any")
+        if name == "fleet":
             add_server_arguments(cmd)
             add_metrics_arguments(cmd)
+        elif name == "gateway":
+            add_server_arguments(cmd, token_flag="--api-key-file", token_env=GATEWAY_KEY_ENV)
+            cmd.add_argument(
+                "--served-model-name",
+                help="the model id clients use (default: the workers' model directory name)",
+            )
         else:
             cmd.add_argument("prompt")
             cmd.add_argument("--max-tokens", type=int, default=128)

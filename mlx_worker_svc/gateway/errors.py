@@ -1,0 +1,73 @@
+"""Errors in OpenAI's shape, and the HTTP status each gRPC status of the fleet becomes.
+
+Every error the gateway answers is `{"error": {"message", "type", "param",
+"code"}}` with a status code the OpenAI SDKs map to their exception classes
+(400 `BadRequestError`, 401 `AuthenticationError`, 404 `NotFoundError`, 429
+`RateLimitError`, 5xx `InternalServerError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+_S = grpc.StatusCode
+# gRPC status of a fleet or worker error -> (HTTP status, OpenAI error type, code).
+_FROM_GRPC: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    _S.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    _S.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_value"),
+    # A field the workers define but do not honour yet: the request's fault.
+    _S.UNIMPLEMENTED: (400, "invalid_request_error", "unsupported_value"),
+    _S.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    _S.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    _S.CANCELLED: (499, "invalid_request_error", "cancelled"),
+    # The gateway's own credentials toward the workers are wrong: not the caller's fault.
+    _S.UNAUTHENTICATED: (502, "server_error", "bad_gateway"),
+    _S.PERMISSION_DENIED: (502, "server_error", "bad_gateway"),
+    _S.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    _S.ABORTED: (503, "server_error", "service_unavailable"),
+    _S.FAILED_PRECONDITION: (503, "server_error", "service_unavailable"),
+    _S.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind  # OpenAI's `type`
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str, why: str) -> ApiError:
+    """A 400 for one bad field."""
+    return ApiError(400, f"Invalid value for '{param}': {why}", param=param, code="invalid_value")
+
+
+def from_grpc(code: grpc.StatusCode, message: str) -> ApiError:
+    """The OpenAI error for a fleet or worker error with this gRPC status."""
+    status, kind, short = _FROM_GRPC.get(code, (500, "server_error", None))
+    return ApiError(status, message, kind=kind, code=short)

@@ -1,0 +1,166 @@
+"""Fleet `GenerateResponse` messages out as OpenAI objects: completions, chunks, usage, logprobs.
+
+`Reply` holds one request's answer as it streams: each fleet message becomes
+one chunk (chat: `chat.completion.chunk` with a `delta`; legacy:
+`text_completion`), and the messages of a whole request become one
+`chat.completion` or `text_completion`. Logprobs need each token's text, which
+only the workers' tokenizer knows: `TokenTexts` asks the fleet once per token
+id and keeps the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from mlx_worker_svc.gateway.schema import ParsedRequest
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+_FINISH: dict[int, str] = {
+    pb.FINISH_REASON_EOS: "stop",
+    pb.FINISH_REASON_STOP_TOKEN: "stop",
+    pb.FINISH_REASON_STOP_STRING: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CONTEXT_LENGTH: "length",
+    pb.FINISH_REASON_ABORTED: "abort",
+}
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens like this.
+_FLOOR = -9999.0
+
+Detokenize = Callable[[pb.DetokenizeRequest], Awaitable[pb.DetokenizeResponse]]
+
+
+class TokenTexts:
+    """The text of single token ids, asked of the workers once per id."""
+
+    def __init__(self, detokenize: Detokenize) -> None:
+        self._detokenize = detokenize
+        self._known: dict[int, str] = {}  # bounded by the vocabulary
+
+    async def lookup(self, ids: Iterable[int]) -> dict[int, str]:
+        """A mapping that holds at least `ids` (asked concurrently when new)."""
+        missing = sorted({t for t in ids if t not in self._known})
+        answers = await asyncio.gather(
+            *(
+                self._detokenize(pb.DetokenizeRequest(token_ids=[t], skip_special_tokens=False))
+                for t in missing
+            )
+        )
+        self._known.update(zip(missing, (a.text for a in answers), strict=True))
+        return self._known
+
+
+def token_ids(logprobs: Iterable[pb.TokenLogprobs]) -> set[int]:
+    """Every token a list of logprobs names: the sampled ones and their alternatives."""
+    return {t for lp in logprobs for t in (lp.token_id, *(top.token_id for top in lp.top))}
+
+
+def _logprob(value: float) -> float:
+    return max(value, _FLOOR) if math.isfinite(value) else _FLOOR
+
+
+def _token(token: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:
+    text = texts[token]
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+class Reply:
+    """Builds the OpenAI objects of one request from the fleet's messages."""
+
+    def __init__(self, parsed: ParsedRequest, model: str) -> None:
+        self.parsed = parsed
+        self.model = model
+        self.created = int(time.time())
+        self.chat = parsed.kind == "chat"
+        self._role_sent = False
+        self._offset = 0  # legacy logprobs: characters of token text so far
+        self.cached_tokens = 0
+
+    def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.parsed.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def logprobs(
+        self, logprobs: list[pb.TokenLogprobs], texts: dict[int, str]
+    ) -> dict[str, Any] | None:
+        """The choice's `logprobs` object for these tokens (None when not asked for)."""
+        if self.parsed.logprobs is None:
+            return None
+        if self.chat:
+            content = [
+                _token(lp.token_id, lp.logprob, texts)
+                | {"top_logprobs": [_token(t.token_id, t.logprob, texts) for t in lp.top]}
+                for lp in logprobs
+            ]
+            return {"content": content}
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self._offset)
+            self._offset += len(texts[lp.token_id])
+        return {
+            "tokens": [texts[lp.token_id] for lp in logprobs],
+            "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [
+                {texts[t.token_id]: _logprob(t.logprob) for t in lp.top} for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, text: str, logprobs: dict[str, Any] | None, finish: int = 0) -> dict[str, Any]:
+        """One streamed chunk: text (and its tokens' logprobs), or the finish reason."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {} if finish else {"content": text}
+            if not self._role_sent:
+                delta = {"role": "assistant", **delta}
+                self._role_sent = True
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = _FINISH.get(finish) if finish else None
+        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice)
+        if self.parsed.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage(self, last: pb.GenerateResponse) -> dict[str, Any]:
+        return {
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
+        """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
+        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", {})
+        out["choices"] = []
+        out["usage"] = self.usage(last)
+        return out
+
+    def complete(
+        self, messages: list[pb.GenerateResponse], texts: dict[int, str]
+    ) -> dict[str, Any]:
+        """The whole answer (non-streaming) from every message of the request."""
+        text = "".join(m.text for m in messages)
+        logprobs = self.logprobs([lp for m in messages for lp in m.logprobs], texts)
+        last = messages[-1]
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = _FINISH.get(last.finish_reason)
+        out = self._envelope("chat.completion" if self.chat else "text_completion", choice)
+        out["usage"] = self.usage(last)
+        return out

@@ -1,0 +1,332 @@
+"""OpenAI request bodies in, a fleet `GenerateRequest` out, or an `ApiError` naming the field.
+
+Chat (`/v1/chat/completions`) and legacy completions (`/v1/completions`) share
+the sampling fields (temperature, top_p, seed, stop, max_tokens, penalties,
+logit_bias) and add their own prompt and logprobs shapes. vLLM's extra sampling
+fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids) are honoured too, since the workers take vLLM's parameters.
+Like OpenAI, an argument the endpoint does not know is a 400, and one it knows
+but cannot honour (tools, n > 1, echo) is a 400 that says so, never silently
+ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+Kind = Literal["chat", "completion"]
+MAX_LOGPROBS = 20  # the workers' bound on top-n
+MAX_STOP = 4  # OpenAI's bound on stop strings
+_UINT32 = 2**32 - 1
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What one OpenAI request asks of the fleet, and how to answer it."""
+
+    kind: Kind
+    id: str  # the response id, also the fleet request id
+    model: str | None
+    generate: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: no logprobs; else how many alternatives per token
+
+
+# Fields both endpoints read; the sets below add each endpoint's own.
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+}
+_KNOWN: dict[Kind, set[str]] = {
+    "chat": _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "metadata",
+        "store",
+        "parallel_tool_calls",
+    },
+    "completion": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+}
+# Known to OpenAI, not honoured here: a 400 that says why (None/absent is fine).
+_UNSUPPORTED = {
+    "tools": "tool calls are not supported by this server",
+    "tool_choice": "tool calls are not supported by this server",
+    "functions": "function calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "modalities": "only text output is supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+}
+
+
+class _Fields:
+    """Typed reads of a JSON object's fields; every failure names the field."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, f"expected a boolean, got {_json_type(value)}")
+        return value
+
+    def number(self, name: str, low: float, high: float) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(name, f"expected a number, got {_json_type(value)}")
+        if not (math.isfinite(value) and low <= value <= high):
+            raise invalid(name, f"{value} is not in [{low:g}, {high:g}]")
+        return float(value)
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(name, f"expected an integer, got {_json_type(value)}")
+        if not low <= value <= high:
+            raise invalid(name, f"{value} is not in [{low}, {high}]")
+        return value
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names |= {list: "an array", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_request(kind: Kind, body: Any) -> ParsedRequest:
+    """Validates an OpenAI request body; raises `ApiError` (400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    for name in body:
+        if name in _UNSUPPORTED and body[name] is not None:
+            raise ApiError(400, f"'{name}': {_UNSUPPORTED[name]}", param=name)
+        if name not in _KNOWN[kind] and name not in _UNSUPPORTED:
+            raise ApiError(
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unrecognized_argument",
+            )
+    fields = _Fields(body)
+    model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", f"expected a string, got {_json_type(model)}")
+    if fields.integer("n", 1, 1_000_000) not in (None, 1):
+        raise ApiError(400, "Only n = 1 is supported", param="n", code="invalid_value")
+    stream = fields.boolean("stream")
+    include_usage = _stream_options(fields, stream)
+    request = pb.GenerateRequest(sampling_params=_sampling(kind, fields), request_id=_new_id(kind))
+    if kind == "chat":
+        request.messages.extend(_messages(fields.get("messages")))
+        logprobs = _chat_logprobs(fields)
+        response_format = fields.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise ApiError(
+                400, "Only the 'text' response format is supported", param="response_format"
+            )
+    else:
+        _completion_prompt(fields.get("prompt"), request)
+        logprobs = fields.integer("logprobs", 0, MAX_LOGPROBS)
+        if fields.boolean("echo"):
+            raise ApiError(400, "'echo' is not supported by this server", param="echo")
+        if fields.integer("best_of", 1, 1_000_000) not in (None, 1):
+            raise ApiError(400, "Only best_of = 1 is supported", param="best_of")
+        if fields.get("suffix"):
+            raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
+    if logprobs is not None:
+        request.sampling_params.logprobs = logprobs
+    return ParsedRequest(
+        kind=kind,
+        id=request.request_id,
+        model=model,
+        generate=request,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+    )
+
+
+def _new_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _stream_options(fields: _Fields, stream: bool) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "only allowed when 'stream' is true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", f"expected an object, got {_json_type(options)}")
+    return _Fields(options).boolean("include_usage")
+
+
+def _sampling(kind: Kind, fields: _Fields) -> pb.SamplingParams:
+    params = pb.SamplingParams()
+    max_tokens = fields.integer("max_tokens", 1, _UINT32)
+    if kind == "chat":
+        # The newer name wins; chat has no default (up to the context length).
+        max_tokens = fields.integer("max_completion_tokens", 1, _UINT32) or max_tokens
+    elif max_tokens is None:
+        max_tokens = 16  # OpenAI's default for legacy completions
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    # OpenAI's default temperature is 1, which is also the workers'.
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = fields.number(name, low, high)
+        if value is not None:
+            setattr(params, name, value)
+    if params.HasField("top_p") and params.top_p == 0:
+        raise invalid("top_p", "must be greater than 0")
+    params.presence_penalty = fields.number("presence_penalty", -2.0, 2.0) or 0.0
+    params.frequency_penalty = fields.number("frequency_penalty", -2.0, 2.0) or 0.0
+    seed = fields.integer("seed", -(2**63), 2**64 - 1)
+    if seed is not None:
+        params.seed = seed % 2**64  # OpenAI seeds are signed; the workers' unsigned
+    params.stop.extend(_stop(fields.get("stop")))
+    params.logit_bias.update(_logit_bias(fields.get("logit_bias")))
+    # vLLM's extras.
+    params.top_k = fields.integer("top_k", -1, _UINT32 >> 1) or 0
+    params.min_p = fields.number("min_p", 0.0, 1.0) or 0.0
+    penalty = fields.number("repetition_penalty", 0.0, math.inf)
+    if penalty is not None:
+        if penalty == 0:
+            raise invalid("repetition_penalty", "must be greater than 0")
+        params.repetition_penalty = penalty
+    params.min_tokens = fields.integer("min_tokens", 0, _UINT32) or 0
+    params.ignore_eos = fields.boolean("ignore_eos")
+    stop_ids = fields.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32 for t in stop_ids
+    ):
+        raise invalid("stop_token_ids", "expected an array of token ids")
+    params.stop_token_ids.extend(stop_ids)
+    return params
+
+
+def _stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", "expected a non-empty string or an array of them")
+    if len(stops) > MAX_STOP:
+        raise invalid("stop", f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+    return stops
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"expected an object, got {_json_type(value)}")
+    bias: dict[int, float] = {}
+    for key, weight in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= _UINT32):
+            raise invalid("logit_bias", f"{key!r} is not a token id")
+        number = _Fields({key: weight}).number(key, -100.0, 100.0)
+        if number is None:
+            raise invalid("logit_bias", f"no bias given for token {key}")
+        bias[int(key)] = number
+    return bias
+
+
+def _messages(value: Any) -> list[pb.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "expected a non-empty array of messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, f"expected an object, got {_json_type(message)}")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise invalid(f"{where}.role", f"{role!r} is not one of {sorted(_ROLES)}")
+        if message.get("tool_calls"):
+            raise ApiError(400, "tool calls are not supported by this server", param=where)
+        # "developer" is OpenAI's newer name for "system", which chat templates know.
+        role = "system" if role == "developer" else role
+        out.append(pb.ChatMessage(role=role, content=_content(message.get("content"), where)))
+    return out
+
+
+def _content(value: Any, where: str) -> str:
+    if value is None or isinstance(value, str):
+        return value or ""
+    if not isinstance(value, list):
+        raise invalid(f"{where}.content", "expected a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise invalid(f"{where}.content[{j}]", "only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{where}.content[{j}].text", "expected a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _chat_logprobs(fields: _Fields) -> int | None:
+    top = fields.integer("top_logprobs", 0, MAX_LOGPROBS)
+    if not fields.boolean("logprobs"):
+        if top:
+            raise invalid("top_logprobs", "requires 'logprobs' to be true")
+        return None
+    return top or 0
+
+
+def _completion_prompt(value: Any, request: pb.GenerateRequest) -> None:
+    """A string, one string in an array, or token ids (an array of integers)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str) and value:
+        request.prompt = value
+        return
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32 for t in value)
+    ):
+        request.prompt_token_ids.extend(value)
+        return
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise ApiError(400, "Only one prompt per request is supported", param="prompt")
+    raise invalid("prompt", "expected a non-empty string or an array of token ids")

@@ -15,7 +15,7 @@ BENCH_GPU_ARGS ?=
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
 
-.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench bench-gpu gpu-pack soak loadtest clean
+.PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench bench-gpu gpu-pack bench-gateway soak loadtest clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,9 @@ bench-gpu: $(STAMP) ## worker vs raw mlx-lm on a GPU, Llama-3.2-1B-shaped (needs
 
 gpu-pack: ## pack MLX's CUDA wheels for a GPU machine without registries (.gpupack/, benchmarks/gpu/README.md)
 	bash benchmarks/gpu/pack.sh
+
+bench-gateway: $(STAMP) model blas ## OpenAI gateway vs mlx_lm.server, same chat load (JSON under benchmarks/results)
+	$(BLAS_ENV) $(PY) -m benchmarks.gateway_load
 
 soak: $(STAMP) model blas ## bounded soak through Execute: MLX memory must stay flat (JSON under benchmarks/results)
 	$(BLAS_ENV) $(PY) -m benchmarks.soak

@@ -39,15 +39,15 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 _READY_S = 300.0
 
 
-class _Process:
-    """A `python -m mlx_worker_svc ...` subprocess writing to a log file."""
+class ServerProcess:
+    """A `python -m MODULE ...` subprocess (default: mlx_worker_svc) writing to a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, *, module: str = "mlx_worker_svc") -> None:
         self.log = log
         self.target = ""
         self._out: TextIO = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_worker_svc", *args],
+            [sys.executable, "-m", module, *args],
             stdout=self._out,
             stderr=subprocess.STDOUT,
             text=True,
@@ -75,7 +75,7 @@ class _Process:
         self._out.close()
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -85,21 +85,21 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_used(pids: dict[str, int], before: dict[str, float | None]) -> dict[str, float | None]:
+def cpu_used(pids: dict[str, int], before: dict[str, float | None]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name, pid in pids.items():
-        now, then = _cpu_seconds(pid), before.get(name)
+        now, then = cpu_seconds(pid), before.get(name)
         out[name] = None if now is None or then is None else round(now - then, 2)
     return out
 
 
 @contextmanager
-def _workers(model: Path, count: int, tmp: Path) -> Iterator[list[_Process]]:
+def worker_processes(model: Path, count: int, tmp: Path) -> Iterator[list[ServerProcess]]:
     """`count` worker processes on the model, lifecycle done; yields them (`target` set)."""
     with ExitStack() as stack:
-        procs: list[_Process] = []
+        procs: list[ServerProcess] = []
         for i in range(count):
-            proc = _Process(
+            proc = ServerProcess(
                 ["serve", "--model", str(model), "--auto-init", "--port", "0"],
                 tmp / f"worker-{i}.log",
             )
@@ -113,10 +113,10 @@ def _workers(model: Path, count: int, tmp: Path) -> Iterator[list[_Process]]:
 
 
 @contextmanager
-def _fleet(targets: list[str], tmp: Path) -> Iterator[tuple[Any, _Process]]:
+def _fleet(targets: list[str], tmp: Path) -> Iterator[tuple[Any, ServerProcess]]:
     """A fleet process in front of `targets`; yields a stub to it once all are up."""
     workers = [arg for target in targets for arg in ("--worker", target)]
-    proc = _Process(["fleet", *workers, "--port", "0"], tmp / f"fleet-{len(targets)}.log")
+    proc = ServerProcess(["fleet", *workers, "--port", "0"], tmp / f"fleet-{len(targets)}.log")
     try:
         port = proc.wait_for(r"fleet listening on [\d.]+:(\d+)").group(1)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -177,16 +177,16 @@ def section_g(
     half = len(prompts) // 2
     warm, measured = prompts[:half], prompts[half:]
     runs: list[dict[str, Any]] = []
-    with _workers(model, max(worker_counts), tmp) as workers:
+    with worker_processes(model, max(worker_counts), tmp) as workers:
         for count in worker_counts:
             with _fleet([w.target for w in workers[:count]], tmp) as (stub, fleet):
                 _round(stub, warm, tokens)
                 pids = {"fleet": fleet.proc.pid}
                 pids.update({f"worker_{i}": w.proc.pid for i, w in enumerate(workers[:count])})
-                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 client = time.process_time()
                 run = _round(stub, measured, tokens)
-                cpu = _cpu_used(pids, before)
+                cpu = cpu_used(pids, before)
                 cpu["client"] = round(time.process_time() - client, 2)
                 status = stub.Status(fleet_pb2.StatusRequest())
             run["workers"] = count

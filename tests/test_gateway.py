@@ -1,0 +1,400 @@
+"""The OpenAI-compatible gateway end to end, driven by the official `openai` package.
+
+A `mlx-worker serve --auto-init` process on the tiny random llama sits behind a
+`mlx-worker gateway` process with an API key, both on loopback; the module shares
+them. The worker's own Generate (over gRPC) is the reference for what the gateway
+must answer: the same greedy text for the same chat or prompt. One test runs the
+real SmolLM2 model behind a second gateway and compares it with `mlx_lm.generate`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from driver import ServeProcess
+from openai.types.chat import ChatCompletionMessageParam
+from test_fleet import Proc
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+KEY = "sk-gateway-test-key"
+OTHER_KEY = "sk-second-key"
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+class Gateway:
+    """A `mlx-worker gateway` process in front of one worker; ready when /health is 200."""
+
+    def __init__(self, worker_port: int, *options: str) -> None:
+        self.proc = Proc(
+            ["gateway", "--worker", f"127.0.0.1:{worker_port}", "--port", "0", *options]
+        )
+        self.port = int(self.proc.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        deadline = time.monotonic() + 120
+        while self.http.get("/health", headers=headers).status_code != 200:
+            assert time.monotonic() < deadline, f"no worker came up:\n{self.proc.output}"
+            time.sleep(0.1)
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metric(self, line: str) -> float:
+        text = self.http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        match = re.search(rf"^{re.escape(line)} (\S+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def close(self) -> None:
+        self.http.close()
+        self.proc.reap()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
+    proc = ServeProcess(tiny_dir, 1.0)
+    yield proc
+    proc.reap()
+
+
+@pytest.fixture(scope="module")
+def stub(worker: ServeProcess) -> pb_grpc.WorkerServiceStub:
+    return pb_grpc.WorkerServiceStub(worker.channel())
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# two keys, for rotation\n{KEY}\n{OTHER_KEY}\n")
+    gw = Gateway(worker.port, "--api-key-file", str(keys))
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with gateway.client() as c:
+        yield c
+
+
+def worker_generate(stub: pb_grpc.WorkerServiceStub, **request: Any) -> tuple[str, int, int]:
+    """The worker's own Generate: (text, completion tokens, prompt tokens)."""
+    messages = list(stub.Generate(pb.GenerateRequest(**request), timeout=60))
+    last = messages[-1]
+    return "".join(m.text for m in messages), last.completion_tokens, last.prompt_tokens
+
+
+def greedy(max_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ---------------------------------------------------------------- tests
+def test_models_health_and_metrics(gateway: Gateway, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["model"]  # the model directory's name
+    assert client.models.retrieve("model").id == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    health = gateway.http.get("/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert health.json() == {"status": "ok", "workers_up": 1, "workers": 1, "queued": 0}
+    # /health and /metrics need the key too (no --allow-health-without-token here).
+    assert gateway.http.get("/health").status_code == 401
+    assert gateway.http.get("/metrics").status_code == 401
+    assert gateway.metric("mlx_gateway_workers_up") == 1.0
+    assert gateway.metric(
+        'mlx_gateway_http_requests_total{method="GET",route="/health",status="401"}'
+    )
+    unknown = gateway.http.get("/v2/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_is_the_workers_greedy_answer_streamed_or_not(
+    client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+) -> None:
+    want, count, prompt_tokens = worker_generate(
+        stub, messages=[pb.ChatMessage(**m) for m in CHAT], sampling_params=greedy(12)
+    )
+    assert count == 12 and want.strip()
+    extra = {"ignore_eos": True}
+    done = client.chat.completions.create(
+        model="model", messages=CHAT, temperature=0, max_tokens=12, extra_body=extra
+    )
+    [choice] = done.choices
+    assert (choice.message.role, choice.message.content) == ("assistant", want)
+    assert choice.finish_reason == "length"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 12)
+    assert done.usage.total_tokens == prompt_tokens + 12
+    assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
+
+    chunks = list(
+        client.chat.completions.create(
+            model="model",
+            messages=CHAT,
+            temperature=0,
+            max_completion_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    *body, usage = chunks
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in body) == want
+    assert [c.choices[0].finish_reason for c in body][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert usage.choices == [] and usage.usage is not None
+    assert (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (prompt_tokens, 12)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_are_the_workers_greedy_answer_streamed_or_not(
+    client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+) -> None:
+    want, _, prompt_tokens = worker_generate(
+        stub, prompt="Once upon a time", sampling_params=greedy(10)
+    )
+    extra = {"ignore_eos": True}
+    done = client.completions.create(
+        model="model", prompt="Once upon a time", temperature=0, max_tokens=10, extra_body=extra
+    )
+    assert done.choices[0].text == want and done.object == "text_completion"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 10)
+    stream = client.completions.create(
+        model="model",
+        prompt="Once upon a time",
+        temperature=0,
+        max_tokens=10,
+        stream=True,
+        extra_body=extra,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # OpenAI's default max_tokens for legacy completions is 16.
+    default = client.completions.create(
+        model="model", prompt="Once upon a time", temperature=0, extra_body=extra
+    )
+    assert default.usage is not None and default.usage.completion_tokens == 16
+
+
+def test_a_stop_string_ends_the_answer_and_is_left_out(client: openai.OpenAI) -> None:
+    def chat(**options: Any) -> Any:
+        return client.chat.completions.create(
+            model="model",
+            messages=CHAT,
+            temperature=0,
+            max_tokens=24,
+            extra_body={"ignore_eos": True},
+            **options,
+        ).choices[0]
+
+    full = chat().message.content
+    # A stop string from the middle of the text, at its first occurrence.
+    start = next(
+        i
+        for i in range(len(full) // 3, len(full) - 3)
+        if full.find(full[i : i + 3]) == i and full[i : i + 3].strip()
+    )
+    stopped = chat(stop=[full[start : start + 3], "never-there"])
+    assert stopped.message.content == full[:start]
+    assert stopped.finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="model",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=24,
+        stop=full[start : start + 3],
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:start]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        done = client.chat.completions.create(
+            model="model",
+            messages=CHAT,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            max_tokens=16,
+            extra_body={"ignore_eos": True},
+        )
+        return done.choices[0].message.content or ""
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
+    done = client.chat.completions.create(
+        model="model",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content) == 6
+    assert "".join(t.token for t in logprobs.content) == done.choices[0].message.content
+    for token in logprobs.content:
+        assert len(token.top_logprobs) == 3
+        top = [t.logprob for t in token.top_logprobs]
+        assert top == sorted(top, reverse=True) and top[0] <= 0.0
+        # Greedy: the sampled token is the most likely one.
+        assert (token.token, token.logprob) == (token.top_logprobs[0].token, top[0])
+        assert token.bytes == list(token.token.encode())
+
+    legacy = client.completions.create(
+        model="model",
+        prompt="Once upon a time",
+        temperature=0,
+        max_tokens=5,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == legacy.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for text, logprob, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(alts) == 2 and alts[text] == logprob == max(alts.values())
+
+
+@pytest.mark.parametrize(
+    ("options", "status", "param"),
+    [
+        ({"temperature": 3.5}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"n": 2}, 400, "n"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"top_logprobs": 5}, 400, "top_logprobs"),  # without logprobs=true
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+        ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"model": "gpt-4o"}, 404, "model"),
+    ],
+)
+def test_bad_parameters_get_openai_errors(
+    client: openai.OpenAI, options: dict[str, Any], status: int, param: str
+) -> None:
+    request: dict[str, Any] = {"model": "model", "messages": CHAT, "max_tokens": 4}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**(request | options))
+    error = caught.value
+    assert error.status_code == status
+    assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
+    assert (error.param, error.type) == (param, "invalid_request_error")
+    assert param.split("[", maxsplit=1)[0] in error.message
+
+
+def test_a_prompt_past_the_context_is_a_400_from_the_worker(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="model", prompt=[5] * 600, max_tokens=4)
+    assert "context" in caught.value.message
+
+
+def test_api_keys(gateway: Gateway) -> None:
+    with gateway.client("sk-wrong") as wrong, pytest.raises(openai.AuthenticationError) as caught:
+        wrong.models.list()
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+    assert "Incorrect API key" in caught.value.message
+    with gateway.client(OTHER_KEY) as second:  # every key in the file works
+        assert [m.id for m in second.models.list()] == ["model"]
+    bare = gateway.http.post("/v1/chat/completions", json={"messages": CHAT})
+    assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+    assert bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_client_disconnect_mid_stream_frees_the_workers_kv(
+    gateway: Gateway, client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+) -> None:
+    route = 'mlx_gateway_client_disconnects_total{route="/v1/chat/completions"}'
+    before = gateway.metric(route)
+    stream = client.chat.completions.create(
+        model="model",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        assert next(chunks).choices[0].delta.content is not None
+    health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+    assert health.num_running_requests == 1 and health.kv.used_blocks > 0, health
+    stream.close()
+    deadline = time.monotonic() + 10
+    while True:
+        health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+        if health.num_running_requests == 0 and health.kv.used_blocks == 0:
+            break
+        assert time.monotonic() < deadline, f"the worker still holds the request:\n{health}"
+        time.sleep(0.05)
+    assert gateway.metric(route) == before + 1
+
+
+def test_a_public_bind_needs_an_api_key_tls_or_insecure() -> None:
+    command = ["gateway", "--worker", "127.0.0.1:1", "--host", "0.0.0.0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_worker_svc", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "MLX_GATEWAY_API_KEY"},
+    )
+    assert done.returncode == 2
+    assert "refusing to listen on 0.0.0.0" in done.stderr
+    assert "--api-key-file (or MLX_GATEWAY_API_KEY)" in done.stderr
+
+
+@pytest.mark.smollm
+def test_greedy_chat_through_the_gateway_is_mlx_lm_generate(smollm_dir: Path) -> None:
+    from mlx_lm import generate, load
+
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital of France?"}
+    ]
+    worker = ServeProcess(smollm_dir, 1.0)
+    gw = Gateway(worker.port)
+    try:
+        with gw.client() as client:
+            done = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct-Q4_1", messages=question, temperature=0, max_tokens=24
+            )
+    finally:
+        gw.close()
+        worker.reap()
+    model, tokenizer = load(str(smollm_dir))
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
+    want = generate(model, tokenizer, prompt=prompt, max_tokens=24)
+    assert done.choices[0].message.content == want
+    assert "Paris" in want
+    assert done.choices[0].finish_reason == "stop"  # EOS before 24 tokens
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt)

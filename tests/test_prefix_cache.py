@@ -85,6 +85,17 @@ def test_a_shared_prefix_is_reused_and_outputs_match_without_it(stub: Stub, tiny
     assert len(first) == len(second) == len(third) == 8
 
 
+def test_a_hit_takes_the_shared_head_of_the_next_cached_block(stub: Stub, tiny_dir: Path) -> None:
+    epoch = _up(stub, tiny_dir, prefix=True)
+    _one(stub, epoch, "a", [*SYSTEM, *range(300, 316)])  # 7 whole blocks cached
+    # 103 tokens shared: 6 whole blocks, then 7 tokens of the 7th.
+    shared = [*SYSTEM, 300, 301, 302, 7000, 7001]
+    tokens, cached, responses = _one(stub, epoch, "b", shared)
+    assert cached == 103
+    assert responses[0].timings.num_tokens == len(shared) - 103
+    assert [tokens] == _cold_tokens(tiny_dir, [shared])
+
+
 def test_greedy_outputs_are_identical_with_and_without_the_prefix_cache(
     tiny_dir: Path, stub: Stub
 ) -> None:
@@ -206,8 +217,9 @@ def test_requests_evict_the_prefix_cache_when_they_need_the_room(
         _one(stub, epoch, f"fill{i}", prompt, max_tokens=2)
     kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
     assert kv.used_blocks == 0 and 10 <= kv.prefix_cache_blocks <= 16
-    # Least recently used first: the newest prompt is still cached, the oldest is not.
-    assert _one(stub, epoch, "again2", fills[2], max_tokens=1)[1] == 64
+    # Least recently used first: the newest prompt is still cached (all but its last
+    # token: 4 whole blocks and 15 tokens of the 5th), the oldest is not.
+    assert _one(stub, epoch, "again2", fills[2], max_tokens=1)[1] == 79
     assert _one(stub, epoch, "again0", fills[0], max_tokens=1)[1] == 0
     big = [900 + j for j in range(200)]
     tokens, cached, _ = _one(stub, epoch, "big", big, max_tokens=4)

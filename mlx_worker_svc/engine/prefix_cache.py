@@ -1,4 +1,4 @@
-"""The prefix cache: KV of prompt prefixes, reused across requests by whole blocks.
+"""The prefix cache: KV of prompt prefixes, reused across requests by blocks.
 
 A block is `block_size` consecutive tokens. Block i of a sequence is keyed by
 (the key of block i - 1, its own tokens), so a block is found only behind the
@@ -6,7 +6,10 @@ exact same prefix; keys are compared exactly (no hashing), so a hit is never
 a collision. Each block holds its own copy of the KV (keys and values of every
 layer stacked: `[layers, 1, kv_heads, block_size, head_dim]`): MLX caches are
 contiguous per request, so a hit copies the blocks into the new request's cache
-rather than sharing them as a paged cache would.
+rather than sharing them as a paged cache would. Blocks are stored whole, but
+a hit takes, after its whole blocks, the leading tokens that the next cached
+block shares with the request: a prompt that shares 24 tokens with a cached one
+reuses 24, not 16 (a system prompt rarely ends on a block boundary).
 
 Blocks count in the KV budget. The runner evicts the least recently used
 blocks, leaves first, whenever a request needs the room, so cached blocks are
@@ -45,6 +48,14 @@ class _Block:
         self.nbytes = int(self.keys.nbytes) + int(self.values.nbytes)
 
 
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
 def supported(model: nn.Module) -> bool:
     """Whether every layer of the model's cache is a plain, sliceable KVCache."""
     return all(type(layer) is KVCache for layer in make_prompt_cache(model))
@@ -56,6 +67,7 @@ class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._index: dict[tuple[int, tuple[int, ...]], _Block] = {}
+        self._kids: dict[int, dict[int, _Block]] = {}  # parent id -> its child blocks
         self._lru: OrderedDict[int, _Block] = OrderedDict()
         self._ids = itertools.count(1)
         self.nbytes = 0
@@ -68,7 +80,8 @@ class PrefixCache:
     # ---------------------------------------------------------------- lookup
     def match(self, tokens: Sequence[int], limit: int) -> int:
         """Tokens of the longest cached prefix of `tokens`, at most `limit` (read-only)."""
-        return len(self._chain(tokens, limit)) * self.block_size
+        chain = self._chain(tokens, limit)
+        return len(chain) * self.block_size + self._head(tokens, chain, limit)[1]
 
     def _chain(self, tokens: Sequence[int], limit: int) -> list[_Block]:
         bs, parent = self.block_size, _ROOT
@@ -81,16 +94,34 @@ class PrefixCache:
             parent = block.id
         return chain
 
+    def _head(
+        self, tokens: Sequence[int], chain: list[_Block], limit: int
+    ) -> tuple[_Block | None, int]:
+        """The cached block after `chain` sharing the most leading tokens with `tokens`."""
+        start = len(chain) * self.block_size
+        want = tokens[start : min(limit, len(tokens), start + self.block_size)]
+        best: _Block | None = None
+        shared = 0
+        for block in self._kids.get(chain[-1].id if chain else _ROOT, {}).values():
+            same = _common_length(block.tokens, want)
+            if same > shared:
+                best, shared = block, same
+        return best, shared
+
     def load(self, tokens: Sequence[int], limit: int) -> tuple[int, LayerCaches | None]:
         """A new private cache holding the longest cached prefix; (tokens, cache)."""
         chain = self._chain(tokens, limit)
-        if not chain:
+        head, shared = self._head(tokens, chain, limit)
+        if not chain and head is None:
             return 0, None
         # Leaves are touched first, so parents stay more recent than children.
-        for block in reversed(chain):
+        for block in reversed([*chain, *([head] if head is not None else [])]):
             self._lru.move_to_end(block.id)
-        keys = mx.concatenate([b.keys for b in chain], axis=3)
-        values = mx.concatenate([b.values for b in chain], axis=3)
+        parts = [(b.keys, b.values) for b in chain]
+        if head is not None:
+            parts.append((head.keys[..., :shared, :], head.values[..., :shared, :]))
+        keys = mx.concatenate([k for k, _ in parts], axis=3)
+        values = mx.concatenate([v for _, v in parts], axis=3)
         caches: LayerCaches = []
         for layer in range(keys.shape[0]):
             cache = KVCache()
@@ -138,6 +169,7 @@ class PrefixCache:
             mx.eval([(b.keys, b.values) for b in made])
             for block in made:
                 self._index[(block.parent, block.tokens)] = block
+                self._kids.setdefault(block.parent, {})[block.id] = block
                 self._lru[block.id] = block
                 if block.parent != _ROOT:
                     self._lru[block.parent].children += 1
@@ -165,6 +197,10 @@ class PrefixCache:
     def _drop(self, block: _Block) -> None:
         del self._lru[block.id]
         del self._index[(block.parent, block.tokens)]
+        siblings = self._kids[block.parent]
+        del siblings[block.id]
+        if not siblings:
+            del self._kids[block.parent]
         if block.parent != _ROOT:
             self._lru[block.parent].children -= 1
         self.nbytes -= block.nbytes
@@ -173,6 +209,7 @@ class PrefixCache:
         """Drops every block; returns how many there were."""
         count = len(self._lru)
         self._index.clear()
+        self._kids.clear()
         self._lru.clear()
         self.nbytes = 0
         return count

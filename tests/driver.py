@@ -40,11 +40,19 @@ def fresh_stub() -> Iterator[pb_grpc.WorkerServiceStub]:
         yield stub
 
 
-def bring_up(stub: pb_grpc.WorkerServiceStub, model: Path | str, *, num_blocks: int = 4096) -> int:
-    """Runs InitDevice..InitCache; returns the worker epoch."""
+def bring_up(
+    stub: pb_grpc.WorkerServiceStub,
+    model: Path | str,
+    *,
+    num_blocks: int = 4096,
+    profile_tokens: int = 64,
+) -> int:
+    """Runs InitDevice..InitCache (profiling `profile_tokens`); returns the worker epoch."""
     stub.InitDevice(pb.InitDeviceRequest())
     epoch = stub.LoadModel(pb.LoadModelRequest(model=str(model))).worker_epoch
-    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=64, block_size=16))
+    stub.DetermineMemory(
+        pb.DetermineMemoryRequest(max_num_batched_tokens=profile_tokens, block_size=16)
+    )
     stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, block_size=16))
     return int(epoch)
 
@@ -115,6 +123,17 @@ def reference_tokens(
     """Greedy tokens of `prompts` run together on a brand-new, unconstrained worker."""
     with fresh_stub() as stub:
         return drive(stub, bring_up(stub, model), prompts, max_tokens=max_tokens, params=params)
+
+
+def wait_until_idle(stub: pb_grpc.WorkerServiceStub, timeout: float) -> pb.CheckHealthResponse:
+    """Polls CheckHealth until the worker runs no request and holds no KV block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+        if health.num_running_requests == 0 and health.kv.used_blocks == 0:
+            return health
+        assert time.monotonic() < deadline, f"the worker still holds requests:\n{health}"
+        time.sleep(0.05)
 
 
 def code_of(error: BaseException) -> grpc.StatusCode:

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
-from driver import code_of, details_of, greedy, reference_tokens
+from driver import code_of, details_of, greedy, reference_tokens, wait_until_idle
 from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
 from tiny_model import build_tiny_model
 
@@ -567,14 +567,7 @@ def test_a_hung_worker_loses_its_requests_and_rejoins_holding_nothing(
     status = fleet.wait(lambda s: by_target(s)[victim].up, "hung worker back", timeout=90)
     assert by_target(status)[victim].worker_epoch == before.worker_epoch
     with grpc.insecure_channel(victim) as channel:
-        worker = pb_grpc.WorkerServiceStub(channel)
-        deadline = time.monotonic() + 30
-        while True:
-            health = worker.CheckHealth(pb.CheckHealthRequest(), timeout=30)
-            if health.num_running_requests == 0 and health.kv.used_blocks == 0:
-                break
-            assert time.monotonic() < deadline, f"the worker still holds requests:\n{health}"
-            time.sleep(0.1)
+        wait_until_idle(pb_grpc.WorkerServiceStub(channel), timeout=30)
 
 
 def test_killing_a_worker_mid_generation_loses_no_request(

@@ -21,16 +21,19 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from driver import ServeProcess
+from driver import ServeProcess, bring_up, wait_until_idle
 from openai.types.chat import ChatCompletionMessageParam
 from test_fleet import Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.server import WorkerServer
 
 KEY = "sk-gateway-test-key"
 OTHER_KEY = "sk-second-key"
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
+PROMPT = "Once upon a time"
+NO_EOS = {"ignore_eos": True}  # vLLM's extra: exact token counts from the random model
 
 
 class Gateway:
@@ -70,7 +73,7 @@ def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
-def stub(worker: ServeProcess) -> pb_grpc.WorkerServiceStub:
+def worker_stub(worker: ServeProcess) -> pb_grpc.WorkerServiceStub:
     return pb_grpc.WorkerServiceStub(worker.channel())
 
 
@@ -119,17 +122,32 @@ def test_models_health_and_metrics(gateway: Gateway, client: openai.OpenAI) -> N
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
 
 
+def chat(client: openai.OpenAI, **options: Any) -> Any:
+    """A chat completion of CHAT (greedy, EOS ignored unless `options` say otherwise)."""
+    request: dict[str, Any] = {
+        "model": "model",
+        "messages": CHAT,
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    return client.chat.completions.create(**(request | {"extra_body": NO_EOS} | options))
+
+
+def complete(client: openai.OpenAI, **options: Any) -> Any:
+    """A legacy completion of PROMPT (greedy, EOS ignored)."""
+    request: dict[str, Any] = {"model": "model", "prompt": PROMPT, "temperature": 0}
+    request["extra_body"] = NO_EOS
+    return client.completions.create(**(request | options))
+
+
 def test_chat_is_the_workers_greedy_answer_streamed_or_not(
-    client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+    client: openai.OpenAI, worker_stub: pb_grpc.WorkerServiceStub
 ) -> None:
     want, count, prompt_tokens = worker_generate(
-        stub, messages=[pb.ChatMessage(**m) for m in CHAT], sampling_params=greedy(12)
+        worker_stub, messages=[pb.ChatMessage(**m) for m in CHAT], sampling_params=greedy(12)
     )
     assert count == 12 and want.strip()
-    extra = {"ignore_eos": True}
-    done = client.chat.completions.create(
-        model="model", messages=CHAT, temperature=0, max_tokens=12, extra_body=extra
-    )
+    done = chat(client, max_tokens=12)
     [choice] = done.choices
     assert (choice.message.role, choice.message.content) == ("assistant", want)
     assert choice.finish_reason == "length"
@@ -138,17 +156,14 @@ def test_chat_is_the_workers_greedy_answer_streamed_or_not(
     assert done.usage.total_tokens == prompt_tokens + 12
     assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
 
-    chunks = list(
-        client.chat.completions.create(
-            model="model",
-            messages=CHAT,
-            temperature=0,
-            max_completion_tokens=12,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
+    # max_completion_tokens, OpenAI's newer name, wins over max_tokens (24 here).
+    stream = chat(
+        client,
+        max_completion_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
     )
+    chunks = list(stream)
     *body, usage = chunks
     assert body[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in body) == want
@@ -160,83 +175,41 @@ def test_chat_is_the_workers_greedy_answer_streamed_or_not(
 
 
 def test_completions_are_the_workers_greedy_answer_streamed_or_not(
-    client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+    client: openai.OpenAI, worker_stub: pb_grpc.WorkerServiceStub
 ) -> None:
-    want, _, prompt_tokens = worker_generate(
-        stub, prompt="Once upon a time", sampling_params=greedy(10)
-    )
-    extra = {"ignore_eos": True}
-    done = client.completions.create(
-        model="model", prompt="Once upon a time", temperature=0, max_tokens=10, extra_body=extra
-    )
+    want, _, prompt_tokens = worker_generate(worker_stub, prompt=PROMPT, sampling_params=greedy(10))
+    done = complete(client, max_tokens=10)
     assert done.choices[0].text == want and done.object == "text_completion"
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 10)
-    stream = client.completions.create(
-        model="model",
-        prompt="Once upon a time",
-        temperature=0,
-        max_tokens=10,
-        stream=True,
-        extra_body=extra,
-    )
-    chunks = list(stream)
+    chunks = list(complete(client, max_tokens=10, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
     # OpenAI's default max_tokens for legacy completions is 16.
-    default = client.completions.create(
-        model="model", prompt="Once upon a time", temperature=0, extra_body=extra
-    )
-    assert default.usage is not None and default.usage.completion_tokens == 16
+    assert complete(client).usage.completion_tokens == 16
 
 
 def test_a_stop_string_ends_the_answer_and_is_left_out(client: openai.OpenAI) -> None:
-    def chat(**options: Any) -> Any:
-        return client.chat.completions.create(
-            model="model",
-            messages=CHAT,
-            temperature=0,
-            max_tokens=24,
-            extra_body={"ignore_eos": True},
-            **options,
-        ).choices[0]
-
-    full = chat().message.content
+    full = chat(client).choices[0].message.content
     # A stop string from the middle of the text, at its first occurrence.
     start = next(
         i
         for i in range(len(full) // 3, len(full) - 3)
         if full.find(full[i : i + 3]) == i and full[i : i + 3].strip()
     )
-    stopped = chat(stop=[full[start : start + 3], "never-there"])
+    stop = full[start : start + 3]
+    stopped = chat(client, stop=[stop, "never-there"]).choices[0]
     assert stopped.message.content == full[:start]
     assert stopped.finish_reason == "stop"
-    streamed = client.chat.completions.create(
-        model="model",
-        messages=CHAT,
-        temperature=0,
-        max_tokens=24,
-        stop=full[start : start + 3],
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    chunks = list(streamed)
+    chunks = list(chat(client, stop=stop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:start]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_the_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
-        done = client.chat.completions.create(
-            model="model",
-            messages=CHAT,
-            temperature=1.0,
-            top_p=0.95,
-            seed=seed,
-            max_tokens=16,
-            extra_body={"ignore_eos": True},
-        )
-        return done.choices[0].message.content or ""
+        done = chat(client, temperature=1.0, top_p=0.95, seed=seed, max_tokens=16)
+        return str(done.choices[0].message.content)
 
     first = sample(1234)
     assert sample(1234) == first
@@ -244,15 +217,7 @@ def test_the_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
 
 
 def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
-    done = client.chat.completions.create(
-        model="model",
-        messages=CHAT,
-        temperature=0,
-        max_tokens=6,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={"ignore_eos": True},
-    )
+    done = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
     logprobs = done.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
     assert len(logprobs.content) == 6
@@ -265,14 +230,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
         assert (token.token, token.logprob) == (token.top_logprobs[0].token, top[0])
         assert token.bytes == list(token.token.encode())
 
-    legacy = client.completions.create(
-        model="model",
-        prompt="Once upon a time",
-        temperature=0,
-        max_tokens=5,
-        logprobs=2,
-        extra_body={"ignore_eos": True},
-    )
+    legacy = complete(client, max_tokens=5, logprobs=2)
     lp = legacy.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert lp.top_logprobs is not None and lp.text_offset is not None
@@ -331,31 +289,18 @@ def test_api_keys(gateway: Gateway) -> None:
 
 
 def test_a_client_disconnect_mid_stream_frees_the_workers_kv(
-    gateway: Gateway, client: openai.OpenAI, stub: pb_grpc.WorkerServiceStub
+    gateway: Gateway, client: openai.OpenAI, worker_stub: pb_grpc.WorkerServiceStub
 ) -> None:
     route = 'mlx_gateway_client_disconnects_total{route="/v1/chat/completions"}'
     before = gateway.metric(route)
-    stream = client.chat.completions.create(
-        model="model",
-        messages=CHAT,
-        temperature=0,
-        max_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = chat(client, max_tokens=400, stream=True)
     chunks = iter(stream)
     for _ in range(3):
         assert next(chunks).choices[0].delta.content is not None
-    health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+    health = worker_stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
     assert health.num_running_requests == 1 and health.kv.used_blocks > 0, health
     stream.close()
-    deadline = time.monotonic() + 10
-    while True:
-        health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
-        if health.num_running_requests == 0 and health.kv.used_blocks == 0:
-            break
-        assert time.monotonic() < deadline, f"the worker still holds the request:\n{health}"
-        time.sleep(0.05)
+    wait_until_idle(worker_stub, timeout=10)
     assert gateway.metric(route) == before + 1
 
 
@@ -375,22 +320,24 @@ def test_a_public_bind_needs_an_api_key_tls_or_insecure() -> None:
 
 
 @pytest.mark.smollm
-def test_greedy_chat_through_the_gateway_is_mlx_lm_generate(smollm_dir: Path) -> None:
+def test_greedy_chat_through_the_gateway_is_mlx_lm_generate(
+    server: WorkerServer, stub: pb_grpc.WorkerServiceStub, smollm_dir: Path
+) -> None:
     from mlx_lm import generate, load
 
     question: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "What is the capital of France?"}
     ]
-    worker = ServeProcess(smollm_dir, 1.0)
-    gw = Gateway(worker.port)
+    # An in-process worker, profiled small: SmolLM2's 4-bit forwards are slow on a CPU.
+    bring_up(stub, smollm_dir, num_blocks=256, profile_tokens=16)
+    gw = Gateway(server.port)
     try:
         with gw.client() as client:
             done = client.chat.completions.create(
-                model="SmolLM2-135M-Instruct-Q4_1", messages=question, temperature=0, max_tokens=24
+                model=smollm_dir.name, messages=question, temperature=0, max_tokens=24
             )
     finally:
         gw.close()
-        worker.reap()
     model, tokenizer = load(str(smollm_dir))
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
     want = generate(model, tokenizer, prompt=prompt, max_tokens=24)

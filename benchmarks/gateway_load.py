@@ -3,19 +3,20 @@
 Both servers serve the embedded SmolLM2 model (what `make serve` serves) on this
 machine, as users run them: a `mlx-worker serve --auto-init` process behind a
 `mlx-worker gateway` process, and one `mlx_lm.server` process on the same model
-directory. Both are started first and stay up (an idle one uses no CPU); then each
-concurrency level (1, 4, 8 by default) runs on one and then the other, the order
-alternating from level to level so that a drift in the machine's load does not
-always favour the same side.
+directory. Both are started first and stay up (an idle one uses no CPU) and answer
+one untimed round of other prompts at the highest concurrency.
 
-At concurrency c, c clients each send `--rounds` streamed chat completions one
-after the other (greedy, `--max-tokens` tokens at most, `stream_options.include_usage`),
-every request its own prompt, the same prompts in the same order for both servers.
-Tokens/s is every completion token (from `usage`) over the wall time of the level;
-time to first token (TTFT) is from sending a request to its first chunk with
-content. Each server first answers one untimed round of other prompts at the
-highest concurrency. The JSON (benchmarks/results/<date>-<machine>-gateway.json)
-has every figure, the CPU seconds each process used, and the ratios
+At concurrency c (1, 4, 8 by default), c clients each send streamed chat
+completions one after the other (greedy, `--max-tokens` tokens at most,
+`stream_options.include_usage`), every request its own prompt: `--rounds` each,
+and at least `--min-requests` in all. A level runs in two halves, in the order
+gateway, mlx_lm.server, then mlx_lm.server, gateway (ABBA), each half with the same
+prompts on both, so a drift in the machine's load (other users) does not favour one
+side. Tokens/s is every completion token (from `usage`) over the wall time the side
+spent; time to first token (TTFT) is from sending a request to its first chunk with
+content. The CPU seconds each side's processes used per completion token are
+recorded too: on a shared machine they move less than wall times. The JSON
+(benchmarks/results/<date>-<machine>-gateway.json) has every figure and the ratios
 gateway / mlx_lm.server the issue sets targets on: throughput >= 1.0, TTFT <= 1.1.
 """
 
@@ -30,6 +31,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,37 +129,67 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple
     return ttft, tokens
 
 
-async def _level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def _level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> Tally:
     """`concurrency` clients share `prompts`, each sending one request after another."""
     queue = list(reversed(prompts))
-    results: list[tuple[float, int]] = []
+    tally = Tally()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
 
         async def user() -> None:
             while queue:
-                results.append(await _one(client, queue.pop(), max_tokens))
+                ttft, tokens = await _one(client, queue.pop(), max_tokens)
+                tally.ttfts.append(ttft)
+                tally.tokens += tokens
 
         start = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    ttfts = [r[0] for r in results]
-    tokens = sum(r[1] for r in results)
-    return {
-        "requests": len(results),
-        "completion_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 3),
-        "ttft_mean_s": round(statistics.fmean(ttfts), 3),
-        "ttft_p50_s": round(percentile(ttfts, 50), 3),
-        "ttft_max_s": round(max(ttfts), 3),
-    }
+        tally.wall = time.perf_counter() - start
+    return tally
+
+
+@dataclass
+class Tally:
+    """What one side did at one level: TTFTs, tokens, wall and CPU seconds."""
+
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def add(self, other: Tally) -> None:
+        self.ttfts += other.ttfts
+        self.tokens += other.tokens
+        self.wall += other.wall
+        self.cpu += other.cpu
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.ttfts),
+            "completion_tokens": self.tokens,
+            "wall_s": round(self.wall, 3),
+            "tokens_per_s": round(self.tokens / self.wall, 3),
+            "ttft_mean_s": round(statistics.fmean(self.ttfts), 3),
+            "ttft_p50_s": round(percentile(self.ttfts, 50), 3),
+            "ttft_max_s": round(max(self.ttfts), 3),
+            "cpu_s": round(self.cpu, 2),
+            "cpu_ms_per_token": round(1000 * self.cpu / self.tokens, 1),
+        }
+
+
+def _measured(url: str, procs: list[ServerProcess], prompts: list[str], c: int, n: int) -> Tally:
+    """One half-level on one side, with the CPU seconds its processes used."""
+    pids = {p.log.stem: p.proc.pid for p in procs}
+    before = {key: cpu_seconds(pid) for key, pid in pids.items()}
+    tally = asyncio.run(_level(url, prompts, c, n))
+    tally.cpu = sum(v or 0.0 for v in cpu_used(pids, before).values())
+    return tally
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",")]
-    needed = sum(c * args.rounds for c in levels) + max(levels)
-    prompts = chat_prompts(needed)
+    counts = [c * max(args.rounds, -(-args.min_requests // c)) for c in levels]
+    prompts = chat_prompts(sum(counts) + max(levels))
     warm, rest = prompts[: max(levels)], prompts[max(levels) :]
     model = ensure_default_model(show_progress=True)
     started = time.monotonic()
@@ -171,23 +203,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with temp_dir() as tmp, servers(model, tmp) as stacks:
         for url, _ in stacks.values():
             asyncio.run(_level(url, warm, len(warm), 8))
-        for index, concurrency in enumerate(levels):
-            batch, rest = rest[: concurrency * args.rounds], rest[concurrency * args.rounds :]
-            order = [GATEWAY, MLX_LM] if index % 2 == 0 else [MLX_LM, GATEWAY]
-            level: dict[str, Any] = {"concurrency": concurrency, "order": order}
-            for name in order:
-                url, procs = stacks[name]
-                pids = {f"{p.log.stem}": p.proc.pid for p in procs}
-                before = {key: cpu_seconds(pid) for key, pid in pids.items()}
-                level[name] = asyncio.run(_level(url, batch, concurrency, args.max_tokens))
-                level[name]["cpu_s"] = cpu_used(pids, before)
-                print(f"c={concurrency} {name}: {level[name]}", flush=True)
+        for concurrency, count in zip(levels, counts, strict=True):
+            batch, rest = rest[:count], rest[count:]
+            tallies = {GATEWAY: Tally(), MLX_LM: Tally()}
+            halves = [batch[: count // 2], batch[count // 2 :]]
+            for half, order in zip(halves, ([GATEWAY, MLX_LM], [MLX_LM, GATEWAY]), strict=True):
+                for name in order:
+                    url, procs = stacks[name]
+                    tallies[name].add(_measured(url, procs, half, concurrency, args.max_tokens))
+            level: dict[str, Any] = {"concurrency": concurrency}
+            level |= {name: tally.summary() for name, tally in tallies.items()}
             gw, base = level[GATEWAY], level[MLX_LM]
             level["throughput_ratio"] = ratio(gw["tokens_per_s"], base["tokens_per_s"])
             level["ttft_ratio"] = ratio(gw["ttft_mean_s"], base["ttft_mean_s"])
+            level["cpu_per_token_ratio"] = ratio(gw["cpu_ms_per_token"], base["cpu_ms_per_token"])
             level["meets_targets"] = (level["throughput_ratio"] or 0) >= THROUGHPUT_TARGET and (
                 level["ttft_ratio"] or 0
             ) <= TTFT_TARGET
+            print(f"c={concurrency}: {level}", flush=True)
             out["levels"].append(level)
     out["run_seconds"] = round(time.monotonic() - started, 1)
     return out
@@ -196,15 +229,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     rows = [
         "| concurrency | gateway tok/s | mlx_lm.server tok/s | ratio (>= 1.0) "
-        "| gateway TTFT s | mlx_lm.server TTFT s | ratio (<= 1.1) |",
-        "|---|---|---|---|---|---|---|",
+        "| gateway TTFT s | mlx_lm.server TTFT s | ratio (<= 1.1) "
+        "| CPU ms/token, gateway / mlx_lm.server |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for level in results["levels"]:
         gw, base = level[GATEWAY], level[MLX_LM]
         rows.append(
             f"| {level['concurrency']} | {gw['tokens_per_s']:.2f} | {base['tokens_per_s']:.2f} "
             f"| {level['throughput_ratio']} | {gw['ttft_mean_s']:.3f} | {base['ttft_mean_s']:.3f} "
-            f"| {level['ttft_ratio']} |"
+            f"| {level['ttft_ratio']} | {gw['cpu_ms_per_token']} / {base['cpu_ms_per_token']} |"
         )
     return "\n".join(rows)
 
@@ -213,6 +247,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,4,8", help="levels (default 1,4,8)")
     parser.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    parser.add_argument(
+        "--min-requests", type=int, default=4, help="requests per level at least (default 4)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args()

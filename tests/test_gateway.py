@@ -40,6 +40,7 @@ class Gateway:
     """A `mlx-worker gateway` process in front of one worker; ready when /health is 200."""
 
     def __init__(self, worker_port: int, *options: str) -> None:
+        self.worker_port = worker_port
         self.proc = Proc(
             ["gateway", "--worker", f"127.0.0.1:{worker_port}", "--port", "0", *options]
         )
@@ -114,7 +115,8 @@ def test_models_health_and_metrics(gateway: Gateway, client: openai.OpenAI) -> N
     # /health and /metrics need the key too (no --allow-health-without-token here).
     assert gateway.http.get("/health").status_code == 401
     assert gateway.http.get("/metrics").status_code == 401
-    assert gateway.metric("mlx_gateway_workers_up") == 1.0
+    # The embedded fleet's metrics come along.
+    assert gateway.metric(f'mlx_fleet_worker_up{{worker="127.0.0.1:{gateway.worker_port}"}}') == 1
     assert gateway.metric(
         'mlx_gateway_http_requests_total{method="GET",route="/health",status="401"}'
     )

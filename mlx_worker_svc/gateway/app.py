@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -139,10 +140,9 @@ class Gateway:
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        status = self.fleet.status()
-        self.metrics.workers_up.set(sum(w.up for w in status.workers))
-        self.metrics.queued.set(status.num_queued)
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        # The fleet's collectors read its state on this loop, so they run in a thread.
+        fleet = await asyncio.to_thread(generate_latest, self.fleet.metrics.registry)
+        return Response(self.metrics.render() + fleet, media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------ completions
     async def chat(self, request: Request) -> Response:

@@ -1,10 +1,12 @@
-"""The gateway's Prometheus metrics: HTTP requests, latency, time to first token, tokens.
+"""The gateway's Prometheus metrics (`mlx_gateway_*`): HTTP requests, latency, TTFT, tokens.
 
 Each app has its own registry (several gateways may live in one process, as
-in tests), rendered by `/metrics`. `MetricsMiddleware` counts every HTTP
-request by route, method and status, and times it to its last byte (a stream
-included). Route labels are the gateway's route templates, anything else
-"other", so a scanner cannot grow the label set.
+in tests); `/metrics` renders it followed by the embedded fleet's registry
+(`mlx_fleet_*`: requests by outcome, queue, workers up, their KV blocks).
+`MetricsMiddleware` counts every HTTP request by route, method and status,
+and times it to its last byte (a stream included). Route labels are the
+gateway's route templates, anything else "other", so a scanner cannot grow
+the label set.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -56,14 +58,6 @@ class GatewayMetrics:
             "mlx_gateway_client_disconnects",
             "Completions cancelled because the client went away first.",
             ["route"],
-            registry=reg,
-        )
-        self.workers_up = Gauge(
-            "mlx_gateway_workers_up", "Workers of the fleet that are up.", registry=reg
-        )
-        self.queued = Gauge(
-            "mlx_gateway_queued_requests",
-            "Requests admitted by the fleet but not running on a worker yet.",
             registry=reg,
         )
 

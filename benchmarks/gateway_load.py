@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "machine": machine_facts(),
         "model": str(model),
-        "options": vars(args),
+        "options": {k: v for k, v in vars(args).items() if k != "out"},
         "levels": [],
     }
     with temp_dir() as tmp, servers(model, tmp) as stacks:

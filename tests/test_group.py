@@ -1,11 +1,13 @@
 """Worker groups: two ranks over mx.distributed (ring backend on loopback) serving as one worker.
 
-Each group is `mlx-worker serve --world-size 2 --auto-init` on the tiny llama (4 attention
-/ 2 KV heads, so tensor parallel), which starts both ranks through `mlx.launch`; rank 0
-serves gRPC. One module-wide group answers the parity, weight, grpcurl and fleet tests
-and is stopped by SIGTERM last; two more are broken on purpose, one by killing the
-follower and one by stopping it (SIGSTOP, a hang only the watchdog can see). Every
-process (launcher, mlx.launch, ranks) is reaped, even when a test fails.
+The module-wide group is `mlx-worker serve --world-size 2 --auto-init` on the tiny llama
+(4 attention / 2 KV heads, so tensor parallel), which starts both ranks through
+`mlx.launch`; rank 0 serves gRPC. It answers the parity, weight, grpcurl and fleet tests
+against an in-process single worker on the same model, and is stopped by SIGTERM last.
+Two more groups are broken on purpose: one by killing the follower, one (a pipeline, on a
+llama whose heads do not divide by 2) by stopping it with SIGSTOP, a hang only the
+watchdog can see. Every process (launcher, mlx.launch, ranks) is reaped, even when a
+test fails.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ import grpc
 import pytest
 from driver import bring_up, code_of, details_of, drive, greedy, live_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mlx_lm.models import llama
 from test_fleet import Fleet, Proc, Stream, distinct_prompts, run_streams, token_request
 from test_grpcurl import SERVICE, Grpcurl, grpcurl_binary
+from tiny_model import build_tiny_model
 
+from mlx_worker_svc.domain import Parallelism
+from mlx_worker_svc.engine import sharding
+from mlx_worker_svc.errors import InvalidArgument
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.group_launch import free_ports
@@ -149,13 +156,25 @@ def group(tiny_dir: Path) -> Iterator[Group]:
         started.reap()
 
 
+@pytest.fixture(scope="module")
+def pipeline_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """A tiny llama whose 6 / 3 heads do not divide by 2: split into a pipeline."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("pipeline") / "model",
+        smollm_dir,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=48,
+    )
+
+
 @pytest.fixture
 def start_group(tiny_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Group]]:
     """Starts groups (ranks started directly) that a test breaks; reaped afterwards."""
     groups: list[Group] = []
 
-    def start(*options: str) -> Group:
-        groups.append(Group(tiny_dir, *options, hostfile=tmp_path / f"hosts{len(groups)}.json"))
+    def start(*options: str, model: Path = tiny_dir) -> Group:
+        groups.append(Group(model, *options, hostfile=tmp_path / f"hosts{len(groups)}.json"))
         return groups[-1]
 
     yield start
@@ -165,6 +184,37 @@ def start_group(tiny_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Group]
 
 def _epoch(stub: pb_grpc.WorkerServiceStub) -> int:
     return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+
+# ------------------------------------------------------------ choosing a split
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "expected"),
+    [
+        (4, 2, 2, Parallelism.TENSOR),
+        (6, 3, 2, Parallelism.PIPELINE),  # a llama stage per rank
+        (6, 3, 3, Parallelism.TENSOR),
+        (4, 2, 3, None),  # neither: 2 layers cannot make 3 stages
+    ],
+)
+def test_tensor_parallel_where_the_heads_divide_else_a_pipeline(
+    heads: int, kv_heads: int, size: int, expected: Parallelism | None
+) -> None:
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=heads * 8,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+    )
+    model = llama.Model(args)
+    if expected is None:
+        with pytest.raises(InvalidArgument, match=f"cannot be split over {size} ranks"):
+            sharding.choose(model, size)
+    else:
+        assert sharding.choose(model, size) is expected
 
 
 # ------------------------------------------------------------------ the group
@@ -343,8 +393,21 @@ def test_killing_the_follower_ends_every_call_unavailable(
     assert group.exit_status() != 0
 
 
-def test_a_hung_follower_trips_the_watchdog(start_group: Callable[..., Group]) -> None:
-    group = start_group("--collective-timeout", str(WATCHDOG), "--death-exit-seconds", "2")
+def test_a_hung_follower_trips_the_watchdog(
+    start_group: Callable[..., Group], pipeline_dir: Path
+) -> None:
+    group = start_group(
+        "--collective-timeout", str(WATCHDOG), "--death-exit-seconds", "2", model=pipeline_dir
+    )
+    # This group is a pipeline: rank 1 runs the first layer, rank 0 the second.
+    assert group.stub.GetInfo(pb.GetInfoRequest()).model.parallelism == pb.PARALLELISM_PIPELINE
+    prompts = distinct_prompts(4, 6, seed=61)
+    params = greedy(MAX_TOKENS, ignore_eos=True)
+    with live_server() as (server, stub):
+        expected = Single(server, stub, pipeline_dir).tokens(prompts, params)
+    assert drive(group.stub, _epoch(group.stub), prompts, max_tokens=MAX_TOKENS, params=params) == (
+        expected
+    )
     health = HealthWatch(group.port)
     calls = _in_flight(group.stub, distinct_prompts(3, 6, seed=51))
     stopped = time.monotonic()

@@ -35,14 +35,15 @@ def _join_group(args: argparse.Namespace) -> GroupChannel:
     import socket
 
     from mlx_worker_svc.engine.group import join
-    from mlx_worker_svc.group_launch import RANK_LINE, init_backend
+    from mlx_worker_svc.group_launch import RANK_LINE, init_backend, launched_backend
 
-    channel = join(init_backend(args.backend), args.collective_timeout)
+    backend = args.backend or launched_backend()
+    channel = join(init_backend(backend), backend, args.collective_timeout)
     print(
         RANK_LINE.format(
             rank=channel.rank,
             size=channel.size,
-            backend=args.backend,
+            backend=backend,
             pid=os.getpid(),
             host=socket.gethostname(),
         ),
@@ -317,7 +318,12 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
         help="start a group of N processes through mlx.launch (N ranks on this machine, or "
         "the hosts of --hostfile); rank 0 serves gRPC",
     )
-    group.add_argument("--backend", choices=BACKENDS, default="ring", help="(default ring)")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="mx.distributed backend (default: the --hostfile's, else ring; with --group, the "
+        "one mlx.launch started)",
+    )
     group.add_argument("--hostfile", help="mlx.launch hostfile: the machines of the group")
     group.add_argument(
         "--group-port", type=int, default=0, help="ring backend: first port (default: a free one)"

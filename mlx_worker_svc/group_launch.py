@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,24 @@ _STDIN_FILL = 256 << 10
 def init_backend(backend: str) -> str:
     """The name `mx.distributed.init` knows a launcher backend by."""
     return "jaccl" if backend.startswith("jaccl") else backend
+
+
+def launched_backend() -> str:
+    """The backend mlx.launch started this process for, from what it set in the environment."""
+    env = os.environ
+    if "MLX_IBV_DEVICES" in env:
+        return "jaccl-ring" if env.get("MLX_JACCL_RING") else "jaccl"
+    if "NCCL_HOST_IP" in env:
+        return "nccl"
+    if any(name.startswith(("OMPI_COMM_WORLD", "PMI_")) for name in env):
+        return "mpi"
+    return "ring"
+
+
+def _hostfile_backend(hostfile: str) -> str:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return str(json.loads(Path(hostfile).read_text()).get("backend") or "")
+    return ""
 
 
 def free_ports(count: int) -> int:
@@ -69,14 +88,16 @@ def launch_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
     launcher = _mlx_launch()
     if launcher is None:
         raise FileNotFoundError("mlx.launch is not installed (it comes with the mlx package)")
-    command = [launcher, "--backend", args.backend]
+    backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    command = [launcher, "--backend", backend]
     if args.hostfile:
         command += ["--hostfile", args.hostfile]
     else:
         command += ["--hosts", "127.0.0.1", "-n", str(args.world_size)]
-    if args.backend == "ring":
+    if backend == "ring":
         command += ["--starting-port", str(args.group_port or free_ports(args.world_size))]
-    return [*command, "--", sys.executable, "-m", "mlx_worker_svc", *argv, "--group"]
+    rank = [sys.executable, "-m", "mlx_worker_svc", *argv, "--backend", backend, "--group"]
+    return [*command, "--", *rank]
 
 
 def _quiet(stdin: IO[str] | None) -> None:

@@ -216,7 +216,10 @@ class Watchdog:
         self._stop.set()
 
 
-def join(backend: str, timeout: float) -> GroupChannel:
-    """Joins the group `mlx.launch` started (MLX_RANK, MLX_HOSTFILE, ...); one process alone."""
-    group = mx.distributed.init(strict=True, backend=backend or "any")
-    return GroupChannel(group, backend=backend or "any", timeout=timeout)
+def join(backend: str, name: str, timeout: float) -> GroupChannel:
+    """Joins the group `mlx.launch` started (MLX_RANK, MLX_HOSTFILE, ...) over `backend`.
+
+    `name` is how the channel reports the backend (mlx.launch's name for it).
+    """
+    group = mx.distributed.init(strict=True, backend=backend)
+    return GroupChannel(group, backend=name, timeout=timeout)

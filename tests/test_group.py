@@ -159,12 +159,9 @@ def group(tiny_dir: Path) -> Iterator[Group]:
 @pytest.fixture(scope="module")
 def pipeline_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     """A tiny llama whose 6 / 3 heads do not divide by 2: split into a pipeline."""
+    heads = {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}
     return build_tiny_model(
-        tmp_path_factory.mktemp("pipeline") / "model",
-        smollm_dir,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        hidden_size=48,
+        tmp_path_factory.mktemp("pipeline") / "model", smollm_dir, overrides=heads
     )
 
 

@@ -57,10 +57,6 @@ def _serve(args: argparse.Namespace) -> int:
     from mlx_worker_svc.limits import AdmissionLimits
     from mlx_worker_svc.security import SecurityError, server_security_from_args
 
-    if args.world_size > 1 and not args.group:
-        from mlx_worker_svc.group_launch import run_group
-
-        return run_group(args, args.argv)
     try:  # before anything slow: an unsafe or broken setup exits at once
         security = server_security_from_args(args)
     except SecurityError as exc:
@@ -78,6 +74,10 @@ def _serve(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
         return 2
+    if args.world_size > 1 and not args.group:
+        from mlx_worker_svc.group_launch import run_group
+
+        return run_group(args, args.argv)
     if not args.group:
         return _serve_worker(args, model, limits, security, None)
     # Import the worker before joining: once joined, the other ranks wait for
@@ -93,15 +93,17 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return 2
-    if group.rank != 0:
+        status = 2
+    elif group.rank != 0:
         from mlx_worker_svc.engine.replica import follow
 
         return follow(group)
-    from mlx_worker_svc.group_launch import EXIT_LINE
+    else:
+        status = _serve_worker(args, model, limits, security, group)
+    if group.rank == 0:
+        from mlx_worker_svc.group_launch import EXIT_LINE
 
-    status = _serve_worker(args, model, limits, security, group)
-    print(EXIT_LINE.format(status=status), flush=True)
+        print(EXIT_LINE.format(status=status), flush=True)
     return status
 
 

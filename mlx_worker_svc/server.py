@@ -23,14 +23,13 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mlx_worker_svc.domain import WorkerState
-from mlx_worker_svc.engine.group import GroupChannel
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import EXECUTABLE
@@ -46,6 +45,9 @@ from mlx_worker_svc.security import (
 from mlx_worker_svc.servicer import WorkerServicer
 from mlx_worker_svc.worker import Worker
 from mlx_worker_svc.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from mlx_worker_svc.engine.group import GroupChannel
 
 log = logging.getLogger(__name__)
 

@@ -239,16 +239,17 @@ def test_the_group_reports_its_ranks_and_each_holds_half_the_weights(
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_execute_gives_a_single_workers_tokens(group: Group, single: Single, batch: int) -> None:
-    prompts = distinct_prompts(batch, 5 + batch, seed=batch)
+    prompts = distinct_prompts(batch, 18 + batch, seed=batch)  # a whole KV block each
     params = greedy(MAX_TOKENS, ignore_eos=True)
     expected = single.tokens(prompts, params)
-    got = drive(group.stub, _epoch(group.stub), prompts, max_tokens=MAX_TOKENS, params=params)
+    stub = group.stub
+    assert drive(stub, _epoch(stub), prompts, max_tokens=MAX_TOKENS, params=params) == expected
+    # Again in chunks of 3, each prompt's first block now from every rank's prefix cache.
+    assert stub.GetInfo(pb.GetInfoRequest()).kv.prefix_cache_blocks >= batch
+    got = drive(stub, _epoch(stub), prompts, max_tokens=MAX_TOKENS, chunk=3, params=params)
     assert got == expected
-    # Chunked prefill runs the same computation in more steps.
-    got = drive(
-        group.stub, _epoch(group.stub), prompts, max_tokens=MAX_TOKENS, chunk=3, params=params
-    )
-    assert got == expected
+    assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest()).freed_blocks >= batch
+    assert drive(stub, _epoch(stub), prompts, max_tokens=MAX_TOKENS, params=params) == expected
 
 
 def test_seeded_sampling_gives_a_single_workers_tokens(group: Group, single: Single) -> None:
@@ -277,6 +278,22 @@ def test_generate_gives_a_single_workers_tokens(group: Group, single: Single, ba
     assert [len(s.tokens) for s in streams] == [MAX_TOKENS] * batch
     health = group.stub.CheckHealth(pb.CheckHealthRequest(deep=True))
     assert health.healthy and health.deep_check_ns > 0, health
+
+
+def test_sleep_and_wake_up_apply_on_every_rank(group: Group, single: Single) -> None:
+    slept = group.stub.Sleep(pb.SleepRequest(level=2))
+    assert slept.state == pb.WORKER_STATE_SLEEPING
+    ranks = group.stub.GetInfo(pb.GetInfoRequest()).device.ranks
+    assert [r.weight_bytes for r in ranks] == [0, 0]
+    woke = group.stub.WakeUp(pb.WakeUpRequest())
+    assert woke.state == pb.WORKER_STATE_SERVING
+    ranks = group.stub.GetInfo(pb.GetInfoRequest()).device.ranks
+    assert all(r.weight_bytes > 0 for r in ranks)
+    prompts = distinct_prompts(2, 6, seed=71)
+    params = greedy(MAX_TOKENS, ignore_eos=True)
+    expected = single.tokens(prompts, params)
+    got = drive(group.stub, woke.worker_epoch, prompts, max_tokens=MAX_TOKENS, params=params)
+    assert got == expected
 
 
 def test_grpcurl_shows_the_group_and_generates(group: Group) -> None:

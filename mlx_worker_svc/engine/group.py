@@ -113,8 +113,9 @@ class GroupChannel:
         wrong = [rank for rank in range(1, self.size) if digests[rank] != expected]
         if wrong:
             raise self.fail(
-                f"rank(s) {', '.join(map(str, wrong))} computed different tokens from rank 0 "
-                "in the last step: the group's ranks diverged"
+                "the ranks diverged",
+                f"rank(s) {', '.join(map(str, wrong))} sampled other tokens than rank 0 "
+                "in the last step",
             )
         if payload:
             self._all_sum(np.frombuffer(payload, dtype=np.uint8))
@@ -171,11 +172,15 @@ class GroupChannel:
             return f"rank {others[0]}"
         return "one of ranks " + ", ".join(map(str, others))
 
-    def fail(self, why: str) -> WorkerError:
-        """Marks the group broken (once) and tells the owner; returns the error."""
+    def fail(self, why: str, blame: str = "") -> WorkerError:
+        """Marks the group broken (once) and tells the owner; returns the error.
+
+        `blame` names the ranks at fault; by default, the ranks that may be silent.
+        """
         if self.failure is None:
+            blame = blame or f"{self.silent_ranks()} did not answer"
             self.failure = Unavailable(
-                f"the worker group is broken: {why}; {self.silent_ranks()} did not answer. "
+                f"the worker group is broken: {why}; {blame}. "
                 "The worker stops so that a supervisor can restart the group"
             )
             log.critical("%s", self.failure.message)

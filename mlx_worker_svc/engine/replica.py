@@ -292,14 +292,12 @@ class MirroredRunner(ModelRunner):
             self._channel.send(name, *args, **kwargs)
 
     def run(self, work: Work) -> StepOutcome:
-        with self._local() as outside:
-            if not outside:
-                return super().run(work)
-            with self._channel.watched("a step"):
-                self._channel.send("run", work)
+        with self._channel.watched("a step"):
+            self._channel.send("run", work)
+            with self._local():
                 outcome = super().run(work)
-            self._channel.pending_digest = digest(outcome)
-            return outcome
+        self._channel.pending_digest = digest(outcome)
+        return outcome
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
         known = key in self.seqs

@@ -391,20 +391,29 @@ def _wait_all_unavailable(calls: list[object], since: float) -> float:
     return time.monotonic() - since
 
 
+def _break_follower(group: Group, signum: int, seed: int) -> tuple[float, list[object]]:
+    """Sends `signum` to rank 1 while calls run: every call must end UNAVAILABLE naming
+    rank 1, and health turn NOT_SERVING. Returns the seconds until the last call ended."""
+    health = HealthWatch(group.port)
+    try:
+        calls = _in_flight(group.stub, distinct_prompts(3, 6, seed=seed))
+        since = time.monotonic()
+        group.signal_rank(1, signum)
+        took = _wait_all_unavailable(calls, since)
+        assert health.not_serving.wait(10), health.statuses
+    finally:
+        health.close()
+    return took, calls
+
+
 def test_killing_the_follower_ends_every_call_unavailable(
     start_group: Callable[..., Group],
 ) -> None:
     group = start_group("--collective-timeout", str(WATCHDOG), "--death-exit-seconds", "2")
-    health = HealthWatch(group.port)
-    calls = _in_flight(group.stub, distinct_prompts(3, 6, seed=41))
-    killed = time.monotonic()
-    group.signal_rank(1, signal.SIGKILL)
-    took = _wait_all_unavailable(calls, killed)
+    took, _ = _break_follower(group, signal.SIGKILL, seed=41)
     print(f"follower killed: every call ended UNAVAILABLE within {took:.2f} s")
     assert took <= WATCHDOG + 2.0
-    assert health.not_serving.wait(10), health.statuses
-    health.close()
-    assert group.exit_status() != 0
+    assert group.exit_status() == 3
 
 
 def test_a_hung_follower_trips_the_watchdog(
@@ -422,15 +431,9 @@ def test_a_hung_follower_trips_the_watchdog(
     assert drive(group.stub, _epoch(group.stub), prompts, max_tokens=MAX_TOKENS, params=params) == (
         expected
     )
-    health = HealthWatch(group.port)
-    calls = _in_flight(group.stub, distinct_prompts(3, 6, seed=51))
-    stopped = time.monotonic()
-    group.signal_rank(1, signal.SIGSTOP)
-    took = _wait_all_unavailable(calls, stopped)
+    took, calls = _break_follower(group, signal.SIGSTOP, seed=51)
     print(f"follower stopped: every call ended UNAVAILABLE after {took:.2f} s")
     assert WATCHDOG - 0.5 <= took <= WATCHDOG + 2.0
     message = details_of(calls[0].error)  # type: ignore[attr-defined]
     assert f"did not finish within {WATCHDOG:.1f} s" in message, message
-    assert health.not_serving.wait(10), health.statuses
-    health.close()
     assert group.exit_status() == 3

@@ -152,8 +152,9 @@ class Replica:
             if rank == self.channel.rank and error is not None:
                 raise error
             if isinstance(outcome, WorkerError):
-                host = self.device.ranks[rank].host if self.device and self.device.ranks else "?"
-                raise type(outcome)(f"on rank {rank} ({host}): {outcome.message}")
+                ranks = self.device.ranks if self.device else ()
+                where = f"rank {rank} ({ranks[rank].host})" if ranks else f"rank {rank}"
+                raise type(outcome)(f"on {where}: {outcome.message}")
         return result, outcomes
 
     def _init_device(self, kind: DeviceKind) -> DeviceInfo:

@@ -2,6 +2,8 @@
 
 `serve` starts the gRPC worker (health answers at once; with --auto-init the
 worker also runs its own lifecycle so Generate works without a scheduler).
+With `--world-size N` it starts a worker group through `mlx.launch`
+(group_launch.py); `--group` is how each of the group's processes starts.
 `convert-gguf` turns a llama GGUF file into an MLX model directory, or, with
 no file, builds the embedded default model (SmolLM2-135M-Instruct).
 `fleet` and `generate` drive workers through the fleet scheduler (fleet_cli.py).
@@ -22,15 +24,38 @@ from mlx_worker_svc.domain import DeviceKind, LoadSpec
 from mlx_worker_svc.log_format import add_logging_arguments, configure_logging
 
 if TYPE_CHECKING:
+    from mlx_worker_svc.engine.group import GroupChannel
+    from mlx_worker_svc.limits import AdmissionLimits
+    from mlx_worker_svc.security import SecurityConfig
     from mlx_worker_svc.server import WorkerServer
+
+
+def _join_group(args: argparse.Namespace) -> GroupChannel:
+    """Joins the group mlx.launch started; every rank says who it is."""
+    import socket
+
+    from mlx_worker_svc.engine.group import join
+    from mlx_worker_svc.group_launch import RANK_LINE, init_backend, launched_backend
+
+    backend = args.backend or launched_backend()
+    channel = join(init_backend(backend), backend, args.collective_timeout)
+    print(
+        RANK_LINE.format(
+            rank=channel.rank,
+            size=channel.size,
+            backend=backend,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        ),
+        flush=True,
+    )
+    return channel
 
 
 def _serve(args: argparse.Namespace) -> int:
     from mlx_worker_svc.errors import WorkerError
-    from mlx_worker_svc.lifecycle import DeviceArgs
-    from mlx_worker_svc.limits import AdmissionLimits, context_hint
+    from mlx_worker_svc.limits import AdmissionLimits
     from mlx_worker_svc.security import SecurityError, server_security_from_args
-    from mlx_worker_svc.server import ServerConfig, WorkerServer
 
     try:  # before anything slow: an unsafe or broken setup exits at once
         security = server_security_from_args(args)
@@ -49,6 +74,52 @@ def _serve(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
         return 2
+    if args.world_size > 1 and not args.group:
+        from mlx_worker_svc.group_launch import run_group
+
+        return run_group(args, args.argv)
+    if not args.group:
+        return _serve_worker(args, model, limits, security, None)
+    # Import the worker before joining: once joined, the other ranks wait for
+    # rank 0 in a collective, which keeps a core busy.
+    import mlx_worker_svc.engine.replica
+    import mlx_worker_svc.server  # noqa: F401
+
+    group = _join_group(args)
+    if args.world_size not in (0, group.size):
+        print(
+            f"mlx-worker serve: --world-size is {args.world_size} but mlx.launch started "
+            f"{group.size} processes",
+            file=sys.stderr,
+            flush=True,
+        )
+        status = 2
+    elif group.rank != 0:
+        from mlx_worker_svc.engine.replica import follow
+
+        return follow(group)
+    else:
+        status = _serve_worker(args, model, limits, security, group)
+    if group.rank == 0:
+        from mlx_worker_svc.group_launch import EXIT_LINE
+
+        print(EXIT_LINE.format(status=status), flush=True)
+    return status
+
+
+def _serve_worker(
+    args: argparse.Namespace,
+    model: str,
+    limits: AdmissionLimits,
+    security: SecurityConfig,
+    group: GroupChannel | None,
+) -> int:
+    """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
+    from mlx_worker_svc.lifecycle import DeviceArgs
+    from mlx_worker_svc.limits import context_hint
+    from mlx_worker_svc.security import SecurityError
+    from mlx_worker_svc.server import ServerConfig, WorkerServer
+
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -60,8 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
     )
-    server = WorkerServer(config)
-    _exit_after_engine_death(server, args.death_exit_seconds)
+    server = WorkerServer(config, group=group)
+    _exit_after_engine_death(server, args.death_exit_seconds, group is not None)
     try:
         port = server.start()
     except (OSError, SecurityError) as exc:
@@ -109,13 +180,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_after_engine_death(server: WorkerServer, seconds: float) -> None:
+def _exit_after_engine_death(server: WorkerServer, seconds: float, group: bool) -> None:
     """Ends the process (exit status 3) `seconds` after the engine dies, whatever hangs."""
 
     def watch() -> None:
         server.engine_died.wait()
         time.sleep(seconds)
         logging.critical("the engine died %.1fs ago and the server has not stopped: exit", seconds)
+        if group:
+            from mlx_worker_svc.group_launch import EXIT_LINE
+
+            print(EXIT_LINE.format(status=3), flush=True)
         os._exit(3)
 
     threading.Thread(target=watch, name="death-watch", daemon=True).start()
@@ -210,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
+    _add_group_arguments(serve)
     from mlx_worker_svc.metrics import add_metrics_arguments
     from mlx_worker_svc.security import add_server_arguments
 
@@ -232,8 +308,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
+    from mlx_worker_svc.engine.group import DEFAULT_TIMEOUT
+    from mlx_worker_svc.group_launch import BACKENDS
+
+    group = serve.add_argument_group("worker groups (see README: Worker groups)")
+    group.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        help="start a group of N processes through mlx.launch (N ranks on this machine, or "
+        "the hosts of --hostfile); rank 0 serves gRPC",
+    )
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="mx.distributed backend (default: the --hostfile's, else ring; with --group, the "
+        "one mlx.launch started)",
+    )
+    group.add_argument("--hostfile", help="mlx.launch hostfile: the machines of the group")
+    group.add_argument(
+        "--group-port", type=int, default=0, help="ring backend: first port (default: a free one)"
+    )
+    group.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="a group step that does not finish in this time breaks the group "
+        f"(default {DEFAULT_TIMEOUT:.0f}; lifecycle calls get 20x)",
+    )
+    group.add_argument(
+        "--group",
+        action="store_true",
+        help="this process is one rank of a group started by mlx.launch",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     configure_logging(args.log_level, args.log_format)
     return int(args.func(args))
 

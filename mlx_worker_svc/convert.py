@@ -25,6 +25,7 @@ from mlx_worker_svc.domain import (
     MemoryUsage,
     ModelInfo,
     NewRequest,
+    Parallelism,
     RequestOutput,
     SamplingParams,
     SleepReport,
@@ -46,6 +47,10 @@ _DEVICES_IN = {
     pb.DEVICE_KIND_GPU: DeviceKind.GPU,
 }
 _DEVICES_OUT = {DeviceKind.CPU: pb.DEVICE_KIND_CPU, DeviceKind.GPU: pb.DEVICE_KIND_GPU}
+_PARALLELISM = {
+    mode: cast(pb.Parallelism, pb.Parallelism.Value(f"PARALLELISM_{mode.name}"))
+    for mode in Parallelism
+}
 _FINISH = {
     reason: cast(pb.FinishReason, pb.FinishReason.Value(f"FINISH_REASON_{reason.name}"))
     for reason in FinishReason
@@ -74,6 +79,20 @@ def device_info(info: DeviceInfo) -> pb.DeviceInfo:
         rank=info.rank,
         local_rank=info.local_rank,
         world_size=info.world_size,
+        backend=info.backend,
+        ranks=[
+            pb.GroupRank(
+                rank=r.rank,
+                host=r.host,
+                local_rank=r.local_rank,
+                pid=r.pid,
+                device_name=r.device_name,
+                total_memory_bytes=r.total_memory_bytes,
+                recommended_working_set_bytes=r.recommended_working_set_bytes,
+                weight_bytes=r.weight_bytes,
+            )
+            for r in info.ranks
+        ],
     )
 
 
@@ -110,6 +129,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         dtype=info.dtype,
         has_chat_template=info.has_chat_template,
         adapter_path=info.adapter_path,
+        parallelism=_PARALLELISM[info.parallelism],
     )
 
 

@@ -36,6 +36,14 @@ class DeviceKind(enum.Enum):
     GPU = "gpu"
 
 
+class Parallelism(enum.Enum):
+    """How a model is split over a worker group's ranks."""
+
+    NONE = "none"  # one process holds the whole model
+    TENSOR = "tensor"  # every rank holds a slice of every layer
+    PIPELINE = "pipeline"  # every rank holds a run of whole layers
+
+
 class FinishReason(enum.Enum):
     EOS = "eos"
     STOP_TOKEN = "stop_token"
@@ -191,6 +199,21 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class GroupRank:
+    """One process of a worker group, as InitDevice and GetInfo report it."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int
+    device_name: str
+    total_memory_bytes: int
+    recommended_working_set_bytes: int
+    weight_bytes: int = 0
+    """Bytes of the model shard this rank holds (0 before LoadModel)."""
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     kind: DeviceKind
     name: str
@@ -202,6 +225,9 @@ class DeviceInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    backend: str = ""
+    """The mx.distributed backend of a worker group ("" for one process)."""
+    ranks: tuple[GroupRank, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,6 +256,7 @@ class ModelInfo:
     dtype: str
     has_chat_template: bool
     adapter_path: str = ""
+    parallelism: Parallelism = Parallelism.NONE
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ TLS and the bearer-token check, and enforces the bind rule (security.py).
 `ServerConfig.limits` bounds the work admitted (limits.py); the thread pool and
 message sizes follow from it. If the engine thread dies, health turns
 NOT_SERVING, every call ends with INTERNAL, and the server stops within
-`death_exit_seconds` so a supervisor can restart the process.
+`death_exit_seconds` so a supervisor can restart the process; rank 0 of a
+worker group (`group`) does the same, with UNAVAILABLE, when the group breaks.
 `ServerConfig.metrics_port` serves the worker's Prometheus metrics
 (worker_metrics.py) over HTTP until the server stops.
 """
@@ -22,7 +23,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +45,9 @@ from mlx_worker_svc.security import (
 from mlx_worker_svc.servicer import WorkerServicer
 from mlx_worker_svc.worker import Worker
 from mlx_worker_svc.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from mlx_worker_svc.engine.group import GroupChannel
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +83,16 @@ class ServerConfig:
 class WorkerServer:
     """A running worker process: server, worker, health and drain."""
 
-    def __init__(self, config: ServerConfig, worker: Worker | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, worker: Worker | None = None, group: GroupChannel | None = None
+    ) -> None:
         self.config = config
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self.worker = worker or Worker(
-            on_state=self._on_state, on_death=self._on_engine_death, limits=config.limits
+            on_state=self._on_state,
+            on_death=self._on_engine_death,
+            limits=config.limits,
+            group=group,
         )
         self.engine_died = threading.Event()
         self.metrics: WorkerMetrics = self.worker.metrics

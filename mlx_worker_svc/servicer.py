@@ -85,7 +85,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             kind=convert.device_kind(request.device),
             rank=request.rank,
             local_rank=request.local_rank,
-            world_size=max(request.world_size, 1),
+            world_size=request.world_size,
             distributed_init_method=request.distributed_init_method,
         )
         info = self._worker.init_device(args)

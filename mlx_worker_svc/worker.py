@@ -28,16 +28,13 @@ from mlx_worker_svc.domain import (
     StepResult,
     WorkerState,
 )
-from mlx_worker_svc.engine import device as device_mod
-from mlx_worker_svc.engine import loader, memory, memory_guard, prefix_cache
-from mlx_worker_svc.engine.runner import ModelRunner
+from mlx_worker_svc.engine import loader, memory_guard, prefix_cache
 from mlx_worker_svc.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
-    Unimplemented,
 )
 from mlx_worker_svc.lifecycle import DeviceArgs
 from mlx_worker_svc.worker_generate import GENERATE_PREFILL_CHUNK, GenerateMixin
@@ -69,24 +66,21 @@ class Worker(GenerateMixin):
     def init_device(self, args: DeviceArgs) -> DeviceInfo:
         def job() -> DeviceInfo:
             self._require("InitDevice", S.NEW)
-            if args.world_size > 1:
-                raise Unimplemented(
-                    "InitDevice.world_size > 1 needs worker groups over mx.distributed, "
-                    "which are not built yet"
-                )
-            if self._device is not None:
-                if args != self._device_args:
+            channel = self._replica.channel
+            wanted = replace(args, world_size=args.world_size or channel.size)
+            device = self._replica.device
+            if device is not None:
+                if wanted != self._device_args:
                     raise FailedPrecondition(
                         "InitDevice: the device is already initialised with different "
                         "arguments; restart the worker to change it"
                     )
-                return self._device
-            self._device = device_mod.init_device(
-                args.kind, rank=args.rank, local_rank=args.local_rank, world_size=1
-            )
-            self._device_args = args
+                return device
+            wanted.check(channel.size, channel.backend)
+            device = self._replica.init_device(args.kind)
+            self._device_args = wanted
             self._set_state(S.DEVICE_READY)
-            return self._device
+            return device
 
         return self._engine.call(job)
 
@@ -96,7 +90,7 @@ class Worker(GenerateMixin):
             if self._loaded is not None and spec == self._load_spec:
                 return self._loaded, self._epoch
             self._require_idle("LoadModel")
-            loaded = loader.load(spec)  # raises before anything changes
+            loaded = self._replica.load(spec)  # raises before anything changes
             self._loaded, self._load_spec = loaded, spec
             self._model_info = loaded.info
             self._chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
@@ -126,9 +120,7 @@ class Worker(GenerateMixin):
                     f"({loaded.info.max_context_length})"
                 )
             self._require_idle("DetermineMemory")
-            self._memory = memory.profile(
-                loaded.model,
-                loaded.info,
+            self._memory = self._replica.profile(
                 memory_utilization=util,
                 max_num_batched_tokens=tokens,
                 block_size=block,
@@ -172,7 +164,7 @@ class Worker(GenerateMixin):
             if self._runner is not None and self._cache_config == config:
                 return config
             self._require_idle("InitCache")
-            self._runner = ModelRunner(loaded, config, profile)
+            self._runner = self._replica.new_runner(config, profile)
             self._cache_config = config
             if self._state is S.MEMORY_PROFILED:
                 self._set_state(S.READY)
@@ -198,7 +190,7 @@ class Worker(GenerateMixin):
             if too_long:
                 raise InvalidArgument(f"WarmUp prefill_lengths {too_long} exceed the context")
             start = time.perf_counter()
-            shapes = memory.warm_up(loaded.model, sizes, lengths)
+            shapes = self._replica.warm_up(sizes, lengths)
             self._set_state(S.SERVING)
             return shapes, time.perf_counter() - start
 
@@ -243,8 +235,7 @@ class Worker(GenerateMixin):
     def health(self, deep: bool) -> HealthReport:
         deep_ns = 0
         if deep and self._loaded is not None and self._state not in (S.STOPPED, S.SLEEPING):
-            model = self._loaded.model
-            deep_ns = self._engine.call(lambda: memory.deep_check(model), bounded=True)
+            deep_ns = self._engine.call(self._replica.deep_check, bounded=True)
         runner = self._runner
         running, preempted = runner.count() if runner else (0, 0)
         dead = self._engine.dead
@@ -281,7 +272,8 @@ class Worker(GenerateMixin):
 
     @property
     def device(self) -> DeviceInfo | None:
-        return self._device
+        """The device (and, in a group, every rank with its share of the weights)."""
+        return self._replica.device
 
     @property
     def model_info(self) -> tuple[ModelInfo | None, str]:
@@ -312,7 +304,7 @@ class Worker(GenerateMixin):
             if level == 2:
                 self._loaded = None
             self._sleep_level = max(self._sleep_level, level)
-            memory.release()
+            self._replica.release(model=level == 2)
             freed = max(before - memory_guard.usage(0).active_bytes, 0)
             return SleepReport(S.SLEEPING, self._sleep_level, aborted, freed, self._epoch)
 
@@ -328,9 +320,9 @@ class Worker(GenerateMixin):
                 return self._state, self._epoch, 0.0
             if self._loaded is None:
                 assert self._load_spec is not None
-                self._loaded = loader.load(self._load_spec)  # raises: still asleep
+                self._loaded = self._replica.load(self._load_spec)  # raises: still asleep
             assert self._cache_config is not None and self._memory is not None
-            self._runner = ModelRunner(self._loaded, self._cache_config, self._memory)
+            self._runner = self._replica.new_runner(self._cache_config, self._memory)
             self._sleep_level = 0
             self._set_state(self._awake_state)
             return self._state, self._epoch, time.perf_counter() - start
@@ -371,9 +363,10 @@ class Worker(GenerateMixin):
                 self._runner.abort_all()
             self._runner = None
             self._loaded = None
-            memory.release()
+            self._replica.close()
             self._set_state(S.STOPPED)
 
+        self._watchdog.stop()
         if self._state is not S.STOPPED and self._engine.dead is None:
             with contextlib.suppress(Unavailable):
                 self._engine.call(job)

@@ -4,7 +4,9 @@
 and epoch, the loaded model, the runner, the Generate streams and the engine
 thread on which every state change and every MLX call runs, one at a time.
 `worker.Worker` adds the lifecycle calls, `worker_generate.GenerateMixin`
-the text calls and Generate.
+the text calls and Generate. Engine operations go through a `Replica`, which
+on rank 0 of a worker group applies them on every rank (engine/replica.py); a
+broken group ends the engine the way a dead engine thread does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Callable
 
 from mlx_worker_svc.domain import (
     CacheConfig,
-    DeviceInfo,
     LoadSpec,
     MemoryProfile,
     ModelInfo,
@@ -24,6 +25,8 @@ from mlx_worker_svc.domain import (
 )
 from mlx_worker_svc.engine import device as device_mod
 from mlx_worker_svc.engine import loader, memory_guard
+from mlx_worker_svc.engine.group import IDLE_POLL, GroupChannel, Watchdog
+from mlx_worker_svc.engine.replica import Replica
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.engine_loop import EngineLoop
@@ -47,6 +50,7 @@ class WorkerCore:
         on_death: Callable[[BaseException], None] | None = None,
         limits: AdmissionLimits | None = None,
         metrics: WorkerMetrics | None = None,
+        group: GroupChannel | None = None,
     ) -> None:
         self._on_state = on_state or (lambda _state: None)
         self._on_death = on_death or (lambda _cause: None)
@@ -57,7 +61,7 @@ class WorkerCore:
         self._state = S.NEW
         self._started = time.monotonic()
         self._device_args: DeviceArgs | None = None
-        self._device: DeviceInfo | None = None
+        self._replica = Replica(group)
         self._load_spec: LoadSpec | None = None
         self._loaded: loader.LoadedModel | None = None
         self._epoch = 0
@@ -77,13 +81,19 @@ class WorkerCore:
             on_exit=device_mod.settle_thread,
             on_death=self._engine_died,
             max_queued=self.limits.max_queued_steps,
+            # An idle group's followers sleep between rank 0's pings (group.py).
+            tick=IDLE_POLL if self._replica.channel.grouped else None,
+            on_tick=self._replica.ping,
         )
+        self._replica.channel.on_failure = self._engine.fail
+        self._watchdog = Watchdog(self._replica.channel)
 
     def _engine_died(self, cause: BaseException) -> None:
         """The engine thread is gone: end every stream with the cause and stop."""
-        self._last_error = f"the engine thread died: {cause!r}"
+        error = cause if isinstance(cause, WorkerError) else None
+        self._last_error = error.message if error else f"the engine thread died: {cause!r}"
         for request_id in self._streams.ids():
-            self._streams.close(request_id, Internal(self._last_error))
+            self._streams.close(request_id, error or Internal(self._last_error))
         self._set_state(S.STOPPED)
         self._on_death(cause)
 

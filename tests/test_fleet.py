@@ -41,13 +41,14 @@ STREAM_TIMEOUT = 240.0
 class Proc:
     """A `python -m mlx_worker_svc ...` subprocess; a thread keeps its output."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.args = args
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_worker_svc", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=env,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

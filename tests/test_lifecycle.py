@@ -180,9 +180,17 @@ def test_reloading_a_model_starts_a_new_epoch(stub: Stub, tiny_dir: Path) -> Non
 
 
 def test_init_device_changes_and_world_size(stub: Stub) -> None:
+    # A single process is no group: world_size 2, a backend or a rank past 0 is refused.
     code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(world_size=2)))
-    assert code == grpc.StatusCode.UNIMPLEMENTED and "world_size" in message
-    stub.InitDevice(pb.InitDeviceRequest())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "--world-size 2" in message
+    request = pb.InitDeviceRequest(distributed_init_method="ring")
+    code, message = _code(lambda: stub.InitDevice(request))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "single process" in message
+    code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "only rank 0" in message
+    device = stub.InitDevice(pb.InitDeviceRequest(world_size=1)).device
+    assert (device.world_size, device.backend, list(device.ranks)) == (1, "", [])
+    stub.InitDevice(pb.InitDeviceRequest())  # 0 and 1 both mean "one process"
     code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=3)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "different" in message
 

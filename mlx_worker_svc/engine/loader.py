@@ -3,7 +3,9 @@
 Owns the mapping from "what the caller asked for" (a local directory or a hub
 id) to a loaded model and tokenizer, the errors a bad path or a broken model
 directory turns into, and the model facts the worker reports (sizes, heads,
-context length, EOS ids, quantization, weight bytes).
+context length, EOS ids, quantization, weight bytes). In a worker group each
+rank loads lazily and keeps only its shard (sharding.py) before the weights
+are read.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.domain import LoadSpec, ModelInfo, Quantization
-from mlx_worker_svc.errors import InvalidArgument, NotFound, Unavailable
+from mlx_worker_svc.domain import LoadSpec, ModelInfo, Parallelism, Quantization
+from mlx_worker_svc.engine import sharding
+from mlx_worker_svc.errors import InvalidArgument, NotFound, Unavailable, WorkerError
 
 # A model without a declared context length gets this one.
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -59,8 +62,11 @@ def _resolve_path(spec: LoadSpec) -> str:
     return spec.model
 
 
-def load(spec: LoadSpec) -> LoadedModel:
-    """Loads `spec` with mlx_lm.load; raises NotFound/InvalidArgument/Unavailable."""
+def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
+    """Loads `spec` with mlx_lm.load; raises NotFound/InvalidArgument/Unavailable.
+
+    With an `mx.distributed` group of more than one rank, loads this rank's shard.
+    """
     from mlx_lm import load as mlx_load
 
     source = _resolve(spec)
@@ -71,14 +77,22 @@ def load(spec: LoadSpec) -> LoadedModel:
     if adapter_missing:
         raise NotFound(f"adapter_path {spec.adapter_path!r} does not exist")
     start = time.perf_counter()
+    sharded = group is not None and group.size() > 1
+    parallelism = Parallelism.NONE
     try:
         model, tokenizer, config = mlx_load(
             source,
             adapter_path=spec.adapter_path or None,
+            lazy=sharded,
             revision=spec.revision or None,
             trust_remote_code=spec.trust_remote_code,
             return_config=True,
         )
+        if sharded:
+            parallelism = sharding.shard(model, group)
+            mx.eval(model.parameters())  # reads this rank's share of the weights only
+    except WorkerError:
+        raise
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
     except OSError as exc:
@@ -89,7 +103,7 @@ def load(spec: LoadSpec) -> LoadedModel:
             raise NotFound(f"model {spec.model!r} was not found: {exc}") from exc
         raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
     seconds = time.perf_counter() - start
-    info = describe(spec, source, model, tokenizer, config)
+    info = describe(spec, source, model, tokenizer, config, parallelism=parallelism)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=seconds)
 
 
@@ -103,7 +117,13 @@ def _dominant_float_dtype(params: list[tuple[str, mx.array]]) -> str:
 
 
 def describe(
-    spec: LoadSpec, source: str, model: nn.Module, tokenizer: TokenizerWrapper, config: Any
+    spec: LoadSpec,
+    source: str,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    config: Any,
+    *,
+    parallelism: Parallelism = Parallelism.NONE,
 ) -> ModelInfo:
     """The facts a scheduler needs about a loaded model."""
     cfg: dict[str, Any] = dict(config) if isinstance(config, dict) else {}
@@ -120,6 +140,8 @@ def describe(
 
     layers = getattr(model, "layers", None)
     num_layers = len(layers) if layers is not None else arg("num_hidden_layers")
+    if parallelism is Parallelism.PIPELINE:  # `layers` are this rank's stage only
+        num_layers = arg("num_hidden_layers", default=num_layers)
     hidden = arg("hidden_size", "d_model", "dim")
     heads = arg("num_attention_heads", "n_heads")
     kv_heads = arg("num_key_value_heads", "n_kv_heads", default=heads)
@@ -158,4 +180,5 @@ def describe(
         dtype=_dominant_float_dtype(params),
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         adapter_path=spec.adapter_path,
+        parallelism=parallelism,
     )

@@ -133,6 +133,9 @@ def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]
         for _ in range(size):
             cache = make_prompt_cache(model)
             model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)
+            # One forward per evaluation: in a pipeline group two pending forwards
+            # could run their sends and receives in different orders on two ranks.
+            mx.eval([c.state for c in cache])
             caches.append(cache)
         batch = merge_caches(caches)
         with dequant.rows(size):

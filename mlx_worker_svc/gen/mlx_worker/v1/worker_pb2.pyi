@@ -36,6 +36,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+
+class Parallelism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PARALLELISM_UNSPECIFIED: _ClassVar[Parallelism]
+    PARALLELISM_NONE: _ClassVar[Parallelism]
+    PARALLELISM_TENSOR: _ClassVar[Parallelism]
+    PARALLELISM_PIPELINE: _ClassVar[Parallelism]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_NEW: WorkerState
 WORKER_STATE_DEVICE_READY: WorkerState
@@ -56,6 +63,10 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CONTEXT_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
+PARALLELISM_UNSPECIFIED: Parallelism
+PARALLELISM_NONE: Parallelism
+PARALLELISM_TENSOR: Parallelism
+PARALLELISM_PIPELINE: Parallelism
 
 class InitDeviceRequest(_message.Message):
     __slots__ = ("device", "rank", "local_rank", "world_size", "distributed_init_method")
@@ -71,8 +82,28 @@ class InitDeviceRequest(_message.Message):
     distributed_init_method: str
     def __init__(self, device: _Optional[_Union[DeviceKind, str]] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., distributed_init_method: _Optional[str] = ...) -> None: ...
 
+class GroupRank(_message.Message):
+    __slots__ = ("rank", "host", "local_rank", "pid", "device_name", "total_memory_bytes", "recommended_working_set_bytes", "weight_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECOMMENDED_WORKING_SET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    local_rank: int
+    pid: int
+    device_name: str
+    total_memory_bytes: int
+    recommended_working_set_bytes: int
+    weight_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., device_name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+
 class DeviceInfo(_message.Message):
-    __slots__ = ("kind", "name", "total_memory_bytes", "recommended_working_set_bytes", "mlx_version", "mlx_lm_version", "platform", "rank", "local_rank", "world_size")
+    __slots__ = ("kind", "name", "total_memory_bytes", "recommended_working_set_bytes", "mlx_version", "mlx_lm_version", "platform", "rank", "local_rank", "world_size", "backend", "ranks")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +114,8 @@ class DeviceInfo(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     kind: DeviceKind
     name: str
     total_memory_bytes: int
@@ -93,7 +126,9 @@ class DeviceInfo(_message.Message):
     rank: int
     local_rank: int
     world_size: int
-    def __init__(self, kind: _Optional[_Union[DeviceKind, str]] = ..., name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., platform: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    backend: str
+    ranks: _containers.RepeatedCompositeFieldContainer[GroupRank]
+    def __init__(self, kind: _Optional[_Union[DeviceKind, str]] = ..., name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., mlx_version: _Optional[str] = ..., mlx_lm_version: _Optional[str] = ..., platform: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[GroupRank, _Mapping]]] = ...) -> None: ...
 
 class InitDeviceResponse(_message.Message):
     __slots__ = ("device", "state")
@@ -128,7 +163,7 @@ class Quantization(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_path", "model_type", "vocab_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "max_context_length", "eos_token_ids", "bos_token_id", "quantization", "weight_bytes", "dtype", "has_chat_template", "adapter_path")
+    __slots__ = ("model", "model_path", "model_type", "vocab_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "max_context_length", "eos_token_ids", "bos_token_id", "quantization", "weight_bytes", "dtype", "has_chat_template", "adapter_path", "parallelism")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +181,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_PATH_FIELD_NUMBER: _ClassVar[int]
+    PARALLELISM_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     model_type: str
@@ -163,7 +199,8 @@ class ModelInfo(_message.Message):
     dtype: str
     has_chat_template: bool
     adapter_path: str
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., adapter_path: _Optional[str] = ...) -> None: ...
+    parallelism: Parallelism
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., adapter_path: _Optional[str] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model", "worker_epoch", "load_seconds", "state")

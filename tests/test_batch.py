@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from tiny_model import tiny_config
 
 from mlx_worker_svc.engine.batch import AlignedBatchKVCache, DecodeBatch, merge_caches
 
@@ -17,19 +18,7 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
     mx.random.seed(3)
-    args = llama.ModelArgs.from_dict(
-        {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": VOCAB,
-            "tie_word_embeddings": True,
-        }
-    )
+    args = llama.ModelArgs.from_dict(tiny_config(vocab_size=VOCAB, tie_word_embeddings=True))
     return llama.Model(args)
 
 

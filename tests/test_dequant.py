@@ -6,25 +6,14 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 from mlx_lm.models import llama
+from tiny_model import tiny_config
 
 from mlx_worker_svc.engine import dequant
 
 
 def tiny_llama(quantized: bool) -> llama.Model:
     mx.random.seed(5)
-    args = llama.ModelArgs.from_dict(
-        {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": 256,
-            "tie_word_embeddings": True,
-        }
-    )
+    args = llama.ModelArgs.from_dict(tiny_config(vocab_size=256, tie_word_embeddings=True))
     model = llama.Model(args)
     if quantized:
         nn.quantize(model, group_size=64, bits=4)

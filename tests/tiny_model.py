@@ -35,21 +35,14 @@ def build_tiny_model(
     `overrides` replaces config entries (another shape, e.g. the GPU benchmark's
     Llama-3.2-1B); `dtype` casts the weights before they are saved.
     """
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 49152,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": max_position_embeddings,
-        "eos_token_id": 2,
-        "bos_token_id": 1,
-    }
+    config = tiny_config(
+        vocab_size=49152,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     if head_dim is not None:
         config["head_dim"] = head_dim
     config.update(overrides or {})
@@ -60,13 +53,34 @@ def build_tiny_model(
         model.update({"lm_head": {"weight": model.lm_head.weight * 8.0}})
     if dtype is not None:
         model.set_dtype(dtype)
+    return _save(model, config, tokenizer_dir, out, TOKENIZER_FILES)
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """The tiny llama's config (2 layers, hidden 64, 4/2 heads), with `overrides` applied."""
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+    }
+    config.update(overrides)
+    return config
+
+
+def _save(
+    model: Any, config: Mapping[str, Any], source: Path, out: Path, files: tuple[str, ...]
+) -> Path:
+    """Writes weights and config into `out` and copies `files` that exist in `source`."""
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
+    for name in files:
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
     return out
 
 
@@ -84,13 +98,7 @@ def dequantized_copy(source: Path, out: Path) -> Path:
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    return out
+    return _save(model, config, source, out, (*TOKENIZER_FILES, "generation_config.json"))
 
 
 def quantized_copy(source: Path, out: Path, *, bits: int = 4, group_size: int = 64) -> Path:
@@ -99,10 +107,4 @@ def quantized_copy(source: Path, out: Path, *, bits: int = 4, group_size: int = 
 
     model, config = load_model(source)
     model, config = quantize_model(model, config, group_size, bits)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    return out
+    return _save(model, config, source, out, (*TOKENIZER_FILES, "generation_config.json"))

@@ -4,7 +4,9 @@ Rank 0 sends every engine operation to the other ranks through MLX's own
 collectives (no other transport): an `all_gather` of an int64 header (rank 0
 gives the payload's length; each follower gives a digest of what its previous
 operation produced, so a follower whose tokens differ from rank 0's is caught
-at the next operation), then an `all_sum` of the payload bytes, to which the
+at the next operation; every rank gives the header's sequence number, so a row
+a dead rank never sent, zeros or a stale buffer, reads as silence, not as a
+divergence), then an `all_sum` of the payload bytes, to which the
 followers contribute zeros. The payload is a pickle of (operation, arguments):
 the ranks of a group trust each other as much as one process trusts itself,
 so a group must only span machines under one operator's control.
@@ -64,6 +66,7 @@ class GroupChannel:
         self.on_failure: Callable[[WorkerError], None] = lambda _error: None
         self.pending_digest = 0
         """This rank's digest of its last operation, checked at the next header."""
+        self._seq = 0  # headers exchanged; every rank counts the same
         self._busy: tuple[float, float, str] | None = None
 
     @property
@@ -108,7 +111,15 @@ class GroupChannel:
         ping = name == PING and not args and not kwargs
         payload = b"" if ping else pickle.dumps((name, args, kwargs), pickle.HIGHEST_PROTOCOL)
         expected, self.pending_digest = self.pending_digest, 0
-        header = self._all_gather(np.array([[len(payload), 0]], dtype=np.int64))
+        self._seq += 1
+        header = self._all_gather(np.array([[len(payload), 0, self._seq]], dtype=np.int64))
+        silent = [rank for rank in range(1, self.size) if int(header[rank, 2]) != self._seq]
+        if silent:
+            ranks = ", ".join(map(str, silent))
+            raise self.fail(
+                "a rank's header never arrived",
+                f"rank{'s' if len(silent) > 1 else ''} {ranks} did not answer",
+            )
         digests = [int(d) for d in header[:, 1]]
         wrong = [rank for rank in range(1, self.size) if digests[rank] != expected]
         if wrong:
@@ -123,7 +134,10 @@ class GroupChannel:
     def receive(self) -> Command:
         """A follower: waits for rank 0's next operation."""
         digest, self.pending_digest = self.pending_digest, 0
-        header = self._all_gather(np.array([[0, digest]], dtype=np.int64))
+        self._seq += 1
+        header = self._all_gather(np.array([[0, digest, self._seq]], dtype=np.int64))
+        if int(header[0, 2]) != self._seq:
+            raise self.fail("rank 0's header never arrived", "rank 0 did not answer")
         length = int(header[0, 0])
         if length == 0:
             return PING, (), {}

@@ -2,6 +2,9 @@
 
 One Execute call per step; every live request is scheduled in every step
 (decode: one token; prefill: the whole prompt, or `chunk` tokens at a time).
+With `decode_steps` n > 1, calls in which every request decodes run n decode
+steps each (ExecuteRequest.num_decode_steps); prefill calls run one, so TTFT is
+unchanged.
 Each request's computed-token count is taken from the response, never assumed:
 with a prefix-cache hit the worker computes the scheduled tokens beyond the
 cached part, and `num_computed_tokens` counts both.
@@ -68,6 +71,7 @@ def run_execute(
     *,
     chunk: int | None = None,
     call: ExecuteCall | None = None,
+    decode_steps: int = 1,
 ) -> ExecuteRun:
     """Runs `prompts` together to completion, one Execute step at a time.
 
@@ -103,6 +107,7 @@ def run_execute(
             new_requests=new,
             cached_requests=cached,
             num_scheduled_tokens=scheduled,
+            num_decode_steps=1 if new or any(n > 1 for n in scheduled.values()) else decode_steps,
         )
         if step_id == 0:
             run.timeline = Timeline()

@@ -12,13 +12,14 @@ no file, builds the embedded default model (SmolLM2-135M-Instruct).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from mlx_worker_svc.domain import DeviceKind, LoadSpec
 from mlx_worker_svc.log_format import add_logging_arguments, configure_logging
@@ -53,6 +54,29 @@ def _join_group(args: argparse.Namespace) -> GroupChannel:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A fatal signal (a native crash, an abort) prints every thread's Python stack.
+    faulthandler.enable()
+    status = _serve_status(args)
+    _end_process(status)
+
+
+def _end_process(status: int) -> NoReturn:
+    """Ends a serve process once its work is done: logs and output flushed, then `os._exit`.
+
+    By now nothing is left to release (the engine thread is joined, the server
+    stopped, the group told). Interpreter teardown would still run the native
+    destructors of gRPC core and of MLX's per-thread streams, and those have
+    been seen to abort a process that had drained cleanly ("terminate called
+    without an active exception", SIGABRT, once in a CI run), which a
+    supervisor reads as a crash.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve_status(args: argparse.Namespace) -> int:
     from mlx_worker_svc.errors import WorkerError
     from mlx_worker_svc.limits import AdmissionLimits
     from mlx_worker_svc.security import SecurityError, server_security_from_args

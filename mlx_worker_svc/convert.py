@@ -245,6 +245,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
         num_scheduled_tokens=dict(request.num_scheduled_tokens),
         finished_req_ids=tuple(request.finished_req_ids),
         preempted_req_ids=tuple(request.preempted_req_ids),
+        num_decode_steps=request.num_decode_steps,
     )
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from mlx_worker_svc.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
+# Most decode steps one Execute call may run (ExecuteRequest.num_decode_steps).
+MAX_DECODE_STEPS = 64
 
 
 class WorkerState(enum.Enum):
@@ -161,6 +163,8 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: tuple[str, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()
+    # Decode steps in this call (0 and 1: one); see ExecuteRequest.num_decode_steps.
+    num_decode_steps: int = 1
 
 
 @dataclass(frozen=True)

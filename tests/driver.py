@@ -70,8 +70,10 @@ def drive(
     chunk: int | None = None,
     params: pb.SamplingParams | None = None,
     before_step: Callable[[pb.ExecuteRequest], None] | None = None,
+    decode_steps: int = 0,
 ) -> list[list[int]]:
-    """Runs all prompts together, chunked prefill of `chunk` tokens (None: whole)."""
+    """Runs all prompts together, chunked prefill of `chunk` tokens (None: whole),
+    `decode_steps` decode steps per Execute call (0: one)."""
     ids = [f"req-{i}" for i in range(len(prompts))]
     length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
     computed = dict.fromkeys(ids, 0)
@@ -100,6 +102,7 @@ def drive(
             new_requests=new,
             cached_requests=cached,
             num_scheduled_tokens=scheduled,
+            num_decode_steps=decode_steps,
         )
         if before_step is not None:
             before_step(request)

@@ -32,6 +32,7 @@ from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, machine_name, process_worker, ratio, summary_ms, temp_dir
 from benchmarks.execute_client import run_execute, run_generate, run_generate_streams, warm_up
 from benchmarks.gpu import report
+from benchmarks.gpu.report import PATHS
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from benchmarks.timeline import combined_stats
 
@@ -51,9 +52,6 @@ VARIANTS: dict[str, dict[str, str]] = {
     # Speculation, but MLX's quantized kernel at every batch size (quantized models only).
     "quantized": {"MLX_WORKER_DEQUANT_MIN_BATCH": "0"},
 }
-# Worker paths (`--paths`): Execute (the benchmarks' Python scheduler, one RPC per
-# step) and Generate (one stream per request, the worker schedules them itself).
-PATHS = {"execute": "Execute", "generate": "Generate streams"}
 
 
 QUANTIZED_ONLY = {"quantized"}
@@ -85,9 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--paths",
-        default="execute,generate",
-        help="worker paths: execute (one Execute RPC per step), generate (one Generate "
-        "stream per request, started together)",
+        default="execute,multistep,generate",
+        help="worker paths: execute (one Execute RPC per step), multistep (Execute calls of "
+        "--decode-steps decode steps each), generate (one Generate stream per request, "
+        "started together)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=8,
+        help="ExecuteRequest.num_decode_steps of the multistep path's decode calls",
     )
     p.add_argument("--deadline-s", type=float, default=420.0, help="skip shapes past this")
     p.add_argument("--models", type=Path, help="build (or reuse) the models here")
@@ -158,17 +163,28 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return max(runs, key=lambda r: r["stats"].get("decode_tok_s") or 0.0)
 
 
-def _execute(worker: Worker, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+def _execute(
+    worker: Worker, prompts: list[list[int]], tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
     run = run_execute(worker, prompts, tokens)
     return {"stats": run.timeline.stats(), "tokens": run.tokens, "run": run}
 
 
-def _generate(worker: Worker, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+def _multistep(
+    worker: Worker, prompts: list[list[int]], tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    run = run_execute(worker, prompts, tokens, decode_steps=args.decode_steps)
+    return {"stats": run.timeline.stats(), "tokens": run.tokens}
+
+
+def _generate(
+    worker: Worker, prompts: list[list[int]], tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
     timelines, outputs = run_generate_streams(worker, prompts, tokens)
     return {"stats": combined_stats(timelines), "tokens": outputs}
 
 
-WORKER_RUNS = {"execute": _execute, "generate": _generate}
+WORKER_RUNS = {"execute": _execute, "multistep": _multistep, "generate": _generate}
 
 
 def _decode(stats: dict[str, Any]) -> float:
@@ -181,11 +197,11 @@ def worker_paths(
     """The worker's paths (`--paths`) at one batch size: each warmed, then runs (best kept)."""
     paths = args.path_list
     for path in paths:
-        WORKER_RUNS[path](worker, prompts, args.warm_tokens)
+        WORKER_RUNS[path](worker, prompts, args.warm_tokens, args)
     runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     for _ in range(args.repeats):
         for path in paths:
-            runs[path].append(WORKER_RUNS[path](worker, prompts, args.new_tokens))
+            runs[path].append(WORKER_RUNS[path](worker, prompts, args.new_tokens, args))
     return {path: _best(got) for path, got in runs.items()}
 
 
@@ -254,12 +270,19 @@ def _prefill_rate(stats: dict[str, Any], size: int, prompt: int) -> float | None
 
 
 def parity(
-    model: Any, tokenizer: Any, worker: Worker, prompts: list[list[int]], tokens: int
+    model: Any,
+    tokenizer: Any,
+    worker: Worker,
+    prompts: list[list[int]],
+    tokens: int,
+    *,
+    decode_steps: int,
 ) -> dict[str, Any]:
     """Greedy parity on one model: the worker's tokens against mlx-lm's.
 
-    The check that must hold: each prompt alone through Execute (batch 1), and
-    alone through Generate, gives exactly `stream_generate`'s tokens
+    The check that must hold: each prompt alone through Execute (batch 1; one
+    decode step a call, and `decode_steps` a call), and alone through Generate,
+    gives exactly `stream_generate`'s tokens
     (mlx_lm.generate's path). For information: the prompts as one batch
     (Execute, and concurrent Generate streams), worker against BatchGenerator
     (batched kernels may round differently, and a random model's near-ties
@@ -267,6 +290,7 @@ def parity(
     """
     reference = [raw_stream(model, tokenizer, p, tokens)[1] for p in prompts]
     alone = [run_execute(worker, [p], tokens).tokens[0] for p in prompts]
+    multi = [run_execute(worker, [p], tokens, decode_steps=decode_steps).tokens[0] for p in prompts]
     streams = run_generate_streams(worker, prompts, tokens)[1]
     generated = [run_generate(worker, p, tokens)[1] for p in prompts]
     together = run_execute(worker, prompts, tokens).tokens
@@ -279,10 +303,13 @@ def parity(
         "prompts": len(prompts),
         "tokens": tokens,
         "single_matches_generate": [a == r for a, r in zip(alone, reference, strict=True)],
+        "multistep_single_matches_generate": [
+            a == r for a, r in zip(multi, reference, strict=True)
+        ],
         "generate_single_matches_generate": [
             a == r for a, r in zip(generated, reference, strict=True)
         ],
-        "ok": alone == reference and generated == reference,
+        "ok": alone == reference and multi == reference and generated == reference,
         "batched_matches_batch_generator": [
             a == b for a, b in zip(together, batch_ref, strict=True)
         ],
@@ -355,7 +382,12 @@ class _Run:
                 chosen = self.prompts[: args.parity_prompts]
                 try:
                     self.results["parity"] = parity(
-                        model, tokenizer, worker, chosen, args.parity_tokens
+                        model,
+                        tokenizer,
+                        worker,
+                        chosen,
+                        args.parity_tokens,
+                        decode_steps=args.decode_steps,
                     )
                 except Exception as exc:
                     self.results["errors"].append(f"parity: {exc!r}")

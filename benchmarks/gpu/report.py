@@ -15,7 +15,14 @@ def _p50(step: dict[str, Any], key: str) -> str:
     return _num(step.get(key, {}).get("p50_ms"), 2)
 
 
-PATHS = {"execute": "Execute", "generate": "Generate streams"}
+# Worker paths (bench_gpu --paths): Execute from the benchmarks' Python scheduler,
+# one decode step a call or several (num_decode_steps), and one Generate stream
+# per request, the worker scheduling them itself.
+PATHS = {
+    "execute": "Execute",
+    "multistep": "Execute, n steps a call",
+    "generate": "Generate streams",
+}
 
 
 def _rate(stats: dict[str, Any] | None) -> Any:
@@ -31,56 +38,64 @@ def _best_path(row: dict[str, Any]) -> tuple[str, Any]:
 
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
+    options = results["options"]
     others = sorted({v for rows in results["rows"].values() for r in rows for v in r["variants"]})
-    first = results["options"].get("variants", "").split(",")[0]
+    first = options.get("variants", "").split(",")[0]
+    used = [p for p in options.get("paths", "execute,generate").split(",") if p in PATHS]
+    steps = options.get("decode_steps")
+    path_head = "".join(f" | worker {PATHS[p]} tok/s | ratio" for p in used)
     extra_head = "".join(f" | worker tok/s, {v} (best path) | ratio" for v in others)
+    names = " / ".join(PATHS[p] for p in used)
     lines = [
         f"GPU: {m.get('gpu')}, driver {m.get('driver')} (CUDA {m.get('cuda_driver_api')}), "
         f"MLX {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}, device {m.get('mlx_device')}, "
         f"Python {m.get('python')}; model: {results['model']['shape']}; "
-        f"options: prompt {results['options']['prompt_tokens']} tokens, "
-        f"{results['options']['new_tokens']} new tokens, repeats {results['options']['repeats']}",
+        f"options: prompt {options['prompt_tokens']} tokens, "
+        f"{options['new_tokens']} new tokens, repeats {options['repeats']}",
         "",
         f"Worker variant {first}. Execute: one Execute RPC per step from the benchmarks' Python "
-        "scheduler; Generate streams: one Generate stream per request, all started together, "
-        "scheduled by the worker. Decode tok/s: tokens after each request's first over the time "
-        "from the first token to the last; prefill tok/s: prompt tokens over the time until every "
-        "request has its first token.",
+        f"scheduler; Execute, n steps a call: the same scheduler asking for n = {steps} decode "
+        "steps a call once every request decodes (num_decode_steps); Generate streams: one "
+        "Generate stream per request, all started together, scheduled by the worker. Decode "
+        "tok/s: tokens after each request's first over the time from the first token to the "
+        "last; prefill tok/s: prompt tokens over the time until every request has its first "
+        "token.",
         "",
-        "| dtype | batch | raw path | raw decode tok/s "
-        "| worker Execute tok/s | ratio | worker Generate streams tok/s | ratio "
+        f"| dtype | batch | raw path | raw decode tok/s{path_head} "
         "| best worker path: ratio "
         "| Execute step p50 ms: client wall / worker total / forward "
-        "| prefill tok/s raw / Execute / Generate "
-        f"| identical requests Execute / Generate{extra_head} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(others),
+        f"| prefill tok/s raw / {names} "
+        f"| identical requests {names}{extra_head} |",
+        "|---|---|---|---|"
+        + "---|---|" * len(used)
+        + "---|---|---|---|"
+        + "---|---|" * len(others),
     ]
     for dtype, rows in results["rows"].items():
         for row in rows:
-            steps = row.get("worker_step_ms", {})
+            step_ms = row.get("worker_step_ms", {})
             prefill = row["prefill_tok_s"]
             same = row["requests_with_identical_tokens"]
-            if not isinstance(same, dict):  # results written before the Generate path
-                same = {"execute": same}
             raw = _rate(row["raw"])
             best = row.get("worker_best") or {}
+            cells = "".join(
+                f" | {_num(_rate(row.get(f'worker_{p}')))} "
+                f"| {_num(row.get(f'ratio_{p}_vs_raw'), 3)}"
+                for p in used
+            )
             extra = ""
             for v in others:
                 name, got = _best_path(row["variants"].get(v, {}))
                 extra += f" | {_num(got)} ({name}) | {_num(got / raw if got and raw else None, 3)}"
+            prefills = " / ".join(_num(prefill.get(f"worker_{p}")) for p in used)
+            identical = " / ".join(str(same.get(p, "-")) for p in used)
             lines.append(
-                f"| {dtype} | {row['batch']} | {row['raw_path']} | {_num(raw)} "
-                f"| {_num(_rate(row.get('worker_execute')))} "
-                f"| {_num(row.get('ratio_execute_vs_raw'), 3)} "
-                f"| {_num(_rate(row.get('worker_generate')))} "
-                f"| {_num(row.get('ratio_generate_vs_raw'), 3)} "
+                f"| {dtype} | {row['batch']} | {row['raw_path']} | {_num(raw)}{cells} "
                 f"| {best.get('path', '-')}: {_num(best.get('ratio_vs_raw'), 3)} "
-                f"| {_p50(steps, 'client_wall')} / {_p50(steps, 'worker_total')} / "
-                f"{_p50(steps, 'worker_forward')} "
-                f"| {_num(prefill.get('raw'))} / {_num(prefill.get('worker_execute'))} / "
-                f"{_num(prefill.get('worker_generate'))} "
-                f"| {same.get('execute', '-')} / {same.get('generate', '-')} of {row['batch']}"
-                f"{extra} |"
+                f"| {_p50(step_ms, 'client_wall')} / {_p50(step_ms, 'worker_total')} / "
+                f"{_p50(step_ms, 'worker_forward')} "
+                f"| {_num(prefill.get('raw'))} / {prefills} "
+                f"| {identical} of {row['batch']}{extra} |"
             )
     singles = [
         (dtype, row) for dtype, rows in results["rows"].items() for row in rows if row["batch"] == 1
@@ -95,7 +110,8 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Greedy parity (bf16, {parity['prompts']} prompts x {parity['tokens']} tokens): "
             f"worker batch 1 == mlx-lm stream_generate: {'OK' if parity['ok'] else 'FAILED'} "
-            f"(Execute {parity['single_matches_generate']}, Generate "
+            f"(Execute {parity['single_matches_generate']}, Execute n steps a call "
+            f"{parity.get('multistep_single_matches_generate')}, Generate "
             f"{parity.get('generate_single_matches_generate')}); worker batched == "
             f"BatchGenerator: Execute "
             f"{parity['batched_matches_batch_generator']}, Generate streams "

@@ -69,7 +69,7 @@ class Admission:
         return spans
 
     def _projected(self, work: Work) -> dict[RequestKey, int]:
-        """KV tokens each request holds after `work`."""
+        """KV tokens each request holds after `work` (at most, with its decode steps)."""
         gone = set(work.finished) | set(work.preempted)
         tokens = {
             key: seq.num_computed
@@ -81,8 +81,9 @@ class Admission:
         for key, _, resumed in work.appends:
             if resumed:
                 tokens[key] = 0
-        for key, (_, end, _) in self._spans(work).items():
-            tokens[key] = end
+        more = work.decode_steps - 1  # each sampling request's further decode steps
+        for key, (_, end, length) in self._spans(work).items():
+            tokens[key] = end + more if end == length else end
         return tokens
 
     def check_memory(self, work: Work, what: str) -> None:
@@ -97,7 +98,7 @@ class Admission:
             forwards += _chunks(start, end - 1 if samples else end)
             if samples:
                 decode_rows += 1
-                decode_context = max(decode_context, end)
+                decode_context = max(decode_context, end + work.decode_steps - 1)
         if decode_rows:
             forwards.append((decode_rows, decode_context))
         self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes)
@@ -127,7 +128,9 @@ class Admission:
                 continue
             before = self._hit(seq.tokens, seq.params) if seq.fresh else seq.num_computed
             count = min(len(seq.tokens) - before, prefill_chunk)
-            extra = self.budget.blocks_for(before + count) - self.budget.blocks_for(
+            # Beside a multi-step Execute, a request that samples decodes its steps too.
+            more = base.decode_steps - 1 if before + count == len(seq.tokens) else 0
+            extra = self.budget.blocks_for(before + count + more) - self.budget.blocks_for(
                 projected.get(key, seq.num_computed)
             )
             if used + extra > self.budget.num_blocks:

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from mlx_worker_svc.domain import Origin, SamplingParams, StepPlan
+from mlx_worker_svc.domain import MAX_DECODE_STEPS, Origin, SamplingParams, StepPlan
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, NotFound
 
@@ -66,7 +66,11 @@ def plan_step(
     limits: Limits,
 ) -> Work:
     """Validates `plan` against the live requests; raises before any change."""
-    work = Work()
+    if not 0 <= plan.num_decode_steps <= MAX_DECODE_STEPS:
+        raise InvalidArgument(
+            f"num_decode_steps must be in [0, {MAX_DECODE_STEPS}], got {plan.num_decode_steps}"
+        )
+    work = Work(decode_steps=max(plan.num_decode_steps, 1))
     gone = _removals(plan, seqs, recently_finished, work)
     counts = _new_requests(plan, seqs, limits, work)
     counts.update(_cached_requests(plan, seqs, gone, set(counts), limits=limits, work=work))

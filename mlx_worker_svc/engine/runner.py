@@ -264,6 +264,12 @@ class ModelRunner(Admission):
                 sampling.append(key)
         if sampling:
             self._decode(sampling, outputs)
+        for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
+            sampling = [key for key in sampling if key in self.seqs]
+            if not sampling:
+                break
+            num_tokens += len(sampling)
+            self._decode(sampling, outputs)
         forward_ns = time.perf_counter_ns() - forward_start
         for key, output in outputs.items():
             live = self.seqs.get(key)

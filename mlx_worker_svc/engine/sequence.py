@@ -76,14 +76,18 @@ class Work:
     new: list[NewSequence] = field(default_factory=list)
     appends: list[tuple[RequestKey, tuple[int, ...], bool]] = field(default_factory=list)
     scheduled: dict[RequestKey, int] = field(default_factory=dict)
+    # Tokens each sampling request decodes in this step (ExecuteRequest.num_decode_steps).
+    decode_steps: int = 1
 
     def merge(self, other: Work) -> Work:
+        """`other`'s requests beside this step's, at this step's decode steps."""
         return Work(
             finished=self.finished + other.finished,
             preempted=self.preempted + other.preempted,
             new=self.new + other.new,
             appends=self.appends + other.appends,
             scheduled={**self.scheduled, **other.scheduled},
+            decode_steps=self.decode_steps,
         )
 
     @property

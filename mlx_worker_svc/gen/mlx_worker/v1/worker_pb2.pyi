@@ -358,7 +358,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., resumed_from_preemption: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "worker_epoch", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")
+    __slots__ = ("step_id", "worker_epoch", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "num_decode_steps")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class ExecuteRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     worker_epoch: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -380,7 +381,8 @@ class ExecuteRequest(_message.Message):
     num_scheduled_tokens: _containers.ScalarMap[str, int]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., worker_epoch: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_decode_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., worker_epoch: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+from mlx_worker_svc.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 GATEWAY_KEY_ENV = "MLX_GATEWAY_API_KEY"
@@ -33,6 +34,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         model=args.model or "",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_steps=args.decode_steps,
         client=ClientConfig(credentials=credentials, token=token),
     )
     return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
@@ -131,6 +133,13 @@ async def _run_generate(args: argparse.Namespace) -> int:
     return code
 
 
+def _decode_steps(text: str) -> int:
+    steps = int(text)
+    if not 1 <= steps <= MAX_DECODE_STEPS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DECODE_STEPS}], got {steps}")
+    return steps
+
+
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.metrics import add_metrics_arguments
@@ -148,6 +157,14 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument("--model", help="LoadModel for workers that have none loaded yet")
         cmd.add_argument("--max-num-seqs", type=int, default=64)
         cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
+        cmd.add_argument(
+            "--decode-steps",
+            type=_decode_steps,
+            default=1,
+            help=f"decode steps per Execute call while every request decodes (1-"
+            f"{MAX_DECODE_STEPS}, default 1): fewer round trips, tokens streamed in groups of "
+            "up to this many",
+        )
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name in ("fleet", "gateway"):

@@ -8,6 +8,7 @@ changes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import mlx.core as mx
@@ -161,3 +162,42 @@ def test_generate_streams_ride_along_a_multi_step_call(
         tokens += message.token_ids
     assert got == reference[:2]
     assert tokens == reference[2]
+
+
+def test_the_fleet_scheduler_decodes_several_steps_a_call_once_all_decode(
+    tiny_stub: Stub, server: Any, reference: list[list[int]]
+) -> None:
+    import asyncio
+
+    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig
+
+    steps_asked: list[int] = []
+    execute = server.worker.execute
+
+    def recording(plan: Any, **kwargs: Any) -> Any:
+        steps_asked.append(plan.num_decode_steps)
+        return execute(plan, **kwargs)
+
+    server.worker.execute = recording
+
+    async def main() -> list[list[int]]:
+        config = FleetConfig(link=LinkConfig(decode_steps=6))
+        fleet = FleetScheduler([f"127.0.0.1:{server.port}"], config)
+        await fleet.start()
+        await fleet.wait_ready()
+
+        async def one(prompt: list[int]) -> list[int]:
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt, sampling_params=greedy(TOKENS, ignore_eos=True)
+            )
+            return [t async for m in fleet.generate(request) for t in m.token_ids]
+
+        try:
+            return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+        finally:
+            await fleet.stop()
+
+    assert asyncio.run(main()) == reference
+    # Calls that start requests run one step; once all decode, six steps a call.
+    assert steps_asked[0] == 1 and steps_asked.count(6) >= 2
+    assert set(steps_asked) == {1, 6} and len(steps_asked) < TOKENS // 2

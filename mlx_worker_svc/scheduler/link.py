@@ -39,6 +39,9 @@ class LinkConfig:
     model: str = ""  # LoadModel's model for a worker that has none loaded
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Decode steps per Execute call once every running request decodes
+    # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
+    decode_steps: int = 1
     num_blocks: int = 0  # 0: the worker's suggestion
     retry_backoff: float = 0.5
     max_backoff: float = 10.0
@@ -261,7 +264,29 @@ class WorkerLink:
             started.append(r)
             budget -= count
             used += self._blocks(count)
+        request.num_decode_steps = self._decode_steps(request, used)
         return request, started
+
+    def _decode_steps(self, request: pb.ExecuteRequest, used: int) -> int:
+        """The configured decode steps for this call, or 1.
+
+        Several steps only when every scheduled request decodes one token,
+        nothing waits to start (its first token would wait for the whole call),
+        no request has stop strings (this scheduler checks them between calls,
+        so tokens past one would be computed for nothing) and the KV budget
+        holds the extra tokens.
+        """
+        steps = self.config.decode_steps
+        if steps <= 1 or self.waiting or request.new_requests:
+            return 1
+        scheduled = request.num_scheduled_tokens
+        if not scheduled or any(count != 1 for count in scheduled.values()):
+            return 1
+        rows = [self.running[req_id] for req_id in scheduled]
+        if any(r.stop for r in rows):
+            return 1
+        more = sum(self._blocks(r.computed + steps) - self._blocks(r.computed + 1) for r in rows)
+        return steps if used + more <= self.num_blocks else 1
 
     async def _step(self) -> None:
         request, started = self._plan()

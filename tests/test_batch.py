@@ -7,10 +7,15 @@ from typing import cast
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from tiny_model import tiny_config
 
-from mlx_worker_svc.engine.batch import AlignedBatchKVCache, DecodeBatch, merge_caches
+from mlx_worker_svc.engine.batch import (
+    AlignedBatchKVCache,
+    DecodeBatch,
+    merge_caches,
+    prefill_together,
+)
 
 VOCAB = 512
 
@@ -121,3 +126,32 @@ def test_rows_taken_out_during_a_speculation_leave_it_behind(model: llama.Model)
     assert [c.offset for c in taken] == [c.offset for c in plain.extract({"r0"})["r0"]]
     kept = first[1:]
     assert mx.array_equal(ahead.forward(model, kept), plain.forward(model, kept))
+
+
+def test_prompts_prefilled_together_equal_prompts_prefilled_alone(model: llama.Model) -> None:
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [5, 5, 5, 5, 5]]
+    together = prefill_together(model, prompts)
+    alone = [prefilled(model, p) for p in prompts]
+    for mine, theirs in zip(together, alone, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            ours, ref = cast(KVCache, a), cast(KVCache, b)
+            assert type(ours) is KVCache is type(ref) and ours.offset == ref.offset == 5
+            for x, y in ((ours.keys, ref.keys), (ours.values, ref.values)):
+                assert mx.array_equal(x[..., :5, :], y[..., :5, :])
+        step = mx.array([[11]])
+        assert mx.array_equal(model(step, cache=mine), model(step, cache=theirs))
+
+
+def test_prefill_groups_take_equal_lengths_up_to_one_chunk() -> None:
+    from mlx_worker_svc.domain import Origin
+    from mlx_worker_svc.engine.admission import PREFILL_STEP, prefill_groups
+
+    def key(name: str) -> tuple[Origin, str]:
+        return (Origin.EXECUTE, name)
+
+    ends = {key("a"): 3, key("b"): 3, key("c"): 5, key("d"): 3, key("e"): 0}
+    assert prefill_groups(ends) == [[key("a"), key("b"), key("d")]]
+    half = PREFILL_STEP // 2
+    big = {key(str(i)): half for i in range(5)}
+    assert prefill_groups(big) == [[key("0"), key("1")], [key("2"), key("3")]]
+    assert prefill_groups({key("x"): PREFILL_STEP + 1, key("y"): PREFILL_STEP + 1}) == []

@@ -275,3 +275,44 @@ def test_kv_budget_is_enforced_before_anything_changes(stub: Stub, tiny_dir: Pat
     fits = pb.NewRequest(req_id="ok", prompt_token_ids=[1] * 31, sampling_params=greedy(4))
     out = _step(stub, epoch, 2, new_requests=[fits], num_scheduled_tokens={"ok": 31})
     assert len(out.outputs[0].sampled_token_ids) == 1
+
+
+def test_equally_long_prompts_prefill_together_and_give_mlx_lm_tokens(
+    tiny_stub: Stub, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_worker_svc.engine import batch, prefill
+
+    groups: list[int] = []
+
+    def counted(model: object, prompts: list[list[int]]) -> object:
+        groups.append(len(prompts))
+        return batch.prefill_together(model, prompts)
+
+    monkeypatch.setattr(prefill, "prefill_together", counted)
+    prompts = [[7 + i, 100 + i, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] for i in range(5)] + [[1, 2, 3]]
+    model, _ = load(str(tiny_dir))
+    expected = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=12)] for p in prompts]
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    got = drive(tiny_stub, epoch, prompts, max_tokens=12, params=_ignore_eos(12))
+    assert got == expected
+    assert groups == [5]  # the five 12-token prompts (11 tokens before sampling) in one forward
+
+
+def test_the_memory_check_counts_a_prefill_group_as_one_forward(
+    tiny_stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_worker_svc.engine.memory_guard import MemoryGuard
+
+    seen: list[list[tuple[int, int]]] = []
+    estimate = MemoryGuard.estimate
+
+    def recorded(guard: MemoryGuard, forwards: list[tuple[int, int]]) -> int:
+        seen.append(list(forwards))
+        return estimate(guard, forwards)
+
+    monkeypatch.setattr(MemoryGuard, "estimate", recorded)
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    drive(tiny_stub, epoch, [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [1, 2]], max_tokens=1)
+    # Three 4-token prompts prefill 3 tokens each in one forward; the 2-token one alone; then
+    # one decode forward of 4 rows.
+    assert sorted(seen[0]) == [(1, 1), (4, 4), (9, 3)]

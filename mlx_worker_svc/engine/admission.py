@@ -10,6 +10,7 @@ runner's.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 import mlx.core as mx
@@ -26,6 +27,8 @@ PREFILL_STEP = 2048
 
 
 class Admission:
+    # Whether equally long prompts prefill together (batch.batchable).
+    batch_prefill: bool
     seqs: dict[RequestKey, Sequence]
     recently_finished: OrderedDict[RequestKey, None]
     limits: Limits
@@ -90,15 +93,28 @@ class Admission:
         """Refuses `work` if its largest forward would not fit under the memory limit."""
         forwards: list[tuple[int, int]] = []
         decode_rows, decode_context = 0, 0
+        whole: dict[RequestKey, int] = {}  # prompts prefilled from token 0 (batchable)
+        params = {new.key: new.params for new in work.new}
         for key, (start, end, length) in self._spans(work).items():
             seq = self.seqs.get(key)
             if seq is not None and seq.kv_lost:
                 forwards += _chunks(0, seq.num_computed)
             samples = end == length
-            forwards += _chunks(start, end - 1 if samples else end)
+            private = end - 1 if samples else end
+            asked = params[key] if seq is None else seq.params
+            if self.batch_prefill and start == 0 and asked.prompt_logprobs is None:
+                whole[key] = private
+            else:
+                forwards += _chunks(start, private)
             if samples:
                 decode_rows += 1
                 decode_context = max(decode_context, end + work.decode_steps - 1)
+        together = prefill_groups(whole)
+        for group in together:
+            tokens = whole[group[0]]
+            forwards.append((tokens * len(group), tokens))
+        alone = set(whole).difference(*together)
+        forwards += [chunk for key in alone for chunk in _chunks(0, whole[key])]
         if decode_rows:
             forwards.append((decode_rows, decode_context))
         self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes)
@@ -139,6 +155,24 @@ class Admission:
             used += extra
             work.scheduled[key] = count
         return work, waiting and not work.scheduled
+
+
+def prefill_groups(ends: Mapping[RequestKey, int]) -> list[list[RequestKey]]:
+    """Which prompts prefill together: `ends` are the tokens each prefills from token 0.
+
+    Prompts of the same length (at most PREFILL_STEP tokens) form groups of
+    up to PREFILL_STEP tokens in all, in the order given; a group has two
+    prompts or more, and the others prefill alone.
+    """
+    by_length: dict[int, list[RequestKey]] = {}
+    for key, tokens in ends.items():
+        if 0 < tokens <= PREFILL_STEP:
+            by_length.setdefault(tokens, []).append(key)
+    groups = []
+    for tokens, keys in by_length.items():
+        size = PREFILL_STEP // tokens
+        groups += [keys[i : i + size] for i in range(0, len(keys), size)]
+    return [group for group in groups if len(group) > 1]
 
 
 def _chunks(start: int, end: int) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask, make_prompt_cache
 
 from mlx_worker_svc.engine import dequant
 
@@ -32,11 +32,13 @@ class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
     """mlx-lm's BatchKVCache, knowing on the host whether any row is left-padded.
 
     While no row is (every request's KV is equally long: requests that
-    started together), a one-token decode step attends to every cached
-    position of every row, so it needs no mask; without one, MLX runs its
-    fused decode attention kernel, which on CUDA it does not use with an
-    array mask (the unfused fallback then runs instead). The attention is
-    the same: the mask would only have kept every position.
+    started together, or prompts prefilled together), every row attends
+    exactly as a single request's `KVCache` would, so it takes that cache's
+    mask: none for a one-token decode step, MLX's fused causal attention for
+    several tokens. Without an array mask MLX runs its fused attention
+    kernels, which on CUDA it does not use with one (the unfused fallback
+    then runs instead). The attention is the same: the mask would only have
+    kept every position it allows.
     """
 
     padded = True
@@ -53,9 +55,38 @@ class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
         self.padded = padded
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # noqa: N803
-        if N == 1 and not self.padded and not return_array:
-            return None
+        if not self.padded:
+            window = kwargs.get("window_size")
+            return create_attention_mask(N, self._idx, return_array, window)
         return super().make_mask(N, return_array=return_array, **kwargs)
+
+    @classmethod
+    def empty(cls, rows: int) -> AlignedBatchKVCache:
+        """A cache for `rows` prompts of one length, prefilled together."""
+        cache = cls([0] * rows)
+        cache.padded = False
+        return cache
+
+
+def prefill_together(model: nn.Module, prompts: Sequence[Sequence[int]]) -> list[LayerCaches]:
+    """Prefills equally long prompts in one batched forward; returns each one's own cache.
+
+    Every row attends as it would alone (no padding, the single request's
+    causal mask), and each row's cache is then taken out as a plain
+    `KVCache`, exactly what a prefill of that prompt alone leaves.
+    """
+    layers = len(make_prompt_cache(model))
+    cache = [AlignedBatchKVCache.empty(len(prompts)) for _ in range(layers)]
+    model(mx.array([list(p) for p in prompts], dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    rows = [[layer.extract(i) for layer in cache] for i in range(len(prompts))]
+    mx.eval([c.state for row in rows for c in row])
+    return rows
+
+
+def batchable(model: nn.Module) -> bool:
+    """Whether the model's requests can share batch caches without masks (plain KV caches)."""
+    return ALIGNED and all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
 def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:

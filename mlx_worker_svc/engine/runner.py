@@ -2,8 +2,10 @@
 
 The runner owns every request's `Sequence`, the decode batch and the KV
 budget. `plan()` validates a scheduler step without changing anything;
-`run()` applies it: removals, additions, private prefill chunks, then ONE
-batched forward for every request that samples in this step. Requests from
+`run()` applies it: removals, additions, private prefill chunks (equally long
+fresh prompts together; prefill.py), then ONE batched forward for every
+request that samples in this step (and, with `num_decode_steps`, further
+decode steps without a round trip). Requests from
 Generate (Origin.GENERATE) live beside Execute's in their own id space and are
 scheduled by `internal_work()`, so both kinds share the same forward passes.
 """
@@ -27,21 +29,19 @@ from mlx_worker_svc.domain import (
     RequestOutput,
     SamplingParams,
     StepTimings,
-    TokenLogprobs,
 )
 from mlx_worker_svc.engine import dequant
-from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission
-from mlx_worker_svc.engine.batch import DecodeBatch
+from mlx_worker_svc.engine.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
 from mlx_worker_svc.engine.memory_guard import MemoryGuard
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
+from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.recovery import StepJournal
 from mlx_worker_svc.engine.sampling import (
     RequestSampler,
     choose_tokens,
-    prompt_logprobs,
     read_tokens,
     token_logprobs,
 )
@@ -66,7 +66,7 @@ class StepOutcome:
     timings: StepTimings
 
 
-class ModelRunner(Admission):
+class ModelRunner(Prefill):
     """Runs validated steps over one loaded model."""
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
@@ -78,6 +78,7 @@ class ModelRunner(Admission):
         self.budget = KVBudget(config.num_blocks, config.block_size)
         self.prefix = PrefixCache(config.block_size) if config.prefix_caching else None
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
+        self.batch_prefill = batchable(self.model)
         self.seqs: dict[RequestKey, Sequence] = {}
         self.batch: DecodeBatch[RequestKey] = DecodeBatch()
         self.recently_finished: OrderedDict[RequestKey, None] = OrderedDict()
@@ -247,6 +248,7 @@ class ModelRunner(Admission):
         outputs = {key: RequestOutput(req_id=key[1]) for key in work.touched}
         forward_start = time.perf_counter_ns()
         sampling: list[RequestKey] = []
+        prefills: list[tuple[Sequence, int, bool]] = []
         num_tokens = 0
         for key, count in work.scheduled.items():
             seq = self.seqs[key]
@@ -257,11 +259,14 @@ class ModelRunner(Admission):
             samples = end == len(seq.tokens)
             private_end = end - 1 if samples else end
             if private_end > seq.num_computed:
-                output.prompt_logprobs.extend(self._prefill(seq, private_end))
-                if samples and self.prefix is not None and seq.cache is not None:
-                    self.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
+                prefills.append((seq, private_end, samples))
             if samples:
                 sampling.append(key)
+        self._prefill_together(prefills)
+        for seq, private_end, samples in prefills:
+            outputs[seq.key].prompt_logprobs.extend(self._prefill(seq, private_end))
+            if samples and self.prefix is not None and seq.cache is not None:
+                self.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
         if sampling:
             self._decode(sampling, outputs)
         for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
@@ -282,53 +287,6 @@ class ModelRunner(Admission):
             decode_batch_size=len(sampling),
         )
         return StepOutcome(outputs=outputs, timings=timings)
-
-    def _ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
-        """Before a request computes: its prefix-cache hit, or its lost KV rebuilt."""
-        if seq.fresh:
-            seq.fresh = False
-            hit = self._hit(seq.tokens, seq.params)
-            if hit and self.prefix is not None:
-                taken, cache = self.prefix.load(seq.tokens, hit)
-                seq.cache, seq.num_computed = cache, taken
-                output.num_cached_prompt_tokens = taken
-        elif seq.kv_lost:
-            target = seq.num_computed
-            taken, cache = (0, None)
-            if self.prefix is not None:
-                taken, cache = self.prefix.load(seq.tokens, target)
-            seq.cache, seq.num_computed = cache, taken
-            self._prefill(seq, target)
-            seq.kv_lost = False
-
-    def _prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
-        """Computes KV for tokens [num_computed, end) into the request's private cache.
-
-        Returns the prompt logprobs these positions produce, when the request
-        asked for them (the logits at position i score prompt token i + 1).
-        """
-        if self._journal is not None:
-            self._journal.touched.add(seq.key)
-        if seq.key in self.batch:
-            seq.cache = self.batch.extract({seq.key})[seq.key]
-        if seq.cache is None:
-            seq.cache = make_prompt_cache(self.model)
-        scored: list[TokenLogprobs] = []
-        want = seq.params.prompt_logprobs
-        while seq.num_computed < end:
-            start, stop = seq.num_computed, min(end, seq.num_computed + PREFILL_STEP)
-            chunk = mx.array(seq.tokens[start:stop], dtype=mx.uint32)[None]
-            logits = self.model(chunk, cache=seq.cache)
-            # Score prompt tokens once: not again when a preempted request recomputes.
-            last = min(stop, seq.prompt_len - 1)
-            first = max(start, seq.prompt_scored)
-            if want is not None and first < last:
-                rows = logits[0, first - start : last - start]
-                scored += prompt_logprobs(rows, seq.tokens[first + 1 : last + 1], want)
-                seq.prompt_scored = last
-            mx.eval([c.state for c in seq.cache])
-            seq.num_computed = stop
-        return scored
 
     def _decode(self, keys: list[RequestKey], outputs: dict[RequestKey, RequestOutput]) -> None:
         """One batched forward for `keys` (their last token each), then sampling."""

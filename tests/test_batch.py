@@ -128,7 +128,9 @@ def test_rows_taken_out_during_a_speculation_leave_it_behind(model: llama.Model)
     assert mx.array_equal(ahead.forward(model, kept), plain.forward(model, kept))
 
 
-def test_prompts_prefilled_together_equal_prompts_prefilled_alone(model: llama.Model) -> None:
+def test_prompts_prefilled_together_match_prompts_prefilled_alone(model: llama.Model) -> None:
+    """The same KV and next logits up to rounding: a batched product may round differently
+    from a single row's (OpenBLAS does, at float32's last digit), as in batched decode."""
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [5, 5, 5, 5, 5]]
     together = prefill_together(model, prompts)
     alone = [prefilled(model, p) for p in prompts]
@@ -137,9 +139,11 @@ def test_prompts_prefilled_together_equal_prompts_prefilled_alone(model: llama.M
             ours, ref = cast(KVCache, a), cast(KVCache, b)
             assert type(ours) is KVCache is type(ref) and ours.offset == ref.offset == 5
             for x, y in ((ours.keys, ref.keys), (ours.values, ref.values)):
-                assert mx.array_equal(x[..., :5, :], y[..., :5, :])
+                assert x.shape[2] == 5 and mx.allclose(x, y[..., :5, :], rtol=1e-4, atol=1e-5)
         step = mx.array([[11]])
-        assert mx.array_equal(model(step, cache=mine), model(step, cache=theirs))
+        logits, expected = model(step, cache=mine), model(step, cache=theirs)
+        assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4)
+        assert mx.argmax(logits).item() == mx.argmax(expected).item()
 
 
 def test_prefill_groups_take_equal_lengths_up_to_one_chunk() -> None:

@@ -73,7 +73,9 @@ def prefill_together(model: nn.Module, prompts: Sequence[Sequence[int]]) -> list
 
     Every row attends as it would alone (no padding, the single request's
     causal mask), and each row's cache is then taken out as a plain
-    `KVCache`, exactly what a prefill of that prompt alone leaves.
+    `KVCache`, the cache a prefill of that prompt alone leaves up to
+    rounding: a batched matrix product may round differently from a single
+    row's (OpenBLAS does, in float32's last digit), as in batched decode.
     """
     layers = len(make_prompt_cache(model))
     cache = [AlignedBatchKVCache.empty(len(prompts)) for _ in range(layers)]

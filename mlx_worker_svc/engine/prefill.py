@@ -2,10 +2,11 @@
 
 `ModelRunner` inherits these (and, through them, Admission's checks); the
 state they use (requests, decode batch, prefix cache, the step's journal) is
-the runner's. Equally long fresh
-prompts of one step prefill together in batched forwards
-(`admission.prefill_groups`, `batch.prefill_together`), each ending with
-exactly the cache a prefill alone leaves.
+the runner's. Equally long fresh prompts of one step prefill together in
+batched forwards (`admission.prefill_groups`, `batch.prefill_together`),
+each ending with its own cache, as a prefill alone would (up to rounding).
+A lone request always prefills alone, so a single stream computes exactly
+what mlx-lm computes.
 """
 
 from __future__ import annotations

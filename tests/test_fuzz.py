@@ -344,6 +344,12 @@ CACHED_REQUESTS = st.lists(cached_request(), max_size=2)
 SCHEDULED = st.dictionaries(REQ_IDS, U32, max_size=3)
 REMOVED = st.lists(REMOVABLE_IDS, max_size=2)
 EPOCH = st.sampled_from(EPOCHS)
+# num_decode_steps: mostly one step, often a few, sometimes at or past the limit (64).
+DECODE_STEPS = weighted(
+    (6, st.just(0)),
+    (2, st.integers(1, 8)),
+    (1, st.sampled_from((63, 64, 65, 1000, 2**32 - 1))),
+)
 
 
 @st.composite
@@ -363,6 +369,7 @@ def execute_call(draw: st.DrawFn) -> Call:
         num_scheduled_tokens=scheduled,
         finished_req_ids=draw(REMOVED),
         preempted_req_ids=draw(REMOVED),
+        num_decode_steps=draw(DECODE_STEPS),
     )
     return Call("Execute", message, epoch)
 

@@ -117,6 +117,18 @@ def drive(
     return [outputs[rid] for rid in ids]
 
 
+def mlx_lm_tokens(model: Path | str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """mlx-lm's own greedy tokens for each prompt alone (`generate_step`, EOS not stopping)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    loaded, _ = load(str(model))
+    return [
+        [t for t, _ in generate_step(mx.array(p), loaded, max_tokens=max_tokens)] for p in prompts
+    ]
+
+
 def reference_tokens(
     model: Path | str,
     prompts: list[list[int]],

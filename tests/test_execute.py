@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from driver import bring_up, code_of, details_of, drive, greedy
+from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
@@ -29,11 +29,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(tiny_dir: Path) -> list[list[int]]:
     """mlx-lm's own greedy tokens for PROMPTS (ignoring EOS), 24 each."""
-    model, _ = load(str(tiny_dir))
-    refs = []
-    for prompt in PROMPTS:
-        refs.append([t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)])
-    return refs
+    return mlx_lm_tokens(tiny_dir, PROMPTS, 24)
 
 
 def _ignore_eos(n: int) -> pb.SamplingParams:
@@ -290,8 +286,7 @@ def test_equally_long_prompts_prefill_together_and_give_mlx_lm_tokens(
 
     monkeypatch.setattr(prefill, "prefill_together", counted)
     prompts = [[7 + i, 100 + i, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] for i in range(5)] + [[1, 2, 3]]
-    model, _ = load(str(tiny_dir))
-    expected = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=12)] for p in prompts]
+    expected = mlx_lm_tokens(tiny_dir, prompts, 12)
     epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
     got = drive(tiny_stub, epoch, prompts, max_tokens=12, params=_ignore_eos(12))
     assert got == expected

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import mlx.core as mx
 import pytest
-from driver import code_of, details_of, drive, greedy
+from driver import code_of, details_of, drive, greedy, mlx_lm_tokens
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
@@ -68,8 +68,7 @@ def test_concurrent_generate_calls_and_execute_share_the_engine(
     tiny_stub: Stub, tiny_dir: Path
 ) -> None:
     prompts = [[1, 2, 3], [10, 20, 30, 40], [7, 7], [300, 301, 302, 303, 304]]
-    model, _ = load(str(tiny_dir))
-    expected = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=16)] for p in prompts]
+    expected = mlx_lm_tokens(tiny_dir, prompts, 16)
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:

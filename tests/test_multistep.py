@@ -11,11 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import mlx.core as mx
 import pytest
-from driver import bring_up, code_of, details_of, drive, greedy, wait_until_idle
-from mlx_lm import load
-from mlx_lm.generate import generate_step
+from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens, wait_until_idle
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -28,8 +25,7 @@ TOKENS = 24
 @pytest.fixture(scope="module")
 def reference(tiny_dir: Path) -> list[list[int]]:
     """mlx-lm's greedy tokens for PROMPTS (EOS ignored)."""
-    model, _ = load(str(tiny_dir))
-    return [[t for t, _ in generate_step(mx.array(p), model, max_tokens=TOKENS)] for p in PROMPTS]
+    return mlx_lm_tokens(tiny_dir, PROMPTS, TOKENS)
 
 
 def _epoch(stub: Stub) -> int:

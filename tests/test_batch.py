@@ -34,6 +34,13 @@ def prefilled(model: llama.Model, prompt: list[int]) -> list[object]:
     return cache
 
 
+def joined(model: llama.Model, prompts: list[list[int]]) -> DecodeBatch[str]:
+    """A decode batch of the prompts, each prefilled alone (rows r0, r1, ...)."""
+    batch: DecodeBatch[str] = DecodeBatch()
+    batch.join([(f"r{i}", prefilled(model, p)) for i, p in enumerate(prompts)])
+    return batch
+
+
 def test_aligned_rows_need_no_mask(model: llama.Model) -> None:
     same = merge_caches([prefilled(model, [1, 2, 3]), prefilled(model, [4, 5, 6])])
     assert all(isinstance(c, AlignedBatchKVCache) and not c.padded for c in same)
@@ -70,12 +77,7 @@ def greedy_rows(logits: mx.array) -> list[int]:
 def test_speculated_forward_equals_the_forward_it_stands_for(model: llama.Model) -> None:
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
-    def fresh() -> DecodeBatch[str]:
-        batch: DecodeBatch[str] = DecodeBatch()
-        batch.join([(f"r{i}", prefilled(model, p)) for i, p in enumerate(prompts)])
-        return batch
-
-    plain, ahead = fresh(), fresh()
+    plain, ahead = joined(model, prompts), joined(model, prompts)
     first = greedy_rows(plain.forward(model, [3, 6, 9]))
     logits = ahead.forward(model, [3, 6, 9])
     chosen = mx.argmax(logits, axis=-1)
@@ -112,12 +114,7 @@ def test_a_different_next_step_rolls_the_speculation_back(model: llama.Model) ->
 def test_rows_taken_out_during_a_speculation_leave_it_behind(model: llama.Model) -> None:
     prompts = [[1, 2], [3, 4], [5, 6]]
 
-    def fresh() -> DecodeBatch[str]:
-        batch: DecodeBatch[str] = DecodeBatch()
-        batch.join([(f"r{i}", prefilled(model, p)) for i, p in enumerate(prompts)])
-        return batch
-
-    plain, ahead = fresh(), fresh()
+    plain, ahead = joined(model, prompts), joined(model, prompts)
     first = greedy_rows(plain.forward(model, [2, 4, 6]))
     logits = ahead.forward(model, [2, 4, 6])
     ahead.speculate(model, mx.argmax(logits, axis=-1))

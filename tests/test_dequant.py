@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx import nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tiny_model import tiny_config
 
@@ -31,7 +32,7 @@ def test_few_rows_compute_exactly_as_before() -> None:
     plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
     dequant.install(switched)
     tokens = mx.array([[1, 2, 3], [4, 5, 6]])
-    with dequant.rows(2):
+    with dequant.rows(switched, 2):
         assert mx.array_equal(switched(tokens), plain(tokens))
 
 
@@ -40,7 +41,7 @@ def test_many_rows_use_dequantized_weights(monkeypatch: pytest.MonkeyPatch) -> N
     plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
     dequant.install(switched)
     tokens = mx.array([[i] for i in range(8)])
-    with dequant.rows(8):
+    with dequant.rows(switched, 8):
         ours = switched(tokens)
     theirs = plain(tokens)
     # The same model: the same values up to the products' rounding.
@@ -48,3 +49,26 @@ def test_many_rows_use_dequantized_weights(monkeypatch: pytest.MonkeyPatch) -> N
     assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
     # Outside the block the switched layers use the quantized kernel again.
     assert mx.array_equal(switched(tokens), theirs)
+
+
+def test_the_switch_lasts_only_while_a_large_forward_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+    model = tiny_llama(quantized=True)
+    assert dequant.install(model) == 15
+    assert dequant.install(model) == 15  # installing twice changes nothing
+
+    def classes() -> set[type]:
+        return {type(m) for _, m in model.named_modules() if hasattr(m, "group_size")}
+
+    assert classes() == {nn.QuantizedLinear, nn.QuantizedEmbedding}  # MLX's own, untouched
+    with pytest.raises(RuntimeError, match="mid-forward"), dequant.rows(model, 8):
+        assert nn.QuantizedLinear not in classes()
+        with dequant.rows(model, 2):  # a small forward inside: MLX's kernels again
+            assert classes() == {nn.QuantizedLinear, nn.QuantizedEmbedding}
+        assert nn.QuantizedLinear not in classes()
+        raise RuntimeError("mid-forward")
+    assert classes() == {nn.QuantizedLinear, nn.QuantizedEmbedding}
+    # The model's parameters (what saving and sharding see) do not include the switch.
+    assert all("dequant" not in name for name, _ in tree_flatten(model.parameters()))

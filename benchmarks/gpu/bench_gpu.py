@@ -73,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per request")
-    p.add_argument("--warm-tokens", type=int, default=4, help="tokens of each warm-up run")
+    p.add_argument(
+        "--warm-tokens",
+        type=int,
+        help="tokens of each warm-up run (default --new-tokens: every KV length the timed "
+        "runs reach is warmed, since MLX's CUDA backend builds kernels for new shapes)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs per shape and path, best kept")
     p.add_argument("--parity-prompts", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=64)
@@ -103,7 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.batch_sizes, args.prompt_tokens, args.new_tokens = "1,2,4", 16, 8
-        args.parity_prompts, args.parity_tokens, args.warm_tokens = 2, 8, 2
+        args.parity_prompts, args.parity_tokens = 2, 8
+    if args.warm_tokens is None:
+        args.warm_tokens = args.new_tokens
     args.shape = SMOKE if args.smoke else LLAMA_1B
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -198,17 +205,31 @@ def _decode(stats: dict[str, Any]) -> float:
     return float(stats.get("decode_tok_s") or 0.0)
 
 
+def warm_worker(worker: Worker, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """One run of every worker path (`--paths`) with `--warm-tokens` tokens."""
+    for path in args.path_list:
+        WORKER_RUNS[path](worker, prompts, args.warm_tokens, args)
+
+
+def worker_once(
+    worker: Worker,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """One timed run of every worker path, added to `runs`."""
+    for path in args.path_list:
+        runs.setdefault(path, []).append(WORKER_RUNS[path](worker, prompts, args.new_tokens, args))
+
+
 def worker_paths(
     worker: Worker, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
-    """The worker's paths (`--paths`) at one batch size: each warmed, then runs (best kept)."""
-    paths = args.path_list
-    for path in paths:
-        WORKER_RUNS[path](worker, prompts, args.warm_tokens, args)
-    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    """The worker's paths at one batch size: each warmed, then runs (best kept)."""
+    warm_worker(worker, prompts, args)
+    runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
-        for path in paths:
-            runs[path].append(WORKER_RUNS[path](worker, prompts, args.new_tokens, args))
+        worker_once(worker, prompts, args, runs)
     return {path: _best(got) for path, got in runs.items()}
 
 
@@ -224,20 +245,27 @@ def _path_fields(best: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def measure_shape(
     model: Any, tokenizer: Any, worker: Worker, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One batch size: warm every path, then raw and worker runs."""
+    """One batch size: warm every path, then raw and worker runs, interleaved.
+
+    Each repeat runs raw mlx-lm, then every worker path, so that a drift of the
+    machine's speed (the host's clock, another tenant) reaches both sides alike.
+    """
     size, n = len(prompts), args.new_tokens
     single = size == 1
     if single:
         raw_stream(model, tokenizer, prompts[0], args.warm_tokens)
     raw_batch(model, prompts, args.warm_tokens)
+    warm_worker(worker, prompts, args)
     raw_runs, bg_runs = [], []
+    runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         if single:
             timeline, tokens = raw_stream(model, tokenizer, prompts[0], n)
             raw_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
         timeline, batch_tokens = raw_batch(model, prompts, n)
         bg_runs.append({"stats": timeline.stats(), "tokens": batch_tokens})
-    best = worker_paths(worker, prompts, args)
+        worker_once(worker, prompts, args, runs)
+    best = {path: _best(got) for path, got in runs.items()}
     bg = _best(bg_runs)
     raw = _best(raw_runs) if single else bg
     raw_rate = _decode(raw["stats"])

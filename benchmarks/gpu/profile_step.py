@@ -1,17 +1,27 @@
 """`python -m benchmarks.gpu.profile_step`: where a worker decode step's time goes.
 
-Runs the worker in this process (no gRPC) on the benchmark's random model and,
-per dtype and batch size, prints raw mlx-lm's decode step (BatchGenerator, or
-stream_generate at batch 1) beside the worker's (Execute calls of
-`--decode-steps` decode steps each; best of `--repeats`), then the engine
-thread's cProfile by own time: the time spent waiting for the device shows up
-in the call that reads the sampled tokens (`sampling.read_tokens`), the host's
-work in the rest. `--smoke` runs a tiny shape on any machine.
+Runs the worker on the benchmark's random model and, per dtype and batch size,
+prints raw mlx-lm's decode step (BatchGenerator, or stream_generate at batch 1)
+beside the worker's (Execute calls of `--decode-steps` decode steps each; best
+of `--repeats`, runs interleaved) through each of `--transports`:
+
+- `direct`: the servicer's Execute called in this process (no gRPC);
+- `grpc`: the same in-process worker over gRPC on loopback;
+- `process`: a worker process (`mlx-worker serve`) over gRPC, as the benchmark runs it.
+
+The differences split the worker's cost between engine, gRPC and process
+boundary. Then one more `direct` run under cProfile (the timed runs are not
+profiled: the profiler slows the host's Python, which at batch 1 is the
+step), the engine thread's functions by own time: the time spent waiting for
+the device shows up in the call that reads the sampled tokens
+(`sampling.read_tokens`), the host's work in the rest. `--smoke` runs a tiny
+shape on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -20,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines import raw_batch, raw_stream
-from benchmarks.common import live_worker, temp_dir
-from benchmarks.execute_client import in_process_call, run_execute
+from benchmarks.common import Worker, live_worker, process_worker, temp_dir
+from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from mlx_worker_svc.engine.runner import ModelRunner
@@ -46,6 +56,22 @@ def profile_runner(profiler: cProfile.Profile) -> Any:
     return original
 
 
+TRANSPORTS = ("direct", "grpc", "process")
+
+
+def _workers(
+    stack: contextlib.ExitStack, model_dir: Path, blocks: int, transports: list[str]
+) -> dict[str, tuple[Worker, ExecuteCall | None]]:
+    """The worker each transport drives, and its Execute call (None: the gRPC stub)."""
+    out: dict[str, tuple[Worker, ExecuteCall | None]] = {}
+    if {"direct", "grpc"} & set(transports):
+        live = stack.enter_context(live_worker(model_dir, num_blocks=blocks))
+        out["direct"], out["grpc"] = (live, in_process_call(live)), (live, None)
+    if "process" in transports:
+        out["process"] = (stack.enter_context(process_worker(model_dir, num_blocks=blocks)), None)
+    return {t: out[t] for t in transports}
+
+
 def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None:
     from mlx_lm import load
 
@@ -53,32 +79,46 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
     vocab = int(args.shape["vocab_size"])
     prompts = prompt_set(max(sizes), args.prompt_tokens, vocab)
     blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
-    with live_worker(model_dir, num_blocks=blocks) as worker:
-        call = in_process_call(worker)
+    steps = args.decode_steps
+    with contextlib.ExitStack() as stack:
+        workers = _workers(stack, model_dir, blocks, args.transport_list)
+        profiled = workers["direct"][0] if "direct" in workers else None
         for size in sizes:
             batch = prompts[:size]
-            steps = args.decode_steps
-            raw_batch(model, batch, 4)
-            run_execute(worker, batch, 4, call=call, decode_steps=steps)
-            raw, mine = [], []
+            # Whole runs: a decode step's shapes change with the KV length, and
+            # MLX's CUDA backend builds kernels for each new shape on first use.
+            if size == 1:
+                raw_stream(model, tokenizer, batch[0], args.new_tokens)
+            raw_batch(model, batch, args.new_tokens)
+            for worker, call in workers.values():
+                run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
+            raw: list[float] = []
+            mine: dict[str, list[float]] = {t: [] for t in workers}
+            for _ in range(args.repeats):
+                if size == 1:
+                    timeline = raw_stream(model, tokenizer, batch[0], args.new_tokens)[0]
+                else:
+                    timeline = raw_batch(model, batch, args.new_tokens)[0]
+                raw.append(_step_ms(timeline.stats(), size))
+                for transport, (worker, call) in workers.items():
+                    run = run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
+                    mine[transport].append(_step_ms(run.timeline.stats(), size))
+            print(
+                f"\n## {model_dir.name} batch {size}: decode step ms ({steps} steps a call), "
+                f"raw {min(raw)} (runs {raw})",
+                flush=True,
+            )
+            for transport, runs in mine.items():
+                print(f"- worker, {transport}: {min(runs)} (runs {runs})", flush=True)
+            if profiled is None:
+                continue
             profiler = cProfile.Profile()
             original = profile_runner(profiler)
             try:
-                for _ in range(args.repeats):
-                    if size == 1:
-                        timeline = raw_stream(model, tokenizer, batch[0], args.new_tokens)[0]
-                    else:
-                        timeline = raw_batch(model, batch, args.new_tokens)[0]
-                    raw.append(_step_ms(timeline.stats(), size))
-                    run = run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
-                    mine.append(_step_ms(run.timeline.stats(), size))
+                call = in_process_call(profiled)
+                run_execute(profiled, batch, args.new_tokens, call=call, decode_steps=steps)
             finally:
                 ModelRunner.run = original  # type: ignore[method-assign]
-            print(
-                f"\n## {model_dir.name} batch {size}: decode step ms, raw {min(raw)} "
-                f"(runs {raw}), worker {min(mine)} (runs {mine}, {steps} steps a call)",
-                flush=True,
-            )
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
             table = text.getvalue()
@@ -93,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--transports", default="direct", help=f"any of {','.join(TRANSPORTS)}")
     p.add_argument("--top", type=int, default=14, help="profile lines per shape")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
     args = p.parse_args(argv)
@@ -100,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.batch_sizes, args.prompt_tokens, args.new_tokens = "1,4", 16, 16
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.transport_list = args.transports.split(",")
+    unknown = set(args.transport_list) - set(TRANSPORTS)
+    if unknown:
+        p.error(f"unknown transports {sorted(unknown)}: use {','.join(TRANSPORTS)}")
     with temp_dir() as tmp:
         dirs = build_models(tmp / "models", args.shape, args.dtypes.split(","))
         for model_dir in dirs.values():

@@ -219,7 +219,7 @@ class DecodeBatch(Generic[K]):
                 return ahead[2]
             self._rollback()
         inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
-        with dequant.rows(len(tokens)):
+        with dequant.rows(model, len(tokens)):
             logits: mx.array = model(inputs, cache=self._cache)
         return logits[:, -1, :]
 
@@ -233,7 +233,7 @@ class DecodeBatch(Generic[K]):
         self._drop_ahead()
         if not self.keys or not self._trimmable():
             return
-        with dequant.rows(len(self.keys)):
+        with dequant.rows(model, len(self.keys)):
             logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
         logits = logits[:, -1, :]
         mx.async_eval(logits)  # type: ignore[no-untyped-call]

@@ -7,19 +7,21 @@ For a decode forward of many rows it is faster to dequantize each weight
 (a transient copy in the scales' dtype, one matrix at a time, freed once
 used) and run an ordinary matrix product.
 
-`install` switches a loaded model's affine-quantized layers to classes that
-do so while a `rows(n)` block with n at or above `MIN_ROWS` is open around
-the forward's construction; with fewer rows (single streams, small batches)
-and in every prefill they run MLX's quantized kernel as before, so a single
-stream computes exactly what mlx-lm computes. A model without quantized
-layers is left as it is. On by default with MLX's CUDA backend only;
-`MLX_WORKER_DEQUANT_MIN_BATCH` sets the threshold anywhere (0: never).
+`install` registers a loaded model's affine-quantized layers; a
+`rows(model, n)` block with n at or above `MIN_ROWS`, open around the
+forward's construction, switches them to classes that do so, and back when
+it closes. With fewer rows (single streams, small batches) and in every
+prefill they are MLX's own classes, untouched: a single stream computes
+exactly what mlx-lm computes and pays nothing per layer for the switch (the
+class changes once per forward, not a check in every layer). A model without
+quantized layers is left as it is. On by default with MLX's CUDA backend only;
+`MLX_WORKER_DEQUANT_MIN_BATCH` sets the threshold anywhere (0: never). The
+switch is the model's, not a thread's: only the engine thread builds forwards.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,11 +40,7 @@ def _default_min_rows() -> int:
 # Decode batches of at least this many rows use dequantized weights; 0 turns it off.
 MIN_ROWS = int(os.environ.get("MLX_WORKER_DEQUANT_MIN_BATCH", _default_min_rows()))
 
-_state = threading.local()
-
-
-def _active() -> bool:
-    return bool(getattr(_state, "active", False))
+_ATTRIBUTE = "_mlx_worker_dequant"
 
 
 def _dequantized(layer: Any) -> mx.array:
@@ -56,46 +54,63 @@ def _dequantized(layer: Any) -> mx.array:
     )
 
 
-class _SwitchableLinear(nn.QuantizedLinear):  # type: ignore[misc]
+class _DequantizedLinear(nn.QuantizedLinear):  # type: ignore[misc]
     def __call__(self, x: mx.array) -> mx.array:
-        if not _active():
-            out: mx.array = super().__call__(x)
-            return out
         x = x @ _dequantized(self).T
         if "bias" in self:
             x = x + self["bias"]
         return x
 
 
-class _SwitchableEmbedding(nn.QuantizedEmbedding):  # type: ignore[misc]
+class _DequantizedEmbedding(nn.QuantizedEmbedding):  # type: ignore[misc]
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _active():
-            out: mx.array = super().as_linear(x)
-            return out
         return x @ _dequantized(self).T
 
 
+_SWITCHED = {nn.QuantizedLinear: _DequantizedLinear, nn.QuantizedEmbedding: _DequantizedEmbedding}
+
+
+class _Layers:
+    """One model's affine-quantized layers and which classes they have now."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = [(layer, type(layer)) for layer in layers]
+        self.dequantized = False
+
+    def switch(self, dequantized: bool) -> None:
+        if dequantized == self.dequantized:
+            return
+        for layer, own in self.layers:
+            layer.__class__ = _SWITCHED[own] if dequantized else own
+        self.dequantized = dequantized
+
+
 def install(model: nn.Module) -> int:
-    """Makes the model's affine-quantized layers switchable; returns how many."""
-    switched = 0
-    for _, module in model.named_modules():
-        if getattr(module, "mode", None) != "affine":
-            continue
-        if type(module) is nn.QuantizedLinear:
-            module.__class__ = _SwitchableLinear
-            switched += 1
-        elif type(module) is nn.QuantizedEmbedding:
-            module.__class__ = _SwitchableEmbedding
-            switched += 1
-    return switched
+    """Registers the model's affine-quantized layers for `rows`; returns how many."""
+    known: _Layers | None = getattr(model, _ATTRIBUTE, None)
+    if known is not None:
+        return len(known.layers)
+    layers = [
+        module
+        for _, module in model.named_modules()
+        if type(module) in _SWITCHED and getattr(module, "mode", None) == "affine"
+    ]
+    if layers:
+        # A plain attribute (not a child module): parameters and saving ignore it.
+        object.__setattr__(model, _ATTRIBUTE, _Layers(layers))
+    return len(layers)
 
 
 @contextmanager
-def rows(count: int) -> Iterator[None]:
-    """Builds the forwards inside for `count` rows (dequantized weights if enough)."""
-    previous = _active()
-    _state.active = 0 < MIN_ROWS <= count
+def rows(model: nn.Module, count: int) -> Iterator[None]:
+    """Builds the model's forwards inside for `count` rows (dequantized weights if enough)."""
+    layers: _Layers | None = getattr(model, _ATTRIBUTE, None)
+    if layers is None:
+        yield
+        return
+    previous = layers.dequantized
+    layers.switch(0 < MIN_ROWS <= count)
     try:
         yield
     finally:
-        _state.active = previous
+        layers.switch(previous)

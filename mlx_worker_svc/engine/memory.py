@@ -138,7 +138,7 @@ def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]
             mx.eval([c.state for c in cache])
             caches.append(cache)
         batch = merge_caches(caches)
-        with dequant.rows(size):
+        with dequant.rows(model, size):
             mx.eval(model(mx.zeros((size, 1), dtype=mx.uint32), cache=batch))
         shapes += 1
     mx.clear_cache()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 
@@ -104,6 +105,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Batch 1, BatchGenerator (decode tok/s):", ""]
         for dtype, row in singles:
             lines.append(f"- {dtype}: {_num(_rate(row.get('batch_generator')))}")
+    lines += _runs(results, used)
     parity = results.get("parity")
     if parity:
         lines += [
@@ -130,3 +132,32 @@ def markdown(results: dict[str, Any]) -> str:
             f"{results.get('build_seconds')} s).",
         ]
     return "\n".join(lines)
+
+
+def _runs(results: dict[str, Any], used: list[str]) -> list[str]:
+    """Every timed run's decode rate per row, and each path's median over raw's median."""
+    lines: list[str] = []
+    for dtype, rows in results["rows"].items():
+        for row in rows:
+            runs = row.get("decode_tok_s_runs")
+            if not runs or not runs.get("raw"):
+                continue
+            raw = statistics.median(runs["raw"])
+            cells = [f"raw {', '.join(_num(x) for x in runs['raw'])}"]
+            for path in used:
+                got = runs.get(path) or []
+                if got:
+                    median = _num(statistics.median(got) / raw if raw else None, 3)
+                    cells.append(
+                        f"{PATHS[path]} {', '.join(_num(x) for x in got)} (median ratio {median})"
+                    )
+            lines.append(f"- {dtype} batch {row['batch']}: {'; '.join(cells)}")
+    if lines:
+        lines = [
+            "",
+            "Every timed run's decode tok/s in run order (each repeat runs raw, then the "
+            "worker's paths), and each path's median over raw's median:",
+            "",
+            *lines,
+        ]
+    return lines

@@ -16,6 +16,11 @@ step), the engine thread's functions by own time: the time spent waiting for
 the device shows up in the call that reads the sampled tokens
 (`sampling.read_tokens`), the host's work in the rest. `--smoke` runs a tiny
 shape on any machine.
+
+`--anatomy` instead splits a serial decode step of mlx-lm's model (no worker,
+no look-ahead) into the host's graph construction (Python), the launch
+(`mx.async_eval`: MLX encodes and submits the kernels) and the wait for the
+device after it: whether a step is bound by the host or by the device.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,7 @@ from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from mlx_worker_svc.engine.runner import ModelRunner
+from mlx_worker_svc.engine.sampling import greedy
 
 
 def _step_ms(stats: dict[str, Any], rows: int) -> float:
@@ -125,6 +133,41 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
             print(table[table.find("ncalls") :].strip(), flush=True)
 
 
+def anatomy(model: Any, prompts: list[list[int]], steps: int) -> dict[str, float]:
+    """Median ms of a serial decode step's parts: build, launch, wait (and their sum)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    tokens = greedy(model(mx.array(prompts, dtype=mx.uint32), cache=cache)[:, -1, :])
+    mx.eval(tokens)
+    parts: dict[str, list[float]] = {"build": [], "launch": [], "wait": []}
+    for _ in range(steps):
+        start = time.perf_counter()
+        tokens = greedy(model(tokens[:, None], cache=cache)[:, -1, :])
+        built = time.perf_counter()
+        mx.async_eval(tokens)  # type: ignore[no-untyped-call]
+        launched = time.perf_counter()
+        mx.eval(tokens)
+        done = time.perf_counter()
+        parts["build"].append(built - start)
+        parts["launch"].append(launched - built)
+        parts["wait"].append(done - launched)
+    got = {k: round(statistics.median(v) * 1e3, 3) for k, v in parts.items()}
+    return {**got, "step": round(sum(got.values()), 3)}
+
+
+def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None:
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    prompts = prompt_set(max(sizes), args.prompt_tokens, int(args.shape["vocab_size"]))
+    for size in sizes:
+        anatomy(model, prompts[:size], args.new_tokens)  # every shape once first
+        runs = [anatomy(model, prompts[:size], args.new_tokens) for _ in range(args.repeats)]
+        print(f"{model_dir.name} batch {size}: serial decode step ms {runs}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.profile_step", description=__doc__)
     p.add_argument("--dtypes", default="bf16,4bit")
@@ -134,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="direct", help=f"any of {','.join(TRANSPORTS)}")
+    p.add_argument("--anatomy", action="store_true", help="split a serial step (see above)")
     p.add_argument("--top", type=int, default=14, help="profile lines per shape")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
     args = p.parse_args(argv)
@@ -148,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with temp_dir() as tmp:
         dirs = build_models(tmp / "models", args.shape, args.dtypes.split(","))
         for model_dir in dirs.values():
-            measure(model_dir, sizes, args)
+            (measure_anatomy if args.anatomy else measure)(model_dir, sizes, args)
     return 0
 
 

@@ -67,6 +67,15 @@ def profile_runner(profiler: cProfile.Profile) -> Any:
 TRANSPORTS = ("direct", "grpc", "process")
 
 
+def raw_step_ms(model: Any, tokenizer: Any, batch: list[list[int]], tokens: int) -> float:
+    """Raw mlx-lm's decode step: stream_generate alone, BatchGenerator for a batch."""
+    if len(batch) == 1:
+        timeline = raw_stream(model, tokenizer, batch[0], tokens)[0]
+    else:
+        timeline = raw_batch(model, batch, tokens)[0]
+    return _step_ms(timeline.stats(), len(batch))
+
+
 def _workers(
     stack: contextlib.ExitStack, model_dir: Path, blocks: int, transports: list[str]
 ) -> dict[str, tuple[Worker, ExecuteCall | None]]:
@@ -90,24 +99,18 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
     steps = args.decode_steps
     with contextlib.ExitStack() as stack:
         workers = _workers(stack, model_dir, blocks, args.transport_list)
-        profiled = workers["direct"][0] if "direct" in workers else None
+        profiled = workers.get("direct")
         for size in sizes:
             batch = prompts[:size]
             # Whole runs: a decode step's shapes change with the KV length, and
             # MLX's CUDA backend builds kernels for each new shape on first use.
-            if size == 1:
-                raw_stream(model, tokenizer, batch[0], args.new_tokens)
-            raw_batch(model, batch, args.new_tokens)
+            raw_step_ms(model, tokenizer, batch, args.new_tokens)
             for worker, call in workers.values():
                 run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
             raw: list[float] = []
             mine: dict[str, list[float]] = {t: [] for t in workers}
             for _ in range(args.repeats):
-                if size == 1:
-                    timeline = raw_stream(model, tokenizer, batch[0], args.new_tokens)[0]
-                else:
-                    timeline = raw_batch(model, batch, args.new_tokens)[0]
-                raw.append(_step_ms(timeline.stats(), size))
+                raw.append(raw_step_ms(model, tokenizer, batch, args.new_tokens))
                 for transport, (worker, call) in workers.items():
                     run = run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
                     mine[transport].append(_step_ms(run.timeline.stats(), size))
@@ -123,8 +126,8 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
             profiler = cProfile.Profile()
             original = profile_runner(profiler)
             try:
-                call = in_process_call(profiled)
-                run_execute(profiled, batch, args.new_tokens, call=call, decode_steps=steps)
+                worker, call = profiled
+                run_execute(worker, batch, args.new_tokens, call=call, decode_steps=steps)
             finally:
                 ModelRunner.run = original  # type: ignore[method-assign]
             text = io.StringIO()

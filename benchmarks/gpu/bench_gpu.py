@@ -24,7 +24,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     # The default engine with MLX's CUDA graphs of up to 80 operations (MLX's default: 20),
     # so fewer graphs are built and launched per decode step.
     "ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
+    # The default engine without single-row fused projections (engine/fused.py).
+    "unfused": {"MLX_WORKER_FUSE": "0"},
 }
 
 
@@ -83,6 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "runs reach is warmed, since MLX's CUDA backend builds kernels for new shapes)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per shape and path, best kept")
+    p.add_argument(
+        "--sample-s",
+        type=float,
+        default=10.0,
+        help="then more rounds of runs (up to --max-repeats) until a shape's timed rounds "
+        "took this long: a round at batch 1 lasts well under a second, and the host's speed "
+        "varies by tens of percent from one to the next",
+    )
+    p.add_argument("--max-repeats", type=int, default=12)
     p.add_argument("--parity-prompts", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=64)
     p.add_argument(
@@ -111,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.batch_sizes, args.prompt_tokens, args.new_tokens = "1,2,4", 16, 8
-        args.parity_prompts, args.parity_tokens = 2, 8
+        args.parity_prompts, args.parity_tokens, args.sample_s = 2, 8, 0.0
     if args.warm_tokens is None:
         args.warm_tokens = args.new_tokens
     args.shape = SMOKE if args.smoke else LLAMA_1B
@@ -169,6 +180,16 @@ def _step_times(run: Any) -> dict[str, Any]:
         "worker_total": summary_ms([s.total_ns for s in decode]),
         "worker_forward": summary_ms([s.forward_ns for s in decode]),
     }
+
+
+def rounds(args: argparse.Namespace) -> Iterator[int]:
+    """One shape's timed rounds: `--repeats`, then more until `--sample-s` (`--max-repeats`)."""
+    start, done = time.monotonic(), 0
+    while done < args.repeats or (
+        done < args.max_repeats and time.monotonic() - start < args.sample_s
+    ):
+        yield done
+        done += 1
 
 
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -231,7 +252,7 @@ def worker_paths(
     """The worker's paths at one batch size: each warmed, then runs (best kept)."""
     warm_worker(worker, prompts, args)
     runs: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.repeats):
+    for _ in rounds(args):
         worker_once(worker, prompts, args, runs)
     return {path: _best(got) for path, got in runs.items()}
 
@@ -262,7 +283,7 @@ def measure_shape(
     raw_runs: list[dict[str, Any]] = []
     bg_runs: list[dict[str, Any]] = []
     runs: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.repeats):
+    for _ in rounds(args):
         if single:
             timeline, tokens = raw_stream(model, tokenizer, prompts[0], n)
             raw_runs.append({"stats": timeline.stats(), "tokens": [tokens]})

@@ -20,7 +20,9 @@ shape on any machine.
 `--anatomy` instead splits a serial decode step of mlx-lm's model (no worker,
 no look-ahead) into the host's graph construction (Python), the launch
 (`mx.async_eval`: MLX encodes and submits the kernels) and the wait for the
-device after it: whether a step is bound by the host or by the device.
+device after it: whether a step is bound by the host or by the device. With
+`--fuse` the same model with its projections fused (`engine/fused.py`) runs
+beside it, interleaved, and its greedy tokens are compared with mlx-lm's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from benchmarks.common import Worker, live_worker, process_worker, temp_dir
 from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
+from mlx_worker_svc.engine import fused
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.engine.sampling import greedy
 
@@ -136,8 +139,8 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
             print(table[table.find("ncalls") :].strip(), flush=True)
 
 
-def anatomy(model: Any, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    """Median ms of a serial decode step's parts: build, launch, wait (and their sum)."""
+def anatomy(model: Any, prompts: list[list[int]], steps: int) -> tuple[dict[str, float], list[Any]]:
+    """Median ms of a serial decode step's parts (build, launch, wait, their sum); the tokens."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -145,6 +148,7 @@ def anatomy(model: Any, prompts: list[list[int]], steps: int) -> dict[str, float
     tokens = greedy(model(mx.array(prompts, dtype=mx.uint32), cache=cache)[:, -1, :])
     mx.eval(tokens)
     parts: dict[str, list[float]] = {"build": [], "launch": [], "wait": []}
+    sampled = []
     for _ in range(steps):
         start = time.perf_counter()
         tokens = greedy(model(tokens[:, None], cache=cache)[:, -1, :])
@@ -156,19 +160,33 @@ def anatomy(model: Any, prompts: list[list[int]], steps: int) -> dict[str, float
         parts["build"].append(built - start)
         parts["launch"].append(launched - built)
         parts["wait"].append(done - launched)
+        sampled.append(tokens)
     got = {k: round(statistics.median(v) * 1e3, 3) for k, v in parts.items()}
-    return {**got, "step": round(sum(got.values()), 3)}
+    rows: list[Any] = mx.stack(sampled, axis=1).tolist()  # type: ignore[assignment]
+    return {**got, "step": round(sum(got.values()), 3)}, rows
 
 
 def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None:
+    """mlx-lm's model, and with `--fuse` the same model fused, runs interleaved."""
     from mlx_lm import load
 
-    model, _ = load(str(model_dir))
+    models = {"mlx-lm": load(str(model_dir))[0]}
+    if args.fuse:
+        models["fused"] = load(str(model_dir))[0]
+        print(f"{model_dir.name}: {fused.install(models['fused'])} groups fused", flush=True)
     prompts = prompt_set(max(sizes), args.prompt_tokens, int(args.shape["vocab_size"]))
     for size in sizes:
-        anatomy(model, prompts[:size], args.new_tokens)  # every shape once first
-        runs = [anatomy(model, prompts[:size], args.new_tokens) for _ in range(args.repeats)]
-        print(f"{model_dir.name} batch {size}: serial decode step ms {runs}", flush=True)
+        # A first run of each model warms every shape; its tokens are compared.
+        tokens = {n: anatomy(m, prompts[:size], args.new_tokens)[1] for n, m in models.items()}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+        for _ in range(args.repeats):
+            for name, m in models.items():
+                runs[name].append(anatomy(m, prompts[:size], args.new_tokens)[0])
+        for name, got in runs.items():
+            print(f"{model_dir.name} batch {size}, {name}: serial decode step ms {got}", flush=True)
+        if args.fuse:
+            same = tokens["fused"] == tokens["mlx-lm"]
+            print(f"{model_dir.name} batch {size}: fused tokens == mlx-lm's: {same}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="direct", help=f"any of {','.join(TRANSPORTS)}")
     p.add_argument("--anatomy", action="store_true", help="split a serial step (see above)")
+    p.add_argument("--fuse", action="store_true", help="with --anatomy: also a fused model")
     p.add_argument("--top", type=int, default=14, help="profile lines per shape")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
     args = p.parse_args(argv)

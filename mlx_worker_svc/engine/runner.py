@@ -30,7 +30,7 @@ from mlx_worker_svc.domain import (
     SamplingParams,
     StepTimings,
 )
-from mlx_worker_svc.engine import dequant
+from mlx_worker_svc.engine import dequant, fused
 from mlx_worker_svc.engine.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
@@ -71,6 +71,7 @@ class ModelRunner(Prefill):
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
         self.model = loaded.model
+        fused.install(self.model)  # single-row forwards: sibling projections as one product
         dequant.install(self.model)  # large decode batches of a quantized model
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)

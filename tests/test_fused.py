@@ -1,0 +1,141 @@
+"""Single-row forwards through fused sibling projections: the unfused model's results."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_model import tiny_config
+
+from mlx_worker_svc.engine import dequant, fused
+
+KINDS = ["float32", "bfloat16", "float16", "4bit"]
+
+
+def tiny_llama(kind: str, **overrides: object) -> llama.Model:
+    mx.random.seed(11)
+    args = llama.ModelArgs.from_dict(tiny_config(vocab_size=256, **overrides))
+    model = llama.Model(args)
+    if kind == "4bit":
+        nn.quantize(model, group_size=64, bits=4)
+    else:
+        model.set_dtype(getattr(mx, kind))
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy_run(model: llama.Model, prompt: list[int], steps: int) -> tuple[list[int], mx.array]:
+    """Greedy tokens of single-row decode steps, and the last step's logits."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(logits, axis=-1).item()))  # type: ignore[arg-type]
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
+    return tokens, logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_row_decode_is_bit_identical_to_the_unfused_model(kind: str) -> None:
+    plain, fast = tiny_llama(kind), tiny_llama(kind)
+    # 2 layers: (q, k, v) and (gate, up) in each.
+    assert fused.install(fast) == 4
+    ours, our_logits = greedy_run(fast, [3, 1, 4, 1, 5], 12)
+    theirs, their_logits = greedy_run(plain, [3, 1, 4, 1, 5], 12)
+    assert ours == theirs
+    assert mx.array_equal(our_logits, their_logits)
+
+
+@pytest.mark.parametrize("kind", ["float32", "4bit"])
+def test_batched_and_prompt_forwards_run_the_layers_as_before(kind: str) -> None:
+    plain, fast = tiny_llama(kind), tiny_llama(kind)
+    fused.install(fast)
+    for tokens in ([[1, 2, 3, 4]], [[1], [2], [3]], [[5, 6], [7, 8]]):
+        assert mx.array_equal(fast(mx.array(tokens)), plain(mx.array(tokens)))
+
+
+def test_parameters_are_listed_once_and_shared_not_copied() -> None:
+    plain, fast = tiny_llama("4bit"), tiny_llama("4bit")
+    fused.install(fast)
+
+    def nbytes(model: nn.Module) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+    assert nbytes(fast) == nbytes(plain)
+    names = {k for k, _ in tree_flatten(fast.parameters())}
+    assert "model.layers.0.self_attn.k_proj.inner.scales" in names
+    assert not any("group" in name or "fused" in name for name in names)
+    # Each layer keeps its own rows of the group's arrays.
+    attention = fast.model.layers[0].self_attn
+    group = attention.k_proj.group
+    start = attention.q_proj.inner.weight.shape[0]
+    stop = start + attention.k_proj.inner.weight.shape[0]
+    assert mx.array_equal(attention.k_proj.inner.weight, group.fused.weight[start:stop])
+    assert mx.array_equal(
+        attention.k_proj.inner.weight, plain.model.layers[0].self_attn.k_proj.weight
+    )
+
+
+def test_any_call_order_gets_each_layers_own_columns() -> None:
+    plain, fast = tiny_llama("float32"), tiny_llama("float32")
+    fused.install(fast)
+    x = mx.random.normal((1, 1, plain.args.hidden_size))
+    mine, theirs = fast.model.layers[1].self_attn, plain.model.layers[1].self_attn
+    # v first, k twice, then q: every call is that layer's product.
+    for name in ("v_proj", "k_proj", "k_proj", "q_proj", "v_proj"):
+        assert mx.array_equal(getattr(mine, name)(x), getattr(theirs, name)(x)), name
+    # Another input for q while k and v of the first are still owed.
+    y = mx.random.normal((1, 1, plain.args.hidden_size))
+    assert mx.array_equal(mine.q_proj(x), theirs.q_proj(x))
+    assert mx.array_equal(mine.q_proj(y), theirs.q_proj(y))
+    assert mx.array_equal(mine.k_proj(x), theirs.k_proj(x))
+
+
+def test_nothing_is_held_once_every_part_is_taken() -> None:
+    model = tiny_llama("float32")
+    fused.install(model)
+    greedy_run(model, [1, 2], 2)
+    for layer in model.model.layers:
+        for projection in (layer.self_attn.q_proj, layer.mlp.gate_proj):
+            assert projection.group._input is None
+            assert all(part is None for part in projection.group._parts)
+
+
+def test_only_layers_of_one_kind_are_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama("float32")
+    attention = model.model.layers[0].self_attn
+    # A different input dtype for one sibling: that group stays as it is.
+    attention.k_proj.set_dtype(mx.float16)
+    assert fused.install(model) == 3
+    assert type(attention.q_proj) is nn.Linear
+    assert type(model.model.layers[0].mlp.up_proj) is fused.FusedProjection
+    assert fused.install(model) == 0  # installing twice changes nothing
+    monkeypatch.setattr(fused, "ENABLED", False)
+    assert fused.install(tiny_llama("float32")) == 0
+
+
+def test_biases_are_concatenated_with_the_weights() -> None:
+    plain = tiny_llama("float32", attention_bias=True)
+    fast = tiny_llama("float32", attention_bias=True)
+    assert fused.install(fast) == 4
+    ours, our_logits = greedy_run(fast, [9, 8, 7], 6)
+    theirs, their_logits = greedy_run(plain, [9, 8, 7], 6)
+    assert ours == theirs
+    assert mx.array_equal(our_logits, their_logits)
+
+
+def test_large_quantized_batches_still_switch_to_dequantized_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+    plain, fast = tiny_llama("4bit"), tiny_llama("4bit")
+    fused.install(fast)
+    # The fused layers' own (inner) layers: 2 layers x 7 projections, and the embedding.
+    assert dequant.install(fast) == 15
+    dequant.install(plain)
+    tokens = mx.array([[i] for i in range(8)])
+    with dequant.rows(fast, 8), dequant.rows(plain, 8):
+        assert mx.array_equal(fast(tokens), plain(tokens))

@@ -182,6 +182,25 @@ def _step_times(run: Any) -> dict[str, Any]:
     }
 
 
+def kv_blocks(sizes: list[int], args: argparse.Namespace) -> int:
+    """KV blocks (of 16 tokens) for the largest batch's requests, twice over, and some spare."""
+    return max(sizes) * int(args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
+
+
+def bench_worker(
+    model_dir: Path, sizes: list[int], args: argparse.Namespace, variant: str = "speculate"
+) -> Any:
+    """A worker process as the benchmark runs it (a context manager yielding the Worker)."""
+    # Every Generate stream of a batch is admitted at once: room for all of
+    # them in the engine's queue of starts and among the running requests.
+    room = max(sizes) + 64
+    limits = ["--max-queued-steps", str(room), "--max-running-requests", str(max(256, room))]
+    env = variant_env(variant, args.smoke)
+    return process_worker(
+        model_dir, num_blocks=kv_blocks(sizes, args), extra_env=env, extra_args=limits
+    )
+
+
 def rounds(args: argparse.Namespace) -> Iterator[int]:
     """One shape's timed rounds: `--repeats`, then more until `--sample-s` (`--max-repeats`)."""
     start, done = time.monotonic(), 0
@@ -398,7 +417,6 @@ class _Run:
         self.prompts = prompt_set(
             max(self.sizes), args.prompt_tokens, int(args.shape["vocab_size"])
         )
-        self.blocks = max(self.sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
 
     def late(self, what: str) -> bool:
         """Past --deadline-s: `what` is skipped (and recorded so)."""
@@ -409,12 +427,7 @@ class _Run:
 
     def worker(self, model_dir: Path, variant: str) -> Any:
         log(f"{model_dir.name}: starting a worker process (variant {variant})")
-        env = variant_env(variant, self.args.smoke)
-        # Every Generate stream of a batch is admitted at once: room for all of
-        # them in the engine's queue of starts and among the running requests.
-        room = str(max(self.sizes) + 64)
-        limits = ["--max-queued-steps", room, "--max-running-requests", str(max(256, int(room)))]
-        return process_worker(model_dir, num_blocks=self.blocks, extra_env=env, extra_args=limits)
+        return bench_worker(model_dir, self.sizes, self.args, variant)
 
     def shapes(self, dtype: str, variant: str, measure: Any) -> None:
         for size in self.sizes:

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines import raw_batch, raw_stream
-from benchmarks.common import Worker, live_worker, process_worker, temp_dir
+from benchmarks.common import Worker, live_worker, temp_dir
 from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
-from benchmarks.gpu.bench_gpu import prompt_set
+from benchmarks.gpu.bench_gpu import bench_worker, kv_blocks, prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from mlx_worker_svc.engine import fused
 from mlx_worker_svc.engine.runner import ModelRunner
@@ -80,15 +80,20 @@ def raw_step_ms(model: Any, tokenizer: Any, batch: list[list[int]], tokens: int)
 
 
 def _workers(
-    stack: contextlib.ExitStack, model_dir: Path, blocks: int, transports: list[str]
+    stack: contextlib.ExitStack, model_dir: Path, sizes: list[int], args: argparse.Namespace
 ) -> dict[str, tuple[Worker, ExecuteCall | None]]:
-    """The worker each transport drives, and its Execute call (None: the gRPC stub)."""
+    """The worker each transport drives, and its Execute call (None: the gRPC stub).
+
+    The worker process is the benchmark's own (`bench_worker`: its environment,
+    limits and KV blocks); the in-process one has the same KV blocks.
+    """
+    transports = args.transport_list
     out: dict[str, tuple[Worker, ExecuteCall | None]] = {}
     if {"direct", "grpc"} & set(transports):
-        live = stack.enter_context(live_worker(model_dir, num_blocks=blocks))
+        live = stack.enter_context(live_worker(model_dir, num_blocks=kv_blocks(sizes, args)))
         out["direct"], out["grpc"] = (live, in_process_call(live)), (live, None)
     if "process" in transports:
-        out["process"] = (stack.enter_context(process_worker(model_dir, num_blocks=blocks)), None)
+        out["process"] = (stack.enter_context(bench_worker(model_dir, sizes, args)), None)
     return {t: out[t] for t in transports}
 
 
@@ -98,10 +103,9 @@ def measure(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None
     model, tokenizer = load(str(model_dir))
     vocab = int(args.shape["vocab_size"])
     prompts = prompt_set(max(sizes), args.prompt_tokens, vocab)
-    blocks = max(sizes) * (args.prompt_tokens + args.new_tokens) // 16 * 2 + 64
     steps = args.decode_steps
     with contextlib.ExitStack() as stack:
-        workers = _workers(stack, model_dir, blocks, args.transport_list)
+        workers = _workers(stack, model_dir, sizes, args)
         profiled = workers.get("direct")
         for size in sizes:
             batch = prompts[:size]

@@ -24,9 +24,15 @@ Two layers fewer per attention group, one fewer per MLP: in a 16-layer model,
 products are the same rows times the same vectors: a matrix-vector product
 computes each output on its own, so single-row results match the unfused
 model's bit for bit (checked for float32, bfloat16, float16 and 4-bit on
-MLX's CPU backend by `tests/test_fused.py`, and on CUDA by the GPU
-benchmark's parity check). Batched forwards are untouched. On by default;
-`MLX_WORKER_FUSE=0` turns it off.
+MLX's CPU backend by `tests/test_fused.py`; on CUDA for bf16 and 4-bit by
+`benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
+parity check). On an H200 the launch of a single-row step got shorter in every
+interleaved pair, and the host's whole part of it (build and launch) about 6 %
+shorter at its fastest (benchmarks/gpu/NOTES.md). Batched forwards are
+untouched. On by default; `MLX_WORKER_FUSE=0` turns it off. Like
+`engine/dequant.py`, this assumes one thread builds the model's forwards (the
+engine thread); another thread's forward would still compute the right
+values (parts are keyed by their input), only without the saving.
 """
 
 from __future__ import annotations

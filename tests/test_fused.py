@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
+from driver import bring_up, drive, greedy, live_server, mlx_lm_tokens
 from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
@@ -13,6 +16,12 @@ from tiny_model import tiny_config
 from mlx_worker_svc.engine import dequant, fused
 
 KINDS = ["float32", "bfloat16", "float16", "4bit"]
+
+
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On here whatever the backend (its default is on with CUDA only)."""
+    monkeypatch.setattr(fused, "ENABLED", True)
 
 
 def tiny_llama(kind: str, **overrides: object) -> llama.Model:
@@ -139,3 +148,21 @@ def test_large_quantized_batches_still_switch_to_dequantized_weights(
     tokens = mx.array([[i] for i in range(8)])
     with dequant.rows(fast, 8), dequant.rows(plain, 8):
         assert mx.array_equal(fast(tokens), plain(tokens))
+
+
+def test_the_worker_decodes_single_requests_through_fused_layers_with_mlx_lm_tokens(
+    tiny_dir: Path,
+) -> None:
+    prompts = [[1, 2, 3], [7] * 9, [300, 5, 11, 12]]
+    reference = mlx_lm_tokens(tiny_dir, prompts, 12)
+    with live_server() as (server, stub):
+        epoch = bring_up(stub, tiny_dir)
+        loaded = server.worker._loaded
+        assert loaded is not None
+        model = loaded.model  # the runner fused it at InitCache
+        assert type(model.model.layers[0].self_attn.q_proj) is fused.FusedProjection
+        params = greedy(12, ignore_eos=True)
+        alone = [drive(stub, epoch, [p], max_tokens=12, params=params)[0] for p in prompts]
+        together = drive(stub, epoch, prompts, max_tokens=12, params=params)
+    assert alone == reference
+    assert together == reference

@@ -21,18 +21,26 @@ twice (gate, up); vLLM and TGI multiply by the concatenated weights once. Here
 
 Two layers fewer per attention group, one fewer per MLP: in a 16-layer model,
 48 fewer matrix products to build and launch per single-row step. The
-products are the same rows times the same vectors: a matrix-vector product
-computes each output on its own, so single-row results match the unfused
-model's bit for bit (checked for float32, bfloat16, float16 and 4-bit on
-MLX's CPU backend by `tests/test_fused.py`; on CUDA for bf16 and 4-bit by
-`benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
-parity check). On an H200 the launch of a single-row step got shorter in every
-interleaved pair, and the host's whole part of it (build and launch) about 6 %
-shorter at its fastest (benchmarks/gpu/NOTES.md). Batched forwards are
-untouched. On by default; `MLX_WORKER_FUSE=0` turns it off. Like
-`engine/dequant.py`, this assumes one thread builds the model's forwards (the
-engine thread); another thread's forward would still compute the right
-values (parts are keyed by their input), only without the saving.
+products are the same rows times the same vectors, and where the kernel
+computes each output of a matrix-vector product on its own, whatever the
+number of outputs, single-row results match the unfused model's bit for bit.
+Checked for float32, bfloat16, float16 and 4-bit on MLX's CPU backend by
+`tests/test_fused.py`, and on CUDA for bf16 and 4-bit on a Llama-3.2-1B shape
+by `benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
+parity check. On an H200 the launch of a single-row step got shorter in
+every interleaved pair, and the host's whole part of it (build and launch)
+about 6 % shorter at its fastest (benchmarks/gpu/NOTES.md).
+
+On by default with MLX's CUDA backend only, where it was measured and
+checked. MLX's Metal matrix-vector kernels are tuned by the product's shape,
+so there a concatenated product may round differently from the separate
+ones, and single streams must stay exactly mlx-lm's: off on Apple silicon
+(and on CPUs, where a step is not bound by the host) unless
+`MLX_WORKER_FUSE=1`; `MLX_WORKER_FUSE=0` turns it off anywhere. Batched
+forwards are untouched either way. Like `engine/dequant.py`, this assumes one
+thread builds the model's forwards (the engine thread); another thread's
+forward would still compute the right values (parts are keyed by their
+input), only without the saving.
 """
 
 from __future__ import annotations
@@ -44,7 +52,13 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-ENABLED = os.environ.get("MLX_WORKER_FUSE", "1") != "0"
+def _default_enabled() -> bool:
+    # Measured and checked bit for bit on CUDA only (see above).
+    return bool(mx.cuda.is_available())
+
+
+_SETTING = os.environ.get("MLX_WORKER_FUSE")
+ENABLED = _default_enabled() if _SETTING in (None, "") else _SETTING != "0"
 
 # Sibling layers that project one input, in the order mlx-lm's models call them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

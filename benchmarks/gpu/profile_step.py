@@ -177,6 +177,7 @@ def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace)
 
     models = {"mlx-lm": load(str(model_dir))[0]}
     if args.fuse:
+        fused.ENABLED = True  # asked for: whatever the backend's default
         models["fused"] = load(str(model_dir))[0]
         print(f"{model_dir.name}: {fused.install(models['fused'])} groups fused", flush=True)
     prompts = prompt_set(max(sizes), args.prompt_tokens, int(args.shape["vocab_size"]))

@@ -52,6 +52,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+
 def _default_enabled() -> bool:
     # Measured and checked bit for bit on CUDA only (see above).
     return bool(mx.cuda.is_available())

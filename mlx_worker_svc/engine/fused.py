@@ -157,12 +157,5 @@ def install(model: nn.Module) -> int:
     """Fuses the model's sibling projections (see above); returns how many groups."""
     if not ENABLED:
         return 0
-    fused = 0
-    for _, module in model.named_modules():
-        if not isinstance(module, nn.Module):
-            continue
-        for names in GROUPS:
-            present = all(isinstance(module.get(name), nn.Module) for name in names)
-            if present and _fuse(module, names):
-                fused += 1
-    return fused
+    # A module without all of a group's names gets None for the missing ones: not fusable.
+    return sum(_fuse(module, names) for _, module in model.named_modules() for names in GROUPS)

@@ -300,7 +300,17 @@ def test_fleet_counters_match_the_work_done(served: Served) -> None:
     with pytest.raises(grpc.RpcError) as bad:
         fleet.generate(pb.GenerateRequest(request_id="fleet-bad"))
     assert code_of(bad.value) == grpc.StatusCode.INVALID_ARGUMENT
-    after, worker_after = Scrape(served.fleet_metrics), Scrape(served.worker_metrics)
+    generate = {"service": "mlx_worker.v1.FleetService", "method": "Generate"}
+    # The client can hold the aborted stream's status a moment before the abort has
+    # unwound through the fleet's metrics interceptor (a clean-clone CI run read 0).
+    after = wait_for(
+        served.fleet_metrics,
+        "the refused Generate counted",
+        lambda s: (
+            delta(fleet_before, s, "mlx_fleet_rpcs_total", **generate, code="INVALID_ARGUMENT") >= 1
+        ),
+    )
+    worker_after = Scrape(served.worker_metrics)
 
     prompt_tokens = sum(f.prompt_tokens for f in finals)
     generated = sum(f.completion_tokens for f in finals)
@@ -312,7 +322,6 @@ def test_fleet_counters_match_the_work_done(served: Served) -> None:
     assert fleet_delta("mlx_fleet_generation_tokens_total") == generated
     assert fleet_delta("mlx_fleet_time_to_first_token_seconds_count") == 2
     assert fleet_delta("mlx_fleet_request_duration_seconds_count") == 3
-    generate = {"service": "mlx_worker.v1.FleetService", "method": "Generate"}
     assert fleet_delta("mlx_fleet_rpcs_total", **generate, code="OK") == 2
     assert fleet_delta("mlx_fleet_rpcs_total", **generate, code="INVALID_ARGUMENT") == 1
     assert after("mlx_fleet_requests_queued") == 0

@@ -16,6 +16,7 @@ from mlx_worker_svc.engine.batch import (
     merge_caches,
     prefill_together,
 )
+from mlx_worker_svc.engine.sampling import greedy
 
 VOCAB = 512
 
@@ -123,6 +124,44 @@ def test_rows_taken_out_during_a_speculation_leave_it_behind(model: llama.Model)
     assert [c.offset for c in taken] == [c.offset for c in plain.extract({"r0"})["r0"]]
     kept = first[1:]
     assert mx.array_equal(ahead.forward(model, kept), plain.forward(model, kept))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_greedy_look_ahead_launches_the_next_choice_with_its_forward(
+    model: llama.Model, rows: int
+) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]][:rows]
+    last = [p[-1] for p in prompts]
+    plain, ahead = joined(model, prompts), joined(model, prompts)
+    first = plain.forward(model, last)
+    assert plain.choice is None  # nothing was looked ahead
+    tokens = greedy_rows(first)
+    second = plain.forward(model, tokens)
+    logits = ahead.forward(model, last)
+    ahead.speculate(model, greedy(logits), greedy=True)
+    ahead.confirm(tokens)
+    assert mx.array_equal(ahead.forward(model, tokens), second)
+    assert ahead.choice is not None
+    assert ahead.choice.tolist() == greedy(second).tolist()
+    # The scheduler asks for other tokens: the choice goes with the look-ahead.
+    ahead.speculate(model, greedy(second), greedy=True)
+    ahead.confirm(greedy_rows(second))
+    ahead.forward(model, [0] * rows)
+    assert ahead.choice is None
+
+
+def test_rows_leaving_a_greedy_look_ahead_have_their_choice_made_again(
+    model: llama.Model,
+) -> None:
+    prompts = [[1, 2], [3, 4], [5, 6]]
+    batch = joined(model, prompts)
+    logits = batch.forward(model, [2, 4, 6])
+    batch.speculate(model, greedy(logits), greedy=True)
+    tokens = greedy_rows(logits)
+    batch.confirm(tokens)
+    batch.remove({"r1"})
+    batch.forward(model, [tokens[0], tokens[2]])
+    assert batch.choice is None
 
 
 def test_prompts_prefilled_together_match_prompts_prefilled_alone(model: llama.Model) -> None:

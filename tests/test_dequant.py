@@ -7,19 +7,13 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from tiny_model import tiny_config
+from tiny_model import random_llama
 
 from mlx_worker_svc.engine import dequant
 
 
 def tiny_llama(quantized: bool) -> llama.Model:
-    mx.random.seed(5)
-    args = llama.ModelArgs.from_dict(tiny_config(vocab_size=256, tie_word_embeddings=True))
-    model = llama.Model(args)
-    if quantized:
-        nn.quantize(model, group_size=64, bits=4)
-    mx.eval(model.parameters())
-    return model
+    return random_llama("4bit" if quantized else "float32", seed=5, tie_word_embeddings=True)
 
 
 def test_install_switches_every_quantized_layer_and_nothing_else() -> None:

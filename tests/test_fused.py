@@ -11,7 +11,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_model import tiny_config
+from tiny_model import random_llama
 
 from mlx_worker_svc.engine import dequant, fused
 
@@ -24,16 +24,7 @@ def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "ENABLED", True)
 
 
-def tiny_llama(kind: str, **overrides: object) -> llama.Model:
-    mx.random.seed(11)
-    args = llama.ModelArgs.from_dict(tiny_config(vocab_size=256, **overrides))
-    model = llama.Model(args)
-    if kind == "4bit":
-        nn.quantize(model, group_size=64, bits=4)
-    else:
-        model.set_dtype(getattr(mx, kind))
-    mx.eval(model.parameters())
-    return model
+tiny_llama = random_llama
 
 
 def greedy_run(model: llama.Model, prompt: list[int], steps: int) -> tuple[list[int], mx.array]:

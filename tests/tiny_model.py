@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
@@ -69,6 +70,18 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     }
     config.update(overrides)
     return config
+
+
+def random_llama(kind: str = "float32", *, seed: int = 11, **overrides: Any) -> llama.Model:
+    """The tiny llama in memory (vocabulary 256): a dtype's name, or "4bit" (affine, group 64)."""
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(tiny_config(vocab_size=256, **overrides)))
+    if kind == "4bit":
+        nn.quantize(model, group_size=64, bits=4)
+    else:
+        model.set_dtype(getattr(mx, kind))
+    mx.eval(model.parameters())
+    return model
 
 
 def _save(

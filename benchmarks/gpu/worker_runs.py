@@ -23,8 +23,9 @@ from benchmarks.timeline import combined_stats
 
 # Worker variants: the environment of the worker process (engine knobs for A/B runs).
 VARIANTS: dict[str, dict[str, str]] = {
-    # Everything on: the next forward queued before the host reads the tokens,
-    # single-row forwards through fused projections (CUDA), aligned batches decode
+    # Everything on: the next forward queued before the host reads the tokens
+    # (with the greedy choice of its tokens), single-row forwards through fused
+    # projections (CUDA), weights' transposed views kept, aligned batches decode
     # without a mask, quantized models decode batches of 32 rows and more on
     # dequantized weights.
     "speculate": {"MLX_WORKER_LOOKAHEAD": "speculate"},
@@ -41,6 +42,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
     # The default engine without single-row fused projections (engine/fused.py).
     "unfused": {"MLX_WORKER_FUSE": "0"},
+    # The default engine with linear layers transposing their weight in every
+    # forward, as nn.Linear does (engine/transposed.py).
+    "untransposed": {"MLX_WORKER_TRANSPOSED": "0"},
 }
 
 

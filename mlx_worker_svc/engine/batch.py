@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask, make_prompt_cache
 
-from mlx_worker_svc.engine import dequant
+from mlx_worker_svc.engine import dequant, sampling
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
@@ -106,6 +106,15 @@ def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
     return merged
 
 
+class _Ahead(NamedTuple, Generic[K]):
+    """A queued look-ahead forward."""
+
+    keys: tuple[K, ...]  # its rows
+    tokens: tuple[int, ...] | None  # its input tokens (None until the host reads them)
+    logits: mx.array  # [B, V]
+    choice: mx.array | None  # greedy tokens of `logits`, if every row samples greedily
+
+
 class DecodeBatch(Generic[K]):
     """Rows of decoding requests, keyed by any hashable request key.
 
@@ -122,7 +131,9 @@ class DecodeBatch(Generic[K]):
     step asks for exactly that forward, its logits are ready. Rows that leave
     keep the look-ahead of the others (their rows are filtered out of it);
     any other change first rolls the caches back by the one speculative
-    token, so what runs is always what was asked.
+    token, so what runs is always what was asked. When every row samples
+    greedily (`greedy=True`), the look-ahead launches the tokens' choice with
+    the forward: one launch a step, as mlx-lm's generate loop does.
     """
 
     def __init__(self) -> None:
@@ -130,8 +141,10 @@ class DecodeBatch(Generic[K]):
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
         self._batched = False
-        # (row keys, input tokens or None until they are read, logits [B, V])
-        self._ahead: tuple[tuple[K, ...], tuple[int, ...] | None, mx.array] | None = None
+        self._ahead: _Ahead[K] | None = None
+        # The greedy tokens of the logits the last `forward` returned, launched with
+        # them by the look-ahead (None: not computed; the caller samples).
+        self.choice: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -180,9 +193,12 @@ class DecodeBatch(Generic[K]):
             for layer in self._cache:
                 layer.filter(index)
             if self._ahead is not None:
-                _, tokens, logits = self._ahead
+                # The kept rows' logits; their choice is made again from those (as
+                # choose_tokens makes it for that many rows).
+                tokens = self._ahead.tokens
                 kept = tuple(tokens[i] for i in keep) if tokens is not None else None
-                self._ahead = (tuple(self.keys[i] for i in keep), kept, logits[index])
+                rows = tuple(self.keys[i] for i in keep)
+                self._ahead = _Ahead(rows, kept, self._ahead.logits[index], None)
         self.keys = [self.keys[i] for i in keep]
         self._members = set(self.keys)
 
@@ -211,51 +227,56 @@ class DecodeBatch(Generic[K]):
         return out
 
     def forward(self, model: nn.Module, last_tokens: Sequence[int]) -> mx.array:
-        """Runs one token per row; returns logits [B, V] in row order."""
+        """Runs one token per row; returns logits [B, V] in row order (sets `choice`)."""
         tokens = tuple(last_tokens)
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead, self.choice = self._ahead, None, None
         if ahead is not None:
-            if ahead[0] == tuple(self.keys) and ahead[1] == tokens:
-                return ahead[2]
+            if ahead.keys == tuple(self.keys) and ahead.tokens == tokens:
+                self.choice = ahead.choice
+                return ahead.logits
             self._rollback()
         inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
         with dequant.rows(model, len(tokens)):
             logits: mx.array = model(inputs, cache=self._cache)
         return logits[:, -1, :]
 
-    def speculate(self, model: nn.Module, sampled: mx.array) -> None:
+    def speculate(self, model: nn.Module, sampled: mx.array, *, greedy: bool = False) -> None:
         """Queues the next forward on this step's sampled tokens (a lazy [B] array).
 
         Call `mx.async_eval(sampled)` first, so that reading the tokens waits
         for them only, not for the forward queued behind them; then `confirm`
-        once the tokens are read.
+        once the tokens are read. `greedy`: every row samples greedily, so the
+        next tokens' choice is launched with the forward.
         """
         self._drop_ahead()
         if not self.keys or not self._trimmable():
             return
         with dequant.rows(model, len(self.keys)):
             logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
-        logits = logits[:, -1, :]
-        mx.async_eval(logits)  # type: ignore[no-untyped-call]
-        self._ahead = (tuple(self.keys), None, logits)
+        self._ahead = self._launch(None, logits[:, -1, :], greedy)
 
     def confirm(self, tokens: Sequence[int]) -> None:
         """Records the tokens the pending `speculate` ran on."""
-        if self._ahead is not None and self._ahead[1] is None:
-            self._ahead = (self._ahead[0], tuple(tokens), self._ahead[2])
+        if self._ahead is not None and self._ahead.tokens is None:
+            self._ahead = self._ahead._replace(tokens=tuple(tokens))
 
-    def prefetch(self, model: nn.Module, last_tokens: Sequence[int]) -> None:
+    def prefetch(
+        self, model: nn.Module, last_tokens: Sequence[int], *, greedy: bool = False
+    ) -> None:
         """Starts the next decode forward now, unless it is already under way."""
         tokens = tuple(last_tokens)
         ahead = self._ahead
-        if ahead is not None and ahead[0] == tuple(self.keys) and ahead[1] == tokens:
+        if ahead is not None and ahead.keys == tuple(self.keys) and ahead.tokens == tokens:
             return
         if not self.keys or not self._trimmable():
             return
         self._drop_ahead()
-        logits = self.forward(model, tokens)
-        mx.async_eval(logits)  # type: ignore[no-untyped-call]
-        self._ahead = (tuple(self.keys), tokens, logits)
+        self._ahead = self._launch(tokens, self.forward(model, tokens), greedy)
+
+    def _launch(self, tokens: tuple[int, ...] | None, logits: mx.array, greedy: bool) -> _Ahead[K]:
+        choice = sampling.greedy(logits) if greedy else None
+        mx.async_eval(logits if choice is None else [logits, choice])  # type: ignore[no-untyped-call]
+        return _Ahead(tuple(self.keys), tokens, logits, choice)
 
     def _trimmable(self) -> bool:
         return all(layer.is_trimmable() for layer in self._cache)

@@ -52,6 +52,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from mlx_worker_svc.engine import transposed
+
 
 def _default_enabled() -> bool:
     # Measured and checked bit for bit on CUDA only (see above).
@@ -69,7 +71,7 @@ _PARAMETERS = ("weight", "scales", "biases", "bias")
 
 def _kind(layer: Any) -> tuple[Any, ...] | None:
     """What must agree for layers to share one product (None: not fusable)."""
-    if type(layer) is nn.Linear:
+    if type(layer) in (nn.Linear, transposed.TransposedLinear):
         weight = layer["weight"]
         return ("linear", weight.shape[1], weight.dtype, "bias" in layer)
     if type(layer) is nn.QuantizedLinear and layer.mode == "affine":
@@ -140,6 +142,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     rows = [int(layer["weight"].shape[0]) for layer in layers]
     fused = copy.copy(layers[0])  # same class and settings (group size, bits, mode)
     fused.update(concatenated)
+    transposed.adopt(fused)  # its own view of the concatenated weight (engine/transposed.py)
     bounds, start = [], 0
     for count in rows:
         bounds.append((start, start + count))

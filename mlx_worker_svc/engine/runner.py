@@ -30,7 +30,7 @@ from mlx_worker_svc.domain import (
     SamplingParams,
     StepTimings,
 )
-from mlx_worker_svc.engine import dequant, fused
+from mlx_worker_svc.engine import dequant, fused, transposed
 from mlx_worker_svc.engine.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
@@ -72,6 +72,7 @@ class ModelRunner(Prefill):
     def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
         self.model = loaded.model
         fused.install(self.model)  # single-row forwards: sibling projections as one product
+        transposed.install(self.model)  # linear layers keep their weight's transposed view
         dequant.install(self.model)  # large decode batches of a quantized model
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
@@ -147,8 +148,8 @@ class ModelRunner(Prefill):
         self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams
     ) -> Sequence:
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
-        return Sequence(
-            key=key, tokens=list(prompt), prompt_len=len(prompt), params=params, sampler=sampler
+        return Sequence.start(
+            key, prompt, params, sampler, eos_ids=self.eos_ids, max_context=self.limits.max_context
         )
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
@@ -307,26 +308,36 @@ class ModelRunner(Prefill):
         rows = [self.seqs[key] for key in self.batch.keys]
         logits = self.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
         samplers = [s.sampler for s in rows]
-        chosen = choose_tokens(logits, samplers, [(s.tokens, s.prompt_len) for s in rows])
+        greedy = all(s.trivial for s in samplers)
+        chosen = self.batch.choice  # launched with the look-ahead's forward (greedy rows)
+        if chosen is None:
+            chosen = choose_tokens(logits, samplers, [(s.tokens, s.prompt_len) for s in rows])
+            mx.async_eval(chosen)  # type: ignore[no-untyped-call]
         # The next forward is queued before the host waits for this step's
         # tokens: the device never idles while the host reads, answers and
         # waits for the scheduler (batch.DecodeBatch, look-ahead).
-        mx.async_eval(chosen)  # type: ignore[no-untyped-call]
-        if self.look_ahead == "speculate" and not any(self._last_token(s) for s in rows):
-            self.batch.speculate(self.model, chosen)
+        # A row whose next token is surely its last would leave the batch and take
+        # the look-ahead's work with it: then `prefetch` starts the next forward
+        # for the rows that stay, once they are known.
+        if self.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
+            self.batch.speculate(self.model, chosen, greedy=greedy)
         tokens = read_tokens(chosen)
         self.batch.confirm(tokens)
-        infos = token_logprobs(logits, samplers, tokens)
+        infos = None if greedy else token_logprobs(logits, samplers, tokens)
         finished: list[RequestKey] = []
-        for seq, token, info in zip(rows, tokens, infos, strict=True):
+        for i, seq in enumerate(rows):
+            token = tokens[i]
             seq.num_computed = len(seq.tokens)
             seq.tokens.append(token)
-            output = outputs.get(seq.key) or outputs.setdefault(
-                seq.key, RequestOutput(req_id=seq.key[1])
-            )
+            output = outputs.get(seq.key)
+            if output is None:
+                output = outputs[seq.key] = RequestOutput(req_id=seq.key[1])
             output.sampled_token_ids.append(token)
+            info = infos[i] if infos is not None else None
             if info is not None:
                 output.logprobs.append(info)
+            if not seq.may_finish():
+                continue
             reason = seq.finish_reason(self.eos_ids, self.limits.max_context)
             if reason is not None:
                 output.finish_reason = reason
@@ -335,19 +346,8 @@ class ModelRunner(Prefill):
         self._free_all(finished)
         rows = [self.seqs[key] for key in self.batch.keys]
         if self.look_ahead != "off":
-            self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows])
-
-    def _last_token(self, seq: Sequence) -> bool:
-        """Whether the token sampled now is surely the request's last (length limits).
-
-        Then the step does not speculate: that row would leave the batch and
-        take the look-ahead's work with it; `prefetch` starts the next forward
-        for the rows that stay once they are known.
-        """
-        limit = seq.params.max_tokens
-        return (limit is not None and seq.num_output + 1 >= limit) or len(
-            seq.tokens
-        ) + 1 >= self.limits.max_context
+            greedy = all(s.sampler.trivial for s in rows)
+            self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""

@@ -26,6 +26,12 @@ class Sequence:
     prompt_len: int
     params: SamplingParams
     sampler: RequestSampler
+    # The tokens that may end it (its stop ids, and EOS unless ignored) and the
+    # length (prompt and output) at which max_tokens or the context ends it: a
+    # decode step checks each row with one lookup and one comparison, and only
+    # asks `finish_reason` when one of them fires.
+    stops: frozenset[int]
+    length_limit: int
     num_computed: int = 0
     cache: list[Any] | None = None
     preempted: bool = False
@@ -37,6 +43,32 @@ class Sequence:
     # Its KV was dropped by a failed step: rebuilt from its tokens (and the
     # prefix cache) before it next computes; num_computed is unchanged.
     kv_lost: bool = False
+
+    @classmethod
+    def start(
+        cls,
+        key: RequestKey,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        sampler: RequestSampler,
+        *,
+        eos_ids: frozenset[int],
+        max_context: int,
+    ) -> Sequence:
+        """A new request's state (nothing computed yet)."""
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        limit = max_context
+        if params.max_tokens is not None:
+            limit = min(limit, len(prompt) + params.max_tokens)
+        return cls(key, list(prompt), len(prompt), params, sampler, stops, limit)
+
+    def may_finish(self) -> bool:
+        """Whether the last token could end it (False: `finish_reason` is surely None)."""
+        return self.tokens[-1] in self.stops or len(self.tokens) >= self.length_limit
+
+    def at_last_token(self) -> bool:
+        """Whether the next token sampled is surely its last (a length limit)."""
+        return len(self.tokens) + 1 >= self.length_limit
 
     @property
     def num_output(self) -> int:

@@ -21,8 +21,10 @@ shape on any machine.
 no look-ahead) into the host's graph construction (Python), the launch
 (`mx.async_eval`: MLX encodes and submits the kernels) and the wait for the
 device after it: whether a step is bound by the host or by the device. With
-`--fuse` the same model with its projections fused (`engine/fused.py`) runs
-beside it, interleaved, and its greedy tokens are compared with mlx-lm's.
+`--fuse` the same model with its weights' transposed views kept
+(`engine/transposed.py`), and with its projections fused too
+(`engine/fused.py`; `MLX_WORKER_FUSE_ROWS` for forwards of more rows), run
+beside it, interleaved, and their greedy tokens are compared with mlx-lm's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from benchmarks.gpu.worker_runs import bench_worker, kv_blocks
-from mlx_worker_svc.engine import fused
+from mlx_worker_svc.engine import fused, transposed
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.engine.sampling import greedy
 
@@ -172,14 +174,17 @@ def anatomy(model: Any, prompts: list[list[int]], steps: int) -> tuple[dict[str,
 
 
 def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace) -> None:
-    """mlx-lm's model, and with `--fuse` the same model fused, runs interleaved."""
+    """mlx-lm's model, and with `--fuse` its transposed and fused copies, interleaved."""
     from mlx_lm import load
 
     models = {"mlx-lm": load(str(model_dir))[0]}
     if args.fuse:
         fused.ENABLED = True  # asked for: whatever the backend's default
+        models["transposed"] = load(str(model_dir))[0]
+        transposed.install(models["transposed"])
         models["fused"] = load(str(model_dir))[0]
         print(f"{model_dir.name}: {fused.install(models['fused'])} groups fused", flush=True)
+        transposed.install(models["fused"])
     prompts = prompt_set(max(sizes), args.prompt_tokens, int(args.shape["vocab_size"]))
     for size in sizes:
         # A first run of each model warms every shape; its tokens are compared.
@@ -190,9 +195,9 @@ def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace)
                 runs[name].append(anatomy(m, prompts[:size], args.new_tokens)[0])
         for name, got in runs.items():
             print(f"{model_dir.name} batch {size}, {name}: serial decode step ms {got}", flush=True)
-        if args.fuse:
-            same = tokens["fused"] == tokens["mlx-lm"]
-            print(f"{model_dir.name} batch {size}: fused tokens == mlx-lm's: {same}", flush=True)
+        for name in models.keys() - {"mlx-lm"}:
+            same = tokens[name] == tokens["mlx-lm"]
+            print(f"{model_dir.name} batch {size}: {name} tokens == mlx-lm's: {same}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="direct", help=f"any of {','.join(TRANSPORTS)}")
     p.add_argument("--anatomy", action="store_true", help="split a serial step (see above)")
-    p.add_argument("--fuse", action="store_true", help="with --anatomy: also a fused model")
+    p.add_argument(
+        "--fuse", action="store_true", help="with --anatomy: also transposed and fused models"
+    )
     p.add_argument("--top", type=int, default=14, help="profile lines per shape")
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU-friendly)")
     args = p.parse_args(argv)

@@ -62,6 +62,11 @@ def _default_enabled() -> bool:
 
 _SETTING = os.environ.get("MLX_WORKER_FUSE")
 ENABLED = _default_enabled() if _SETTING in (None, "") else _SETTING != "0"
+# Forwards of at most this many rows (tokens) go through the fused product. One
+# by default: a matrix-vector product computes each output alone, so single rows
+# are bit-identical; a matrix product of more rows may pick another kernel for a
+# wider weight and round differently from the separate products (for A/B runs).
+MAX_ROWS = int(os.environ.get("MLX_WORKER_FUSE_ROWS", "1"))
 
 # Sibling layers that project one input, in the order mlx-lm's models call them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -122,7 +127,7 @@ class FusedProjection(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped
         self.group = group  # a plain attribute: the parameters stay listed once (in inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size == x.shape[-1]:
+        if x.size <= x.shape[-1] * MAX_ROWS:
             return self.group.take(x, self.index)
         out: mx.array = self.inner(x)
         return out

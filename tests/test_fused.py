@@ -57,6 +57,53 @@ def test_batched_and_prompt_forwards_run_the_layers_as_before(kind: str) -> None
         assert mx.array_equal(fast(mx.array(tokens)), plain(mx.array(tokens)))
 
 
+def fused_products(model: llama.Model, tokens: list[list[int]]) -> int:
+    """How many fused products one forward of `tokens` multiplies."""
+    groups = {id(p.group): p.group for _, p in model.named_modules() if hasattr(p, "group")}
+    originals = {key: group.fused for key, group in groups.items()}
+    calls = []
+
+    def counting(inner: nn.Module) -> object:
+        def call(x: mx.array) -> mx.array:
+            calls.append(x.shape)
+            return inner(x)
+
+        return call
+
+    for key, group in groups.items():
+        group.fused = counting(originals[key])
+    try:
+        mx.eval(model(mx.array(tokens)))
+    finally:
+        for key, group in groups.items():
+            group.fused = originals[key]
+    return len(calls)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_decode_steps_of_plain_groups_are_fused_at_any_batch_size(
+    monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    monkeypatch.setattr(fused, "BATCHED", batched)
+    plain, fast = tiny_llama("bfloat16"), tiny_llama("bfloat16")
+    fused.install(fast)
+    # 2 layers x (q/k/v, gate/up): 4 products a forward, when fused.
+    assert fused_products(fast, [[1]]) == 4
+    assert fused_products(fast, [[1], [2], [3]]) == (4 if batched else 0)
+    assert fused_products(fast, [[1, 2, 3]]) == 0  # a prompt runs the layers as before
+    assert fused_products(fast, [[1, 2], [3, 4]]) == 0
+    ours, _ = greedy_run(fast, [3, 1, 4], 4)
+    assert ours == greedy_run(plain, [3, 1, 4], 4)[0]
+
+
+def test_quantized_groups_fuse_single_rows_only() -> None:
+    model = tiny_llama("4bit")
+    fused.install(model)
+    assert fused_products(model, [[1]]) == 4
+    # Their decode batches switch to dequantized weights at large sizes (dequant.py).
+    assert fused_products(model, [[1], [2]]) == 0
+
+
 def test_parameters_are_listed_once_and_shared_not_copied() -> None:
     plain, fast = tiny_llama("4bit"), tiny_llama("4bit")
     fused.install(fast)

@@ -24,7 +24,7 @@ from benchmarks.timeline import combined_stats
 # Worker variants: the environment of the worker process (engine knobs for A/B runs).
 VARIANTS: dict[str, dict[str, str]] = {
     # Everything on: the next forward queued before the host reads the tokens
-    # (with the greedy choice of its tokens), single-row forwards through fused
+    # (with the greedy choice of its tokens), decode steps through fused
     # projections (CUDA), weights' transposed views kept, aligned batches decode
     # without a mask, quantized models decode batches of 32 rows and more on
     # dequantized weights.
@@ -40,8 +40,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     # The default engine with MLX's CUDA graphs of up to 80 operations (MLX's default: 20),
     # so fewer graphs are built and launched per decode step.
     "ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
-    # The default engine without single-row fused projections (engine/fused.py).
+    # The default engine without fused projections (engine/fused.py).
     "unfused": {"MLX_WORKER_FUSE": "0"},
+    # The default engine with fused projections for single rows only.
+    "fuse-single": {"MLX_WORKER_FUSE_BATCHED": "0"},
     # The default engine with linear layers transposing their weight in every
     # forward, as nn.Linear does (engine/transposed.py).
     "untransposed": {"MLX_WORKER_TRANSPOSED": "0"},

@@ -1,46 +1,52 @@
-"""Single-row forwards: a layer's sibling projections of one input as one product.
+"""Decode forwards: a layer's sibling projections of one input as one product.
 
-A decode step of one sequence on a GPU is bound by the host: building the
-model's graph and launching its few hundred small kernels takes longer than
-the device needs to run them (an H200 runs a Llama-3.2-1B step's kernels in
-well under a millisecond; the host takes about two to build and launch them).
-Llama-style attention projects its input three times (q, k, v) and its MLP
-twice (gate, up); vLLM and TGI multiply by the concatenated weights once. Here
-`install` does the same for a loaded mlx-lm model without touching its code:
+A decode step on a GPU is bound by the host: building the model's graph and
+launching its few hundred small kernels takes longer than the device needs
+to run them (an H200 runs a Llama-3.2-1B step's kernels in well under a
+millisecond at one row; the host takes about two to build and launch them,
+and at 32 rows its launch alone takes about 2.5 ms, most of it the matrix
+products). Llama-style attention projects its input three times (q, k, v)
+and its MLP twice (gate, up); vLLM and TGI multiply by the concatenated
+weights once. Here `install` does the same for a loaded mlx-lm model without
+touching its code:
 
 - Each group of sibling layers (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
   `up_proj`) of the same kind (plain or affine-quantized linear layers with
   the same input size, dtype, bias and quantization) gets its parameters
   concatenated along the output rows, once. Each original layer keeps its
   own rows of them as a view: no parameter is held twice.
-- Each layer is wrapped. For a forward of one row, the group's first
+- Each layer is wrapped. For a forward of one row, and for a decode step (one
+  token per row) of a plain group with `BATCHED` on, the group's first
   projection multiplies by the concatenated weights and hands its siblings
-  their columns of the product (keyed by the identity of the input array);
-  with more rows every layer runs as it did, on its own rows of the
-  concatenated weights.
+  their columns of the product (keyed by the identity of the input array).
+  Otherwise (prompts; decode batches of quantized groups, which switch to
+  dequantized weights at 32 rows, `engine/dequant.py`) every layer runs as it
+  did, on its own rows of the concatenated weights.
 
 Two layers fewer per attention group, one fewer per MLP: in a 16-layer model,
-48 fewer matrix products to build and launch per single-row step. The
-products are the same rows times the same vectors, and where the kernel
-computes each output of a matrix-vector product on its own, whatever the
-number of outputs, single-row results match the unfused model's bit for bit.
-Checked for float32, bfloat16, float16 and 4-bit on MLX's CPU backend by
+48 fewer matrix products to build and launch per decode step. The products
+are the same rows times the same vectors. Where the kernel computes each
+output of a matrix-vector product on its own, whatever the number of
+outputs, single-row results match the unfused model's bit for bit: checked
+for float32, bfloat16, float16 and 4-bit on MLX's CPU backend by
 `tests/test_fused.py`, and on CUDA for bf16 and 4-bit on a Llama-3.2-1B shape
 by `benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
-parity check. On an H200 the launch of a single-row step got shorter in
-every interleaved pair, and the host's whole part of it (build and launch)
-about 6 % shorter at its fastest (benchmarks/gpu/NOTES.md).
+parity check. A matrix product of several rows by a wider weight could pick
+another kernel and round differently; on CUDA (cuBLAS) bf16 decode batches
+of 8 to 128 rows gave mlx-lm's tokens exactly for 128 steps
+(`--anatomy --fuse`), and the launch of a step at 32 and 128 rows got about
+a fifth shorter (benchmarks/gpu/NOTES.md).
 
 On by default with MLX's CUDA backend only, where it was measured and
 checked. MLX's Metal matrix-vector kernels are tuned by the product's shape,
 so there a concatenated product may round differently from the separate
 ones, and single streams must stay exactly mlx-lm's: off on Apple silicon
 (and on CPUs, where a step is not bound by the host) unless
-`MLX_WORKER_FUSE=1`; `MLX_WORKER_FUSE=0` turns it off anywhere. Batched
-forwards are untouched either way. Like `engine/dequant.py`, this assumes one
-thread builds the model's forwards (the engine thread); another thread's
-forward would still compute the right values (parts are keyed by their
-input), only without the saving.
+`MLX_WORKER_FUSE=1`; `MLX_WORKER_FUSE=0` turns it off anywhere, and
+`MLX_WORKER_FUSE_BATCHED=0` keeps decode batches on the separate products.
+Like `engine/dequant.py`, this assumes one thread builds the model's
+forwards (the engine thread); another thread's forward would still compute
+the right values (parts are keyed by their input), only without the saving.
 """
 
 from __future__ import annotations
@@ -62,11 +68,8 @@ def _default_enabled() -> bool:
 
 _SETTING = os.environ.get("MLX_WORKER_FUSE")
 ENABLED = _default_enabled() if _SETTING in (None, "") else _SETTING != "0"
-# Forwards of at most this many rows (tokens) go through the fused product. One
-# by default: a matrix-vector product computes each output alone, so single rows
-# are bit-identical; a matrix product of more rows may pick another kernel for a
-# wider weight and round differently from the separate products (for A/B runs).
-MAX_ROWS = int(os.environ.get("MLX_WORKER_FUSE_ROWS", "1"))
+# Decode steps of several rows through the fused products of plain groups (see above).
+BATCHED = os.environ.get("MLX_WORKER_FUSE_BATCHED", "1") != "0"
 
 # Sibling layers that project one input, in the order mlx-lm's models call them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -93,10 +96,11 @@ def _kind(layer: Any) -> tuple[Any, ...] | None:
 
 
 class _Group:
-    """One group's concatenated layer and the single-row product being handed out."""
+    """One group's concatenated layer and the product being handed out."""
 
-    def __init__(self, fused: nn.Module, bounds: list[tuple[int, int]]) -> None:
+    def __init__(self, fused: nn.Module, bounds: list[tuple[int, int]], batched: bool) -> None:
         self.fused = fused
+        self.batched = batched  # decode steps of several rows fused too
         self.splits = [stop for _, stop in bounds[:-1]]
         self._input: mx.array | None = None
         self._parts: list[mx.array | None] = []
@@ -118,7 +122,7 @@ class _Group:
 
 
 class FusedProjection(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped
-    """One layer of a group: its share of the group's product for a single row."""
+    """One layer of a group: its share of the group's product (one row, or a decode step)."""
 
     def __init__(self, inner: nn.Module, group: _Group, index: int) -> None:
         super().__init__()
@@ -127,7 +131,7 @@ class FusedProjection(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped
         self.group = group  # a plain attribute: the parameters stay listed once (in inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size <= x.shape[-1] * MAX_ROWS:
+        if x.size == x.shape[-1] or (self.group.batched and x.ndim == 3 and x.shape[1] == 1):
             return self.group.take(x, self.index)
         out: mx.array = self.inner(x)
         return out
@@ -136,7 +140,8 @@ class FusedProjection(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped
 def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     layers = [parent.get(name) for name in names]
     kinds = {_kind(layer) for layer in layers}
-    if len(kinds) != 1 or None in kinds:
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if kind is None:
         return False
     concatenated = {
         key: mx.concatenate([layer[key] for layer in layers])
@@ -152,7 +157,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     for count in rows:
         bounds.append((start, start + count))
         start += count
-    group = _Group(fused, bounds)
+    group = _Group(fused, bounds, batched=BATCHED and kind[0] == "linear")
     for index, (name, layer, (first, last)) in enumerate(zip(names, layers, bounds, strict=True)):
         views = {key: value[first:last] for key, value in concatenated.items()}
         mx.eval(views)  # the layer's rows of the concatenated arrays: shared, not copied

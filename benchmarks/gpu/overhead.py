@@ -5,10 +5,10 @@ worker and its client do in Python per step, and per request per step, is a
 visible share. This measures that share on a CPU: a micro llama (one layer,
 hidden 32, vocabulary 512) whose forward costs almost nothing, driven like the
 GPU benchmark drives the worker (a worker process, Execute over gRPC, greedy,
-one step per token), beside mlx-lm's BatchGenerator on the same model. Per
-batch size it prints the p50 per decode step of the client's wall time, the
-worker's `total_ns` and `forward_ns` (the runner's forward + sampling), and
-the host cost per request per step.
+one step per token, or `--decode-steps` a call), beside mlx-lm's
+BatchGenerator on the same model. Per batch size it prints the p50 per decode
+step of the client's wall time, the worker's `total_ns` and `forward_ns` (the
+runner's forward + sampling), and the host cost per request per step.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def _p50_ms(values: list[int]) -> float:
     return round(percentile([v / 1e6 for v in values], 50), 3)
 
 
-def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[dict[str, Any]]:
+def measure(
+    model_dir: Path, sizes: list[int], steps: int, prompt: int, decode_steps: int = 1
+) -> list[dict[str, Any]]:
     from mlx_lm import load
 
     model, _ = load(str(model_dir))
@@ -63,14 +65,15 @@ def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[
             raw_batch(model, batch, 4)
             assert worker.pid is not None
             worker_cpu, client_cpu = cpu_seconds(worker.pid), time.process_time()
-            run = run_execute(worker, batch, steps)
+            run = run_execute(worker, batch, steps, decode_steps=decode_steps)
             worker_cpu = cpu_seconds(worker.pid) - worker_cpu
             client_cpu = time.process_time() - client_cpu
-            decode = run.steps[1:]
+            # Calls of n decode steps: each call's times over its steps (tokens per request).
+            decode = [(s, max(s.sampled // size, 1)) for s in run.steps[1:] if s.sampled]
             raw = raw_batch(model, batch, steps)[0].stats()
-            wall = _p50_ms([s.wall_ns for s in decode])
-            total = _p50_ms([s.total_ns for s in decode])
-            forward = _p50_ms([s.forward_ns for s in decode])
+            wall = _p50_ms([s.wall_ns // n for s, n in decode])
+            total = _p50_ms([s.total_ns // n for s, n in decode])
+            forward = _p50_ms([s.forward_ns // n for s, n in decode])
             raw_step = raw["decode_s"] * 1e3 / max(steps - 1, 1)
             rows.append(
                 {
@@ -81,8 +84,8 @@ def measure(model_dir: Path, sizes: list[int], steps: int, prompt: int) -> list[
                     "outside_worker_ms": round(wall - total, 3),
                     "host_us_per_request": round((wall - forward) * 1e3 / size, 1),
                     # CPU time per step (all steps of the run), steady under other load.
-                    "worker_cpu_ms_per_step": round(worker_cpu * 1e3 / len(run.steps), 3),
-                    "client_cpu_ms_per_step": round(client_cpu * 1e3 / len(run.steps), 3),
+                    "worker_cpu_ms_per_step": round(worker_cpu * 1e3 / steps, 3),
+                    "client_cpu_ms_per_step": round(client_cpu * 1e3 / steps, 3),
                     "batch_generator_step_ms": round(raw_step, 3),
                 }
             )
@@ -95,13 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="decode steps a call (ExecuteRequest.num_decode_steps); figures are per step",
+    )
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     with temp_dir() as tmp:
         tokenizer = tmp / "tokenizer"
         write_tokenizer(tokenizer, int(MICRO["vocab_size"]))
         model_dir = tiny_model_module().build_tiny_model(tmp / "micro", tokenizer, overrides=MICRO)
-        rows = measure(model_dir, sizes, args.steps, args.prompt_tokens)
+        rows = measure(model_dir, sizes, args.steps, args.prompt_tokens, args.decode_steps)
     print(
         "| batch | client wall ms | worker total ms | forward+sample ms | outside worker ms "
         "| host µs / request | worker CPU ms / step | client CPU ms / step "

@@ -71,7 +71,7 @@ class ModelRunner(Prefill):
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
         self.model = loaded.model
-        fused.install(self.model)  # single-row forwards: sibling projections as one product
+        fused.install(self.model)  # decode steps: sibling projections as one product (CUDA)
         transposed.install(self.model)  # linear layers keep their weight's transposed view
         dequant.install(self.model)  # large decode batches of a quantized model
         self.info = loaded.info

@@ -2,8 +2,9 @@
 
 `nn.Linear` computes `x @ weight.T` (and a tied output head
 `Embedding.as_linear` the same), so every forward adds one transpose to the
-graph per layer: about 65 per decode step of a 16-layer Llama, each built in
-Python and then evaluated by MLX, for a view that never changes. A decode
+graph per layer: 113 per decode step of a 16-layer Llama (65 with fused
+projections, `engine/fused.py`), each built in Python and then evaluated by
+MLX, for a view that never changes. A decode
 step of one sequence on a GPU is bound by exactly that host work (see
 `engine/fused.py`). `install` switches a loaded model's plain linear layers
 (and a plain embedding, for tied heads) to subclasses that keep the view,

@@ -17,9 +17,7 @@ PROMPT = (5, 6, 7)
 
 def start(params: SamplingParams, prompt: tuple[int, ...] = PROMPT) -> Sequence:
     sampler = RequestSampler(params, eos_ids=EOS, vocab_size=16)
-    return Sequence.start(
-        (Origin.EXECUTE, "r"), prompt, params, sampler, eos_ids=EOS, max_context=CONTEXT
-    )
+    return Sequence.start((Origin.EXECUTE, "r"), prompt, params, sampler, max_context=CONTEXT)
 
 
 PARAMS = [

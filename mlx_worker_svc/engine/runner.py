@@ -148,9 +148,7 @@ class ModelRunner(Prefill):
         self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams
     ) -> Sequence:
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
-        return Sequence.start(
-            key, prompt, params, sampler, eos_ids=self.eos_ids, max_context=self.limits.max_context
-        )
+        return Sequence.start(key, prompt, params, sampler, max_context=self.limits.max_context)
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
         """Forgets a request and frees its KV (no error if it is unknown).

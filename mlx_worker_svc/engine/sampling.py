@@ -27,11 +27,15 @@ class RequestSampler:
         self.params = params
         self.vocab_size = vocab_size
         self._key = mx.random.key(params.seed) if params.seed is not None else None
-        blocked = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            blocked |= eos_ids
+        # The tokens that end the request (its stop ids, and EOS unless ignored):
+        # masked before min_tokens, and what the engine's stop check looks for.
+        self.stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_ids
+        )
         self._min_tokens_mask = (
-            mx.array(sorted(blocked), dtype=mx.uint32) if blocked and params.min_tokens else None
+            mx.array(sorted(self.stops), dtype=mx.uint32)
+            if self.stops and params.min_tokens
+            else None
         )
         self._bias_ids = self._bias_values = None
         if params.logit_bias:

@@ -26,7 +26,7 @@ class Sequence:
     prompt_len: int
     params: SamplingParams
     sampler: RequestSampler
-    # The tokens that may end it (its stop ids, and EOS unless ignored) and the
+    # The tokens that may end it (its sampler's `stops`: stop ids, and EOS unless ignored) and the
     # length (prompt and output) at which max_tokens or the context ends it: a
     # decode step checks each row with one lookup and one comparison, and only
     # asks `finish_reason` when one of them fires.
@@ -52,15 +52,13 @@ class Sequence:
         params: SamplingParams,
         sampler: RequestSampler,
         *,
-        eos_ids: frozenset[int],
         max_context: int,
     ) -> Sequence:
         """A new request's state (nothing computed yet)."""
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         limit = max_context
         if params.max_tokens is not None:
             limit = min(limit, len(prompt) + params.max_tokens)
-        return cls(key, list(prompt), len(prompt), params, sampler, stops, limit)
+        return cls(key, list(prompt), len(prompt), params, sampler, sampler.stops, limit)
 
     def may_finish(self) -> bool:
         """Whether the last token could end it (False: `finish_reason` is surely None)."""

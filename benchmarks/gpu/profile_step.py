@@ -23,7 +23,7 @@ no look-ahead) into the host's graph construction (Python), the launch
 device after it: whether a step is bound by the host or by the device. With
 `--fuse` the same model with its weights' transposed views kept
 (`engine/transposed.py`), and with its projections fused too
-(`engine/fused.py`; `MLX_WORKER_FUSE_ROWS` for forwards of more rows), run
+(`engine/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), run
 beside it, interleaved, and their greedy tokens are compared with mlx-lm's.
 """
 

@@ -23,8 +23,9 @@ no look-ahead) into the host's graph construction (Python), the launch
 device after it: whether a step is bound by the host or by the device. With
 `--fuse` the same model with its weights' transposed views kept
 (`engine/transposed.py`), and with its projections fused too
-(`engine/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), run
-beside it, interleaved, and their greedy tokens are compared with mlx-lm's.
+(`engine/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), and
+the fused copy's own decode step (`engine/decode_step.py`), run beside it,
+interleaved, and their greedy tokens are compared with mlx-lm's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from benchmarks.gpu.worker_runs import bench_worker, kv_blocks
-from mlx_worker_svc.engine import fused, transposed
+from mlx_worker_svc.engine import decode_step, fused, transposed
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.engine.sampling import greedy
 
@@ -158,7 +159,7 @@ def anatomy(model: Any, prompts: list[list[int]], steps: int) -> tuple[dict[str,
     sampled = []
     for _ in range(steps):
         start = time.perf_counter()
-        tokens = greedy(model(tokens[:, None], cache=cache)[:, -1, :])
+        tokens = greedy(decode_step.logits(model, tokens, cache))
         built = time.perf_counter()
         mx.async_eval(tokens)  # type: ignore[no-untyped-call]
         launched = time.perf_counter()
@@ -185,6 +186,10 @@ def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace)
         models["fused"] = load(str(model_dir))[0]
         print(f"{model_dir.name}: {fused.install(models['fused'])} groups fused", flush=True)
         transposed.install(models["fused"])
+        models["step"] = load(str(model_dir))[0]
+        fused.install(models["step"])
+        transposed.install(models["step"])
+        print(f"{model_dir.name}: own decode step {decode_step.install(models['step'])}")
     prompts = prompt_set(max(sizes), args.prompt_tokens, int(args.shape["vocab_size"]))
     for size in sizes:
         # A first run of each model warms every shape; its tokens are compared.

@@ -13,7 +13,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_model import random_llama
 
-from mlx_worker_svc.engine import dequant, fused
+from mlx_worker_svc.engine import decode_step, dequant, fused
 
 KINDS = ["float32", "bfloat16", "float16", "4bit"]
 
@@ -188,7 +188,7 @@ def test_large_quantized_batches_still_switch_to_dequantized_weights(
         assert mx.array_equal(fast(tokens), plain(tokens))
 
 
-def test_the_worker_decodes_single_requests_through_fused_layers_with_mlx_lm_tokens(
+def test_the_worker_decodes_through_fused_layers_and_its_own_step_with_mlx_lm_tokens(
     tiny_dir: Path,
 ) -> None:
     prompts = [[1, 2, 3], [7] * 9, [300, 5, 11, 12]]
@@ -199,6 +199,7 @@ def test_the_worker_decodes_single_requests_through_fused_layers_with_mlx_lm_tok
         assert loaded is not None
         model = loaded.model  # the runner fused it at InitCache
         assert type(model.model.layers[0].self_attn.q_proj) is fused.FusedProjection
+        assert getattr(model, decode_step._ATTRIBUTE, None) is not None  # engine/decode_step.py
         params = greedy(12, ignore_eos=True)
         alone = [drive(stub, epoch, [p], max_tokens=12, params=params)[0] for p in prompts]
         together = drive(stub, epoch, prompts, max_tokens=12, params=params)

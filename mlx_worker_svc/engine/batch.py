@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, create_attention_mask, make_prompt_cache
 
-from mlx_worker_svc.engine import dequant, sampling
+from mlx_worker_svc.engine import decode_step, dequant, sampling
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
@@ -235,10 +235,9 @@ class DecodeBatch(Generic[K]):
                 self.choice = ahead.choice
                 return ahead.logits
             self._rollback()
-        inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
+        inputs = mx.array(list(tokens), dtype=mx.uint32)
         with dequant.rows(model, len(tokens)):
-            logits: mx.array = model(inputs, cache=self._cache)
-        return logits[:, -1, :]
+            return decode_step.logits(model, inputs, self._cache)
 
     def speculate(self, model: nn.Module, sampled: mx.array, *, greedy: bool = False) -> None:
         """Queues the next forward on this step's sampled tokens (a lazy [B] array).
@@ -252,8 +251,8 @@ class DecodeBatch(Generic[K]):
         if not self.keys or not self._trimmable():
             return
         with dequant.rows(model, len(self.keys)):
-            logits: mx.array = model(sampled.astype(mx.uint32)[:, None], cache=self._cache)
-        self._ahead = self._launch(None, logits[:, -1, :], greedy)
+            logits = decode_step.logits(model, sampled.astype(mx.uint32), self._cache)
+        self._ahead = self._launch(None, logits, greedy)
 
     def confirm(self, tokens: Sequence[int]) -> None:
         """Records the tokens the pending `speculate` ran on."""

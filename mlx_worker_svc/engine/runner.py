@@ -30,7 +30,7 @@ from mlx_worker_svc.domain import (
     SamplingParams,
     StepTimings,
 )
-from mlx_worker_svc.engine import dequant, fused, transposed
+from mlx_worker_svc.engine import decode_step, dequant, fused, transposed
 from mlx_worker_svc.engine.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.kv_budget import KVBudget
 from mlx_worker_svc.engine.loader import LoadedModel
@@ -73,6 +73,7 @@ class ModelRunner(Prefill):
         self.model = loaded.model
         fused.install(self.model)  # decode steps: sibling projections as one product (CUDA)
         transposed.install(self.model)  # linear layers keep their weight's transposed view
+        decode_step.install(self.model)  # a llama's decode step without mlx-lm's views
         dequant.install(self.model)  # large decode batches of a quantized model
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)

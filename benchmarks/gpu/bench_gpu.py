@@ -174,8 +174,11 @@ def measure_shape(
 ) -> dict[str, Any]:
     """One batch size: warm every path, then raw and worker runs, interleaved.
 
-    Each repeat runs raw mlx-lm, then every worker path, so that a drift of the
-    machine's speed (the host's clock, another tenant) reaches both sides alike.
+    Each repeat runs raw mlx-lm and every worker path, so that a drift of the
+    machine's speed (the host's clock, another tenant) reaches both sides alike;
+    raw runs first in even repeats and last in odd ones, so that neither side
+    always gets the first run after the warm-up (often the fastest of a shape
+    in runs 12 to 14, raw's then).
     """
     size, n = len(prompts), args.new_tokens
     single = size == 1
@@ -186,13 +189,21 @@ def measure_shape(
     raw_runs: list[dict[str, Any]] = []
     bg_runs: list[dict[str, Any]] = []
     runs: dict[str, list[dict[str, Any]]] = {}
-    for _ in rounds(args):
+
+    def raw_once() -> None:
         if single:
             timeline, tokens = raw_stream(model, tokenizer, prompts[0], n)
             raw_runs.append({"stats": timeline.stats(), "tokens": [tokens]})
         timeline, batch_tokens = raw_batch(model, prompts, n)
         bg_runs.append({"stats": timeline.stats(), "tokens": batch_tokens})
-        worker_once(worker, prompts, args, runs)
+
+    for done in rounds(args):
+        if done % 2:
+            worker_once(worker, prompts, args, runs)
+            raw_once()
+        else:
+            raw_once()
+            worker_once(worker, prompts, args, runs)
     best = {path: best_run(got) for path, got in runs.items()}
     bg = best_run(bg_runs)
     raw = best_run(raw_runs) if single else bg

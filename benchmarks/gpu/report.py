@@ -155,8 +155,9 @@ def _runs(results: dict[str, Any], used: list[str]) -> list[str]:
     if lines:
         lines = [
             "",
-            "Every timed run's decode tok/s in run order (each repeat runs raw, then the "
-            "worker's paths), and each path's median over raw's median:",
+            "Every timed run's decode tok/s in run order (each repeat runs raw and the "
+            "worker's paths: raw first in the 1st, 3rd, ... repeat, last in the others), "
+            "and each path's median over raw's median:",
             "",
             *lines,
         ]

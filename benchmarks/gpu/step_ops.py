@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     with temp_dir() as tmp:
         dirs = build_models(tmp / "models", shape, args.dtypes.split(","))
         for name, model_dir in dirs.items():
-            models = {name: load(str(model_dir))[0] for name in ("mlx-lm", "fused", "step")}
+            models = {copy: load(str(model_dir))[0] for copy in ("mlx-lm", "fused", "step")}
             fused.ENABLED = True
             for copy in ("fused", "step"):
                 fused.install(models[copy])

@@ -7,7 +7,7 @@ step for a batch of rows as a prompt of length 1: every product flattens its
 attention input is reshaped, then transposed to `[B, heads, 1, head_dim]`.
 With the projections fused, a 16-layer Llama-3.2-1B step is 557 primitives
 (782 without; `benchmarks/gpu/step_ops.py` counts them on the GPU), of which
-fewer than 240 launch a kernel. A step of one token per row needs none of
+262 launch a kernel. A step of one token per row needs none of
 those views: the residual stream stays `[B, D]` (products take it as it is),
 and `[B, heads * head_dim]` becomes `[B, heads, 1, head_dim]` by one reshape
 (moving a length-1 axis moves nothing). `install` builds such a step for an
@@ -104,7 +104,7 @@ def logits(model: nn.Module, tokens: mx.array, cache: Sequence[Any]) -> mx.array
 
 
 def _plain(layer: Any) -> mx.array | None:
-    """A bias-free plain linear layer's transposed weight, evaluated once; else None."""
+    """A bias-free plain linear layer's transposed weight (a view); else None."""
     if type(layer) not in _PLAIN_LINEAR or "bias" in layer:
         return None
     view: mx.array = layer["weight"].T
@@ -154,19 +154,22 @@ def _llama_step(model: nn.Module) -> LlamaDecodeStep | None:
     inner = model.model
     if type(inner.embed_tokens) not in _PLAIN_EMBEDDING or type(inner.norm) is not nn.RMSNorm:
         return None
-    layers = [_layer(block) for block in inner.layers]
-    if not layers or any(layer is None for layer in layers):
-        return None
+    layers = []
+    for block in inner.layers:
+        layer = _layer(block)
+        if layer is None:
+            return None
+        layers.append(layer)
     if model.args.tie_word_embeddings:
         head: mx.array | None = inner.embed_tokens["weight"].T
     else:
         head = _plain(model.lm_head)
-    if head is None:
+    if not layers or head is None:
         return None
-    kept = [layer for layer in layers if layer is not None]
-    mx.eval(head, [(layer.qkv, layer.output, layer.gate_up, layer.down) for layer in kept])
+    # The views, made once: later steps read them as evaluated arrays.
+    mx.eval(head, [(layer.qkv, layer.output, layer.gate_up, layer.down) for layer in layers])
     norm = (inner.norm["weight"], inner.norm.eps)
-    return LlamaDecodeStep(inner.embed_tokens["weight"], kept, norm, head)
+    return LlamaDecodeStep(inner.embed_tokens["weight"], layers, norm, head)
 
 
 def install(model: nn.Module) -> bool:

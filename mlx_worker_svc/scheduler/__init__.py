@@ -1,5 +1,6 @@
 """The reference fleet scheduler: drives workers through Execute, nothing else."""
 
+from mlx_worker_svc.scheduler.config import LinkConfig
 from mlx_worker_svc.scheduler.fleet import (
     BadRequest,
     FleetConfig,
@@ -8,7 +9,6 @@ from mlx_worker_svc.scheduler.fleet import (
     NoWorkers,
     Overloaded,
 )
-from mlx_worker_svc.scheduler.link import LinkConfig
 
 __all__ = [
     "BadRequest",

@@ -29,7 +29,8 @@ from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.scheduler.link import LinkConfig, WorkerLink
+from mlx_worker_svc.scheduler.config import LinkConfig
+from mlx_worker_svc.scheduler.link import WorkerLink
 from mlx_worker_svc.scheduler.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.scheduler.request import FleetRequest, Phase
 

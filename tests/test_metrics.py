@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up, code_of, greedy
+from fleet_procs import Fleet, Proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_fleet import Fleet, Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc

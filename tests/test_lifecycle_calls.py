@@ -2,11 +2,13 @@
 
 An in-process worker on the tiny model, with the engine's profile (or deep
 check) held on an event so that calls overlap deterministically; each test
-counts how often the profile really ran.
+counts how often the profile really ran. Last, SIGTERM to a `serve --auto-init`
+process in the middle of its own (slow) profile.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from driver import code_of, details_of, live_server
+from fleet_procs import Proc
 
 from mlx_worker_svc.domain import DeviceKind
 from mlx_worker_svc.engine.replica import Replica
@@ -232,3 +235,33 @@ def test_determine_memory_without_a_size_profiles_the_devices_default(
     assert default_profile_tokens(DeviceKind.GPU, 8192) == 2048
     assert default_profile_tokens(DeviceKind.GPU, 1024) == 1024
     assert default_profile_tokens(None, 0) == 32
+
+
+@pytest.mark.smollm
+def test_sigterm_while_the_worker_profiles_itself_exits_at_once(smollm_dir: Path) -> None:
+    """A 2,048-token profile of SmolLM2 takes minutes on a CPU; SIGTERM does not wait for it."""
+    serve = ["serve", "--model", str(smollm_dir), "--auto-init", "--port", "0"]
+    worker = Proc([*serve, "--max-num-batched-tokens", "2048"])
+    try:
+        port = worker.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            _wait_for(
+                lambda: (
+                    stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_MODEL_LOADED
+                ),
+                "the profile",
+            )
+            health = stub.CheckHealth(pb.CheckHealthRequest())
+        assert health.bringing_up
+        time.sleep(1.0)  # well inside the profile
+        sent = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        code = worker.proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        worker.reap()
+    print(f"SIGTERM while profiling: exit {code} after {took:.2f} s")
+    assert code == 0, worker.output
+    assert took < 10.0
+    assert not any(line.startswith("ready:") for line in worker.lines)

@@ -35,9 +35,9 @@ from fleet_procs import (
 )
 from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
 
+from mlx_worker_svc.fleet import LinkConfig
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.scheduler import LinkConfig
 
 FLEET = "mlx_worker.v1.FleetService"
 PROBE = LinkConfig().probe_interval
@@ -332,7 +332,7 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     """The queue bound counts requests whose prompt is still being tokenized."""
     import asyncio
 
-    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig, Overloaded
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig, Overloaded
 
     async def main() -> tuple[list[str], int]:
         config = FleetConfig(link=LinkConfig(max_num_seqs=1), queue_capacity=2)

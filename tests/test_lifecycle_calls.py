@@ -21,12 +21,12 @@ import pytest
 from driver import code_of, details_of, live_server
 from fleet_procs import Proc
 
-from mlx_worker_svc.domain import DeviceKind
-from mlx_worker_svc.engine.replica import Replica
+from mlx_worker_svc.core.domain import DeviceKind
+from mlx_worker_svc.core.lifecycle import PROFILE_TOKENS, default_profile_tokens
+from mlx_worker_svc.engine.group.replica import Replica
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.lifecycle import PROFILE_TOKENS, default_profile_tokens
-from mlx_worker_svc.server import WorkerServer
+from mlx_worker_svc.rpc.server import WorkerServer
 
 
 class Held:

@@ -150,7 +150,12 @@ class Worker(GenerateMixin):
                 self._set_state(S.MEMORY_PROFILED)
             return self._memory
 
-        args = {"memory_utilization": util, "max_num_batched_tokens": tokens, "block_size": block}
+        # float32 on the wire: 0.9 sent by a client and the default 0.9 are one call.
+        args = {
+            "memory_utilization": round(util, 6),
+            "max_num_batched_tokens": tokens,
+            "block_size": block,
+        }
         return self._lifecycle.run("DetermineMemory", args, job, gave_up=gave_up)
 
     def init_cache(

@@ -301,9 +301,8 @@ class WorkerLink:
     async def _step(self) -> None:
         request, started = self._plan()
         if not request.num_scheduled_tokens and not request.finished_req_ids:
-            # Nothing fits: wait for room (a finish) or new work.
-            self._wake.clear()
-            await self._wake.wait()
+            # Nothing fits: wait for room (a finish) or new work, probing meanwhile.
+            await self._idle()
             return
         execute = asyncio.create_task(self.client.execute(request))
         while not execute.done():

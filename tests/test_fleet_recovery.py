@@ -206,18 +206,21 @@ def test_the_readme_fleet_example_serves_within_the_workers_start_up() -> None:
                     up[worker.target] = time.monotonic() - start
                     if len(up) == 1:  # the README's request, once a worker is up
                         request = json_format.ParseDict(body, pb.GenerateRequest())
-                        answer = list(fleet.stub.Generate(request, timeout=STREAM_TIMEOUT))
-                        first = time.monotonic() - start
+                        answer = Stream(fleet.stub, request)
+                        answer.start()
             time.sleep(0.1)
+        answer.join(timeout=STREAM_TIMEOUT)
+        assert answer.error is None and answer.arrived, answer.error
+        first = answer.arrived[0] - start
         ready = {  # each worker's own start-up: to its ready: line
             f"127.0.0.1:{args[args.index('--port') + 1]}": proc.seconds_to(r"^ready:")
             for args, proc in zip(moved, workers, strict=False)
         }
-        text = "".join(m.text for m in answer)
+        text = "".join(m.text for m in answer.messages)
         print(
             "README fleet example: "
             + "; ".join(f"{t} ready: {ready[t]:.1f} s, up in the fleet {up[t]:.1f} s" for t in up)
-            + f"; the first request ended {first:.1f} s after the start: {text!r}"
+            + f"; the first request's first token {first:.1f} s after the start: {text!r}"
         )
         assert "Paris" in text
         for target, seconds in up.items():

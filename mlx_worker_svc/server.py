@@ -11,6 +11,7 @@ message sizes follow from it. If the engine thread dies, health turns
 NOT_SERVING, every call ends with INTERNAL, and the server stops within
 `death_exit_seconds` so a supervisor can restart the process; rank 0 of a
 worker group (`group`) does the same, with UNAVAILABLE, when the group breaks.
+Request bytes that do not parse are refused with INVALID_ARGUMENT (decoding.py).
 `ServerConfig.metrics_port` serves the worker's Prometheus metrics
 (worker_metrics.py) over HTTP until the server stops.
 """
@@ -29,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mlx_worker_svc.decoding import DecodeInterceptor
 from mlx_worker_svc.domain import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -106,6 +108,7 @@ class WorkerServer:
         check = token_check(config.security)
         if check is not None:
             interceptors.append(TokenInterceptor(check))
+        interceptors.append(DecodeInterceptor())
         threads = config.limits.threads
         self._server = grpc.server(
             interceptors=interceptors,

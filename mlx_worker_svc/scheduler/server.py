@@ -3,7 +3,8 @@
 The servicer is thin: Generate streams `FleetScheduler.generate`, Status
 returns `FleetScheduler.status`. Fleet errors map to their status codes
 (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE with no worker up,
-INVALID_ARGUMENT for a malformed request); a worker's error on a request keeps
+INVALID_ARGUMENT for a malformed request, or for request bytes that do not
+parse: decoding.py); a worker's error on a request keeps
 the worker's code and message.
 """
 
@@ -20,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from mlx_worker_svc.client import ClientError
+from mlx_worker_svc.decoding import AsyncDecodeInterceptor
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.metrics import AsyncRpcMetricsInterceptor
@@ -80,6 +82,7 @@ async def serve_fleet(
     ]
     if check is not None:
         interceptors.append(AsyncTokenInterceptor(check))
+    interceptors.append(AsyncDecodeInterceptor())
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

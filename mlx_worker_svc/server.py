@@ -1,4 +1,4 @@
-"""The gRPC server: WorkerService, health, reflection and the one drain path.
+"""The gRPC server: WorkerService, health, reflection (v1 and v1alpha) and the one drain path.
 
 `WorkerServer` registers the servicer, the standard `grpc.health.v1` service
 and server reflection in one place. SIGTERM and the Shutdown RPC share
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from mlx_worker_svc.decoding import DecodeInterceptor
 from mlx_worker_svc.domain import WorkerState
@@ -37,6 +36,7 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.lifecycle import EXECUTABLE
 from mlx_worker_svc.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.metrics import MetricsEndpoint, RpcMetricsInterceptor
+from mlx_worker_svc.reflection import enable_reflection
 from mlx_worker_svc.security import (
     SecurityConfig,
     TokenInterceptor,
@@ -131,12 +131,8 @@ class WorkerServer:
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        enable_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
             self._server,
         )
         self._stopped = threading.Event()

@@ -24,7 +24,14 @@ from typing import Any
 import grpc
 import pytest
 from driver import code_of, details_of, greedy, reference_tokens, wait_until_idle
-from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
+from test_grpcurl import (
+    HEALTH,
+    REFLECTION,
+    Grpcurl,
+    assert_reflection_v1_answers,
+    grpcurl_binary,
+    parse_stream,
+)
 from tiny_model import build_tiny_model
 
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
@@ -347,7 +354,8 @@ def test_grpcurl_lists_the_fleet_and_calls_status_and_generate(
 ) -> None:
     fleet = start_fleet(pool.targets)
     grpcurl = Grpcurl(grpcurl_binary(), fleet.port)
-    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, REFLECTION])
+    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, *REFLECTION])
+    assert_reflection_v1_answers(grpcurl, sorted([FLEET, HEALTH, *REFLECTION]))
     assert grpcurl.ok("list", FLEET).split() == [f"{FLEET}.Generate", f"{FLEET}.Status"]
     deadline = time.monotonic() + 10
     while grpcurl.health(FLEET) != "SERVING":

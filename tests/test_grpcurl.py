@@ -24,7 +24,8 @@ from mlx_worker_svc.server import WorkerServer
 
 SERVICE = "mlx_worker.v1.WorkerService"
 HEALTH = "grpc.health.v1.Health"
-REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+# Both reflection versions: newer clients ask for v1 first, grpcurl 1.8.6 for v1alpha.
+REFLECTION = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
 GRPCURL_VERSION = "v1.8.6"
 # grpcurl exits with 64 + the gRPC status code when a call fails.
 EXIT_NOT_FOUND = 64 + 5
@@ -145,7 +146,7 @@ def grpcurl(binary: Path, server: WorkerServer) -> Grpcurl:
 
 
 def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
-    assert grpcurl.ok("list").split() == sorted([HEALTH, REFLECTION, SERVICE])
+    assert grpcurl.ok("list").split() == sorted([HEALTH, *REFLECTION, SERVICE])
     assert grpcurl.ok("list", SERVICE).split() == sorted(
         f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate")
     )
@@ -164,6 +165,8 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     assert described.count(" rpc ") == len(RPCS) + 1
     assert described.count("stream ") == 1
 
+    assert_reflection_v1_answers(grpcurl, sorted([HEALTH, *REFLECTION, SERVICE]))
+
     sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
     assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")
     for field in (
@@ -178,6 +181,24 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
         "optional uint32 prompt_logprobs = 15;",
     ):
         assert f"  {field}\n" in sampling, field
+
+
+def assert_reflection_v1_answers(grpcurl: Grpcurl, services: list[str]) -> None:
+    """grpc.reflection.v1 is described and, called through grpcurl, lists `services`."""
+    v1 = REFLECTION[0]
+    described = grpcurl.ok("describe", v1)
+    assert (
+        "rpc ServerReflectionInfo ( stream .grpc.reflection.v1.ServerReflectionRequest ) "
+        "returns ( stream .grpc.reflection.v1.ServerReflectionResponse );"
+    ) in described
+    for ask in ({"list_services": ""}, {"file_containing_symbol": SERVICE}):
+        [answer] = parse_stream(grpcurl.ok(f"{v1}/ServerReflectionInfo", body=ask))
+        assert answer["original_request"] == ask
+        if "list_services" in ask:
+            listed = [s["name"] for s in answer["list_services_response"]["service"]]
+            assert listed == services
+        else:
+            assert answer["file_descriptor_response"]["file_descriptor_proto"]
 
 
 def bring_up(grpcurl: Grpcurl, model_dir: Path) -> tuple[Json, Json, str]:

@@ -1,4 +1,4 @@
-"""`mlx_worker.v1.FleetService` over gRPC (asyncio), with health and reflection.
+"""`mlx_worker.v1.FleetService` over gRPC (asyncio), with health and reflection (v1, v1alpha).
 
 The servicer is thin: Generate streams `FleetScheduler.generate`, Status
 returns `FleetScheduler.status`. Fleet errors map to their status codes
@@ -18,13 +18,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.decoding import AsyncDecodeInterceptor
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.metrics import AsyncRpcMetricsInterceptor
+from mlx_worker_svc.reflection import enable_reflection
 from mlx_worker_svc.scheduler.fleet import FleetError, FleetScheduler
 from mlx_worker_svc.security import (
     AsyncTokenInterceptor,
@@ -96,13 +96,8 @@ async def serve_fleet(
     )
     checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
+    enable_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
     )
     address = f"{host}:{port}"
     try:

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.decoding import DecodeInterceptor
 from mlx_worker_svc.domain import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.health_service import HealthServicer
 from mlx_worker_svc.lifecycle import EXECUTABLE
 from mlx_worker_svc.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.metrics import MetricsEndpoint, RpcMetricsInterceptor
@@ -89,7 +90,7 @@ class WorkerServer:
         self, config: ServerConfig, worker: Worker | None = None, group: GroupChannel | None = None
     ) -> None:
         self.config = config
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._health = HealthServicer(experimental_non_blocking=True)
         self.worker = worker or Worker(
             on_state=self._on_state,
             on_death=self._on_engine_death,

@@ -361,6 +361,8 @@ def test_grpcurl_lists_the_fleet_and_calls_status_and_generate(
     while grpcurl.health(FLEET) != "SERVING":
         assert time.monotonic() < deadline, "the fleet's health never turned SERVING"
         time.sleep(0.1)
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, FLEET: {"status": "SERVING"}}}
 
     [status] = parse_stream(grpcurl.ok(f"{FLEET}/Status", body={}))
     assert [w["target"] for w in status["workers"]] == pool.targets

@@ -166,6 +166,9 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     assert described.count("stream ") == 1
 
     assert_reflection_v1_answers(grpcurl, sorted([HEALTH, *REFLECTION, SERVICE]))
+    # grpc.health.v1's List (which grpcio-health leaves out): a fresh worker is not SERVING yet.
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, SERVICE: {"status": "NOT_SERVING"}}}
 
     sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
     assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")

@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from mlx_worker_svc.client import ClientError
 from mlx_worker_svc.decoding import AsyncDecodeInterceptor
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.health_service import AsyncHealthServicer
 from mlx_worker_svc.metrics import AsyncRpcMetricsInterceptor
 from mlx_worker_svc.reflection import enable_reflection
 from mlx_worker_svc.scheduler.fleet import FleetError, FleetScheduler
@@ -94,7 +94,7 @@ async def serve_fleet(
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(  # type: ignore[no-untyped-call]
         FleetServicer(fleet), server
     )
-    checker = HealthServicer()
+    checker = AsyncHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     enable_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
@@ -121,7 +121,7 @@ async def serve_fleet(
 server_tasks: set[asyncio.Task[None]] = set()
 
 
-async def _track_health(fleet: FleetScheduler, checker: HealthServicer) -> None:
+async def _track_health(fleet: FleetScheduler, checker: AsyncHealthServicer) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:

@@ -141,7 +141,11 @@ def _make_leaf(directory: Path, name: str, ca: str, extensions: str) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def make_pki(d: Path) -> Pki:
+    """Two CAs, a server certificate for 127.0.0.1 and localhost, and client certificates."""
     _make_ca(d, "ca")
     _make_ca(d, "other-ca")
     _make_leaf(
@@ -164,7 +168,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def _tls(pki: Pki, **fields: Any) -> SecurityConfig:
+def tls(pki: Pki, **fields: Any) -> SecurityConfig:
     return SecurityConfig(tls_cert=pki.server_cert, tls_key=pki.server_key, **fields)
 
 
@@ -277,7 +281,7 @@ def _reflection_refused(channel: grpc.Channel, metadata: tuple[tuple[str, str], 
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
-    with worker_server(_tls(pki)) as server:
+    with worker_server(tls(pki)) as server:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             assert _health_code(channel) == UNAVAILABLE
         with secure_channel(server.port, pki.read("ca")) as channel:
@@ -285,7 +289,7 @@ def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
 
 
 def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
-    with worker_server(_tls(pki)) as server:
+    with worker_server(tls(pki)) as server:
         with secure_channel(server.port, pki.read("other_ca")) as channel:
             assert _health_code(channel) == UNAVAILABLE
         # The certificate names both 127.0.0.1 and localhost.
@@ -295,7 +299,7 @@ def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
 
 
 def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
-    with worker_server(_tls(pki, tls_client_ca=pki.ca)) as server:
+    with worker_server(tls(pki, tls_client_ca=pki.ca)) as server:
         ca = pki.read("ca")
         with secure_channel(server.port, ca) as channel:  # no client certificate
             assert _health_code(channel) == UNAVAILABLE
@@ -417,7 +421,7 @@ def test_token_check_compares_every_token() -> None:
 
 
 def test_everything_at_once_through_the_sdk(pki: Pki, served: Counter[str]) -> None:
-    security = _tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,))
+    security = tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,))
     with worker_server(security, host="0.0.0.0") as server:  # safe: TLS and a token
         target = f"127.0.0.1:{server.port}"
         credentials = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
@@ -435,7 +439,7 @@ def test_everything_at_once_through_the_sdk(pki: Pki, served: Counter[str]) -> N
 
 def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: Path) -> None:
     """The README's grpcurl lines, as written there."""
-    security = _tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,), allow_health_without_token=True)
+    security = tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,), allow_health_without_token=True)
     with worker_server(security) as server:
         base = [str(grpcurl_binary()), "-cacert", pki.ca, "-cert", pki.client_cert]
         base += ["-key", pki.client_key]
@@ -477,7 +481,7 @@ def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: P
 
 def test_fleet_with_a_token_and_tls_toward_a_secured_worker(pki: Pki) -> None:
     """The fleet refuses its own RPCs without its token, and reaches an mTLS+token worker."""
-    worker_security = _tls(pki, tls_client_ca=pki.ca, tokens=(OTHER_TOKEN,))
+    worker_security = tls(pki, tls_client_ca=pki.ca, tokens=(OTHER_TOKEN,))
     with worker_server(worker_security) as worker:
         target = f"127.0.0.1:{worker.port}"
         asyncio.run(_fleet_scenario(pki, target))
@@ -503,7 +507,7 @@ async def _fleet_scenario(pki: Pki, target: str) -> None:
     await wrong.start()
     await fleet.start()
     server, port = await serve_fleet(
-        fleet, "127.0.0.1", 0, _tls(pki, tokens=(TOKEN,), allow_health_without_token=True)
+        fleet, "127.0.0.1", 0, tls(pki, tokens=(TOKEN,), allow_health_without_token=True)
     )
     try:
         channel_creds = grpc.ssl_channel_credentials(pki.read("ca"))
@@ -561,7 +565,7 @@ def test_bind_rule(pki: Pki) -> None:
             check_bind(host, SecurityConfig())
         check_bind(host, SecurityConfig(insecure=True))
         check_bind(host, SecurityConfig(tokens=(TOKEN,)))
-        check_bind(host, _tls(pki))
+        check_bind(host, tls(pki))
     unsafe = WorkerServer(ServerConfig(host="0.0.0.0", port=0))
     with pytest.raises(UnsafeBind):
         unsafe.start()

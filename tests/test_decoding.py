@@ -41,12 +41,12 @@ from google.protobuf.message import DecodeError, Message
 from test_fleet import Proc
 from test_security import Pki, make_pki, tls
 
+from mlx_worker_svc.fleet import FleetScheduler
+from mlx_worker_svc.fleet.server import serve_fleet
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_file
-from mlx_worker_svc.scheduler.fleet import FleetScheduler
-from mlx_worker_svc.scheduler.server import serve_fleet
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_file
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 Code = grpc.StatusCode
 TIMEOUT = 30.0

@@ -15,8 +15,9 @@ worker on the tiny model and to a real `fleet` in front of it, and must be
 INVALID_ARGUMENT naming the message type (and the field, for bad UTF-8). The
 gateway, in front of the same worker, gets bodies with invalid UTF-8 in each
 field, truncated JSON, lone surrogates, deep nesting and random bytes on every
-endpoint that reads a body, and must answer 400 in OpenAI's error shape. Codes
-seen are printed (pytest -s).
+endpoint that reads a body, and must answer 400 in OpenAI's error shape (404 for
+a model id that is not UTF-8 on /v1/models/{id}). Codes seen are printed
+(pytest -s).
 """
 
 from __future__ import annotations
@@ -326,24 +327,31 @@ def test_undecodable_bodies_to_the_gateway_are_400_in_openais_shape(stack: Stack
     seen: Counter[str] = Counter()
     wrong: list[tuple[Any, ...]] = []
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def check(method: str, path: str, what: str, body: bytes | None, status: int) -> None:
+        try:
+            answer = http.request(method, path, content=body, headers=headers)
+        except httpx.TransportError as exc:  # the server dropped the connection
+            seen["no answer"] += 1
+            wrong.append((path, what, type(exc).__name__, str(exc)))
+            return
+        seen[str(answer.status_code)] += 1
+        try:
+            error = answer.json()["error"]
+            shaped = {"message", "type", "param", "code"} <= set(error)
+        except (ValueError, KeyError, TypeError):
+            shaped = False
+        if answer.status_code != status or not shaped:
+            wrong.append((path, what, answer.status_code, answer.text[:200]))
+
     with httpx.Client(base_url=f"http://127.0.0.1:{stack.gateway_port}", timeout=60) as http:
         for path in ("/v1/chat/completions", "/v1/completions"):
             for what, body in gateway_bodies():
-                try:
-                    answer = http.post(path, content=body, headers=headers)
-                except httpx.TransportError as exc:  # the server dropped the connection
-                    seen["no answer"] += 1
-                    wrong.append((path, what, type(exc).__name__, str(exc)))
-                    continue
-                seen[str(answer.status_code)] += 1
-                try:
-                    error = answer.json()["error"]
-                    shaped = {"message", "type", "param", "code"} <= set(error)
-                except (ValueError, KeyError, TypeError):
-                    shaped = False
-                if answer.status_code != 400 or not shaped:
-                    wrong.append((path, what, answer.status_code, answer.text[:200]))
-    print(f"\ngateway: {sum(seen.values())} undecodable bodies: {dict(seen)}")
+                check("POST", path, what, body, 400)
+        # The GET endpoints read no body; a model id that is not UTF-8 is not a model.
+        for escaped in ("%FF%FE", "%ED%A0%80", "%C0%AF", "%E2%82"):
+            check("GET", f"/v1/models/{escaped}", escaped, None, 404)
+    print(f"\ngateway: {sum(seen.values())} undecodable requests: {dict(seen)}")
     assert not wrong, f"{len(wrong)} wrong answers, first ones: {wrong[:5]}"
     assert sum(seen.values()) >= 60
 

@@ -36,11 +36,11 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from certificates import Pki, make_pki, tls
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import DecodeError, Message
-from test_fleet import Proc
-from test_security import Pki, make_pki, tls
+from processes import Proc
 
 from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.fleet.server import serve_fleet
@@ -243,7 +243,7 @@ def greedy_tokens(port: int) -> list[int]:
         sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.WorkerServiceStub(channel)
         return [t for m in stub.Generate(request, timeout=TIMEOUT) for t in m.token_ids]
 
 

@@ -25,10 +25,14 @@ _V1_FILE = "grpc/reflection/v1/reflection.proto"  # its path in grpc-proto
 
 
 def v1_file() -> FileDescriptor:
-    """The `grpc.reflection.v1` file in the default pool (added on the first call)."""
+    """The `grpc.reflection.v1` file in the default pool (added on the first call).
+
+    Where something else has already put v1 there (a grpcio-reflection that
+    ships it, say), that file is the one returned.
+    """
     pool = descriptor_pool.Default()
     try:
-        return pool.FindFileByName(_V1_FILE)
+        return pool.FindServiceByName(V1_SERVICE_NAME).file
     except KeyError:
         pass
     proto = descriptor_pb2.FileDescriptorProto()

@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 from driver import ServeProcess, bring_up, wait_until_idle
-from fleet_procs import Proc
 from openai.types.chat import ChatCompletionMessageParam
+from processes import Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc

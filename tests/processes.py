@@ -1,10 +1,11 @@
-"""Fleet test processes: worker and fleet subprocesses, Generate streams, requests.
+"""Worker and fleet processes for the end-to-end tests, and the requests they stream.
 
-`Proc` runs `python -m mlx_worker_svc ...` and keeps its output lines with the
-time each arrived; `WorkerPool` keeps `serve --auto-init` workers that a test
-may kill and start again on the same port; `Fleet` is a `fleet` process and a
-stub to it; `Stream` reads one Generate stream on its own thread and times every
-message. The fixtures that use them are in conftest.py.
+`Proc` runs one `mlx-worker` subprocess, keeps its output lines with the time each
+arrived, and reaps it whatever happens; `WorkerPool` keeps workers (`serve
+--auto-init`, or bare `serve` for a scheduler to bring up) that a test may kill and
+start again on the same port; `Fleet` is a `mlx-worker fleet` process with its
+FleetService stub; `Stream` reads one Generate stream on its own thread and times
+every message.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
+FLEET = "mlx_worker.v1.FleetService"
 POOL_SIZE = 3
 READY_TIMEOUT = 120.0
 STREAM_TIMEOUT = 240.0
@@ -267,40 +269,5 @@ def distinct_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
-    return [token for message in messages for token in message.token_ids]
-
-
-def text_of(messages: list[pb.GenerateResponse]) -> str:
-    return "".join(message.text for message in messages)
-
-
 def by_target(status: fleet_pb2.StatusResponse) -> dict[str, fleet_pb2.WorkerStatus]:
     return {w.target: w for w in status.workers}
-
-
-class StatusPoller(threading.Thread):
-    """Polls the fleet's Status until stopped; keeps the largest queue it saw."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        super().__init__(daemon=True)
-        self.fleet = fleet
-        self.peak_queued = 0
-        self.samples = 0
-        self.error: BaseException | None = None
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self._halt.is_set():
-                status = self.fleet.status()
-                self.peak_queued = max(self.peak_queued, status.num_queued)
-                self.samples += 1
-                self._halt.wait(0.01)
-        except grpc.RpcError as exc:
-            self.error = exc
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=30)
-        assert self.error is None, self.error

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up, code_of, greedy
-from fleet_procs import Fleet, Proc
+from processes import Fleet, Proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from driver import code_of, details_of, live_server
-from fleet_procs import Proc
+from processes import Proc
 
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.lifecycle import PROFILE_TOKENS, default_profile_tokens

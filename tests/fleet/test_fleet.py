@@ -3,10 +3,9 @@
 Every worker is a `mlx-worker serve --auto-init` subprocess on the tiny random llama
 (built with a 2,048-token context so a 512-token prefix fits) and the fleet is a
 `mlx-worker fleet` subprocess, driven over loopback with the generated FleetService
-stub, as an operator would drive it. A session-wide pool of three workers (conftest.py,
-fleet_procs.py) is shared by the tests; a test that kills a worker leaves it dead and
-the next one starts it again on the same port. Every process is reaped, even when a
-test fails.
+stub, as an operator would drive it. A session-wide pool of three workers (conftest.py)
+is shared by the tests; a test that kills a worker leaves it dead and the next one
+starts it again on the same port. Every process is reaped, even when a test fails.
 """
 
 from __future__ import annotations
@@ -14,32 +13,37 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from driver import code_of, details_of, greedy, reference_tokens, wait_until_idle
-from fleet_procs import (
+from grpcurl_cli import (
+    HEALTH,
+    REFLECTION,
+    Grpcurl,
+    assert_reflection_v1_answers,
+    grpcurl_binary,
+    parse_stream,
+)
+from processes import (
+    FLEET,
     STREAM_TIMEOUT,
     Fleet,
-    StatusPoller,
     Stream,
     WorkerPool,
     by_target,
     distinct_prompts,
     run_streams,
-    text_of,
     token_request,
-    tokens_of,
 )
-from test_grpcurl import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
 
 from mlx_worker_svc.fleet import LinkConfig
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
-FLEET = "mlx_worker.v1.FleetService"
 PROBE = LinkConfig().probe_interval
 DETECTION = LinkConfig().detection_seconds
 """A hung worker keeps its requests at most this long (README: Fleet, Failover)."""
@@ -47,17 +51,56 @@ SLACK = 5.0
 """Seconds for a few steps and a loaded two-core machine on top of a documented bound."""
 
 
+def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
+    return [token for message in messages for token in message.token_ids]
+
+
+def text_of(messages: list[pb.GenerateResponse]) -> str:
+    return "".join(message.text for message in messages)
+
+
+class StatusPoller(threading.Thread):
+    """Polls the fleet's Status until stopped; keeps the largest queue it saw."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.peak_queued = 0
+        self.samples = 0
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                status = self.fleet.status()
+                self.peak_queued = max(self.peak_queued, status.num_queued)
+                self.samples += 1
+                self._halt.wait(0.01)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+        assert self.error is None, self.error
+
+
+# ---------------------------------------------------------------- tests
 def test_grpcurl_lists_the_fleet_and_calls_status_and_generate(
     pool: WorkerPool, start_fleet: Callable[..., Fleet]
 ) -> None:
     fleet = start_fleet(pool.targets)
     grpcurl = Grpcurl(grpcurl_binary(), fleet.port)
-    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, REFLECTION])
+    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, *REFLECTION])
+    assert_reflection_v1_answers(grpcurl, sorted([FLEET, HEALTH, *REFLECTION]))
     assert grpcurl.ok("list", FLEET).split() == [f"{FLEET}.Generate", f"{FLEET}.Status"]
     deadline = time.monotonic() + 10
     while grpcurl.health(FLEET) != "SERVING":
         assert time.monotonic() < deadline, "the fleet's health never turned SERVING"
         time.sleep(0.1)
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, FLEET: {"status": "SERVING"}}}
 
     [status] = parse_stream(grpcurl.ok(f"{FLEET}/Status", body={}))
     assert [w["target"] for w in status["workers"]] == pool.targets

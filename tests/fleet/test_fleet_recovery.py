@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fleet_procs import (
+from google.protobuf import json_format
+from processes import (
     STREAM_TIMEOUT,
     Fleet,
     Proc,
@@ -32,7 +33,6 @@ from fleet_procs import (
     distinct_prompts,
     token_request,
 )
-from google.protobuf import json_format
 
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb

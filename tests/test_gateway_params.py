@@ -1,0 +1,177 @@
+"""The gateway's parameters as outside clients send them: tool fields, logprobs, context errors.
+
+A `mlx-worker serve --auto-init` process on the tiny random llama behind a
+`mlx-worker gateway` process, driven with the official `openai` package and
+with raw HTTP (httpx), as agent and IDE clients call it. The greedy answer of
+the same chat without the extra fields is the reference: a field accepted as a
+no-op must not change it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from driver import ServeProcess
+from test_gateway import CHAT, NO_EOS, Gateway, chat, complete
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
+    proc = ServeProcess(tiny_dir, 1.0)
+    yield proc
+    proc.reap()
+
+
+@pytest.fixture(scope="module")
+def model(worker: ServeProcess) -> pb.GetInfoResponse:
+    return pb_grpc.WorkerServiceStub(worker.channel()).GetInfo(pb.GetInfoRequest(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServeProcess) -> Iterator[Gateway]:
+    gw = Gateway(worker.port)
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with gateway.client() as c:
+        yield c
+
+
+def post(gateway: Gateway, route: str, body: dict[str, Any]) -> httpx.Response:
+    """A raw POST, as a client without an SDK sends it."""
+    return gateway.http.post(route, json=body)
+
+
+def events(response: httpx.Response) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent-events body, [DONE] left out."""
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert lines[-1] == "[DONE]", response.text
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ------------------------------------------------------- tools (item 11)
+NO_TOOL_CALL = [
+    {"tools": []},
+    {"tool_choice": "none"},
+    {"tools": [], "tool_choice": "none"},
+    {"tool_choice": "auto"},
+    {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True},
+    {"parallel_tool_calls": False},
+    # Offered under "none": the answer is text, so the tools are not needed.
+    {"tools": [WEATHER], "tool_choice": "none"},
+]
+
+
+@pytest.mark.parametrize("options", NO_TOOL_CALL)
+def test_tool_fields_that_call_no_tool_are_no_ops(
+    client: openai.OpenAI, gateway: Gateway, options: dict[str, Any]
+) -> None:
+    want = chat(client, max_tokens=8).choices[0].message.content
+    done = chat(client, max_tokens=8, **options)
+    [choice] = done.choices
+    assert (choice.message.content, choice.finish_reason) == (want, "length")
+    assert choice.message.tool_calls is None
+    body = {"model": "model", "messages": CHAT, "temperature": 0, "max_tokens": 8} | NO_EOS
+    raw = post(gateway, "/v1/chat/completions", body | options | {"stream": True})
+    assert raw.status_code == 200, raw.text
+    chunks = events(raw)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        # A tool the model may call ("auto" is the default): that needs tool calling.
+        ({"tools": [WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "tool_choice",
+        ),
+        # Malformed, whatever tool calling does later.
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools[0]"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_tool_fields_that_need_tool_calling_are_a_400_naming_the_field(
+    gateway: Gateway, options: dict[str, Any], param: str
+) -> None:
+    body = {"model": "model", "messages": CHAT, "max_tokens": 4}
+    for stream in (False, True):
+        response = post(gateway, "/v1/chat/completions", body | options | {"stream": stream})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["type"]) == (param, "invalid_request_error")
+        assert f"'{param}'" in error["message"]
+
+
+# --------------------------------------------- what every call sends
+def test_fields_clients_send_on_every_call_are_accepted(
+    client: openai.OpenAI, gateway: Gateway
+) -> None:
+    want = chat(client, max_tokens=8).choices[0].message.content
+    everyday: dict[str, Any] = {
+        "n": 1,
+        "user": "user-1234",
+        "seed": 7,
+        "response_format": {"type": "text"},
+        "logit_bias": {"50": 0},
+        "max_completion_tokens": 8,
+        "store": False,
+        "metadata": {"session": "abc"},
+        "logprobs": False,
+        "stop": [],
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "top_p": 1,
+    }
+    done = chat(client, **everyday)
+    assert done.choices[0].message.content == want
+    stream = chat(client, **everyday, stream=True, stream_options={"include_usage": True})
+    *body, usage = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in body) == want
+    assert usage.usage is not None and usage.usage.completion_tokens == 8
+    legacy = {"n": 1, "user": "u", "seed": 7, "logit_bias": {"50": 0}, "echo": False}
+    legacy |= {"best_of": 1, "suffix": None, "logprobs": None}
+    assert complete(client, max_tokens=6, **legacy).choices[0].text == (
+        complete(client, max_tokens=6).choices[0].text
+    )
+    # A refusal still names the field, nested ones by their path.
+    bad = post(
+        gateway,
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": True} | {"stream_options": {"include_usage": "yes"}},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usage"
+    bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"

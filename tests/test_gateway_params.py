@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from driver import ServeProcess
-from test_gateway import CHAT, NO_EOS, Gateway, chat, complete
+from test_gateway import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -175,3 +175,72 @@ def test_fields_clients_send_on_every_call_are_accepted(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usage"
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
+
+
+# ------------------------------------------ logprobs and the stop token (item 12)
+def test_logprobs_leave_out_the_stop_token(
+    client: openai.OpenAI, gateway: Gateway, model: pb.GetInfoResponse
+) -> None:
+    # EOS pushed up by logit_bias and held back by min_tokens: 5 tokens of text, then EOS.
+    eos = model.model.eos_token_ids[0]
+    ends: dict[str, Any] = {"logit_bias": {str(eos): 100}, "extra_body": {"min_tokens": 5}}
+    done = chat(client, logprobs=True, top_logprobs=2, **ends)
+    [choice] = done.choices
+    assert choice.finish_reason == "stop"
+    assert done.usage is not None and done.usage.completion_tokens == 6  # EOS is generated
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    tokens = [t.token for t in choice.logprobs.content]
+    assert len(tokens) == 5 and "".join(tokens) == choice.message.content
+
+    chunks = list(chat(client, logprobs=True, stream=True, **ends))
+    streamed = [
+        t.token
+        for c in chunks
+        if c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert streamed == tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    for stream in (False, True):
+        legacy = {"prompt": PROMPT, "temperature": 0, "logprobs": 1, "max_tokens": 16}
+        legacy |= {"logit_bias": {str(eos): 100}, "min_tokens": 5, "stream": stream}
+        response = post(gateway, "/v1/completions", {"model": "model"} | legacy)
+        assert response.status_code == 200, response.text
+        parts = events(response) if stream else [response.json()]
+        text = "".join(p["choices"][0]["text"] for p in parts)
+        lps = [p["choices"][0]["logprobs"] for p in parts if p["choices"][0]["logprobs"]]
+        words = [t for lp in lps for t in lp["tokens"]]
+        assert len(words) == 5 and "".join(words) == text
+        offsets = [o for lp in lps for o in lp["text_offset"]]
+        assert offsets == [len("".join(words[:i])) for i in range(5)]
+        assert parts[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_token_the_text_shows_keeps_its_logprob(
+    client: openai.OpenAI, worker: ServeProcess
+) -> None:
+    # The greedy answer's 6th token, as a stop token: the worker renders it, like any token.
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    request = pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in CHAT],
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    )
+    ids = [t for m in stub.Generate(request, timeout=60) for t in m.token_ids]
+    assert ids[5] not in ids[:5]
+    for stream in (False, True):
+        done = chat(client, logprobs=True, stream=stream, extra_body={"stop_token_ids": [ids[5]]})
+        chunks = list(done) if stream else [done]
+        content = "".join(
+            (c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
+            for c in chunks
+        )
+        tokens = [
+            t.token
+            for c in chunks
+            if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content or []
+        ]
+        assert len(tokens) == 6 and "".join(tokens) == content
+        assert chunks[-1].choices[0].finish_reason == "stop"

@@ -38,7 +38,7 @@ from mlx_worker_svc.errors import WorkerError
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
-from mlx_worker_svc.gateway.responses import Reply, TokenTexts, token_ids
+from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.scheduler import FleetScheduler
@@ -216,10 +216,9 @@ class Gateway:
             async for message in _chain(first, stream):
                 last = message
                 texts = await self._texts(reply.parsed, [message])
-                if message.text or message.logprobs:
-                    yield sse(
-                        reply.chunk(message.text, reply.logprobs(list(message.logprobs), texts))
-                    )
+                logprobs = shown_logprobs(message, texts)
+                if message.text or logprobs:
+                    yield sse(reply.chunk(message.text, reply.logprobs(logprobs, texts)))
                 if message.finish_reason:
                     yield sse(reply.chunk("", None, message.finish_reason))
         except (WorkerError, ClientError, ApiError) as exc:

@@ -272,12 +272,6 @@ def test_bad_parameters_get_openai_errors(
     assert param.split("[", maxsplit=1)[0] in error.message
 
 
-def test_a_prompt_past_the_context_is_a_400_from_the_worker(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="model", prompt=[5] * 600, max_tokens=4)
-    assert "context" in caught.value.message
-
-
 def test_api_keys(gateway: Gateway) -> None:
     with gateway.client("sk-wrong") as wrong, pytest.raises(openai.AuthenticationError) as caught:
         wrong.models.list()

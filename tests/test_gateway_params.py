@@ -9,11 +9,13 @@ no-op must not change it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -22,6 +24,7 @@ from test_gateway import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.scheduler import ContextTooLong, FleetScheduler
 
 WEATHER = {
     "type": "function",
@@ -244,3 +247,102 @@ def test_a_stop_token_the_text_shows_keeps_its_logprob(
         ]
         assert len(tokens) == 6 and "".join(tokens) == content
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------ the context length (item 13)
+def test_a_request_past_the_context_is_a_400_in_the_apis_terms(
+    gateway: Gateway, worker: ServeProcess, model: pb.GetInfoResponse
+) -> None:
+    limit = model.model.max_context_length
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    ask = pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in CHAT])
+    prompt = len(stub.Tokenize(ask, timeout=30).token_ids)
+    start = f"This model's maximum context length is {limit} tokens. However, "
+
+    def refused(route: str, body: dict[str, Any]) -> dict[str, Any]:
+        for stream in (False, True):
+            response = post(gateway, route, {"model": "model", "stream": stream} | body)
+            assert response.status_code == 400, response.text
+            error: dict[str, Any] = response.json()["error"]
+            assert (error["type"], error["code"]) == (
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
+        return error
+
+    over = limit - prompt + 1
+    for name in ("max_tokens", "max_completion_tokens"):
+        error = refused("/v1/chat/completions", {"messages": CHAT, name: over})
+        assert error["param"] == "messages"
+        assert error["message"] == start + (
+            f"you requested {limit + 1} tokens ({prompt} in the messages, {over} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    # Exactly the context fits: the stream starts.
+    body = {"model": "model", "messages": CHAT, "max_tokens": limit - prompt, "stream": True}
+    with gateway.http.stream("POST", "/v1/chat/completions", json=body) as fits:
+        assert fits.status_code == 200
+    # Without max_tokens the answer may run to the end of the context: only the prompt counts.
+    long_chat = [{"role": "user", "content": "sea " * limit}]
+    ask = pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in long_chat])
+    long_prompt = len(stub.Tokenize(ask, timeout=30).token_ids)
+    error = refused("/v1/chat/completions", {"messages": long_chat})
+    assert (error["param"], error["message"]) == (
+        "messages",
+        start + f"your messages resulted in {long_prompt} tokens. "
+        "Please reduce the length of the messages.",
+    )
+
+    # Legacy completions: max_tokens defaults to 16, and it counts.
+    for tokens, max_tokens in ((limit + 88, {"max_tokens": 4}), (limit - 8, {})):
+        wanted = max_tokens.get("max_tokens", 16)
+        error = refused("/v1/completions", {"prompt": [5] * tokens} | max_tokens)
+        assert (error["param"], error["message"]) == (
+            "prompt",
+            start + f"you requested {tokens + wanted} tokens ({tokens} in the prompt, "
+            f"{wanted} in the completion). Please reduce the length of the prompt or completion.",
+        )
+    prompt_text = PROMPT + " sea" * limit
+    error = refused("/v1/completions", {"prompt": prompt_text, "max_tokens": 1})
+    assert error["param"] == "prompt" and "in the prompt, 1 in the completion" in error["message"]
+
+
+def test_the_fleet_refuses_a_prompt_past_the_context_before_routing_it(
+    worker: ServeProcess, model: pb.GetInfoResponse
+) -> None:
+    limit = model.model.max_context_length
+
+    async def first(
+        fleet: FleetScheduler, request: pb.GenerateRequest, reserve: bool
+    ) -> pb.GenerateResponse:
+        stream = fleet.generate(request, reserve_max_tokens=reserve)
+        try:
+            return await anext(stream)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        fleet = FleetScheduler([f"127.0.0.1:{worker.port}"])  # its channels bind to this loop
+        await fleet.start()
+        try:
+            await fleet.wait_ready()
+            too_long = pb.GenerateRequest(prompt_token_ids=[5] * (limit + 1))
+            with pytest.raises(ContextTooLong) as caught:
+                await first(fleet, too_long, False)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(caught.value) == (
+                f"the prompt has {limit + 1} tokens; the model's context length is {limit} tokens"
+            )
+            # Without room for max_tokens: the worker's rule stops the answer at the context's
+            # end; OpenAI's rule (reserve_max_tokens) refuses it.
+            params = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            tight = pb.GenerateRequest(prompt_token_ids=[5] * (limit - 4), sampling_params=params)
+            assert (await first(fleet, tight, False)).token_ids
+            with pytest.raises(ContextTooLong) as caught:
+                await first(fleet, tight, True)
+            assert (caught.value.prompt_tokens, caught.value.max_tokens) == (limit - 4, 8)
+            assert "and max_tokens is 8" in str(caught.value)
+        finally:
+            await fleet.stop()
+
+    asyncio.run(run())

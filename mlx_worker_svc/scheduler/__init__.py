@@ -2,6 +2,7 @@
 
 from mlx_worker_svc.scheduler.fleet import (
     BadRequest,
+    ContextTooLong,
     FleetConfig,
     FleetError,
     FleetScheduler,
@@ -12,6 +13,7 @@ from mlx_worker_svc.scheduler.link import LinkConfig
 
 __all__ = [
     "BadRequest",
+    "ContextTooLong",
     "FleetConfig",
     "FleetError",
     "FleetScheduler",

@@ -22,9 +22,9 @@ import pytest
 from driver import ServeProcess
 from test_gateway import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.scheduler import ContextTooLong, FleetScheduler
 
 WEATHER = {
     "type": "function",

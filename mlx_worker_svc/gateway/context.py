@@ -11,9 +11,9 @@ then only the prompt must leave room for one token.
 
 from __future__ import annotations
 
+from mlx_worker_svc.fleet import ContextTooLong
 from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gateway.schema import Kind
-from mlx_worker_svc.scheduler import ContextTooLong
 
 
 def context_error(kind: Kind, exc: ContextTooLong) -> ApiError:

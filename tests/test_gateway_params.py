@@ -22,7 +22,7 @@ import pytest
 from driver import ServeProcess
 from test_gateway import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
-from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -307,7 +307,45 @@ def test_a_request_past_the_context_is_a_400_in_the_apis_terms(
     assert error["param"] == "prompt" and "in the prompt, 1 in the completion" in error["message"]
 
 
-def test_the_fleet_refuses_a_prompt_past_the_context_before_routing_it(
+@pytest.mark.parametrize(
+    ("route", "body", "param", "token"),
+    [
+        # OpenAI's tokenizer ids, as a client ported from it sends them.
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "logit_bias": {"50256": -100}},
+            "logit_bias",
+            50256,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stop_token_ids": [2, 10**6]},
+            "stop_token_ids",
+            10**6,
+        ),
+        ("/v1/completions", {"prompt": [5, 99999, 5]}, "prompt", 99999),
+    ],
+)
+def test_a_token_id_past_the_vocabulary_is_a_400_naming_its_field(
+    gateway: Gateway,
+    model: pb.GetInfoResponse,
+    route: str,
+    body: dict[str, Any],
+    param: str,
+    token: int,
+) -> None:
+    vocab = model.model.vocab_size
+    for stream in (False, True):
+        response = post(gateway, route, {"model": "model", "stream": stream} | body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value")
+        assert error["message"] == (
+            f"Invalid value for '{param}': token {token} is out of the vocabulary (size {vocab})"
+        )
+
+
+def test_the_fleet_refuses_what_the_model_cannot_take_before_routing_it(
     worker: ServeProcess, model: pb.GetInfoResponse
 ) -> None:
     limit = model.model.max_context_length
@@ -332,6 +370,15 @@ def test_the_fleet_refuses_a_prompt_past_the_context_before_routing_it(
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert str(caught.value) == (
                 f"the prompt has {limit + 1} tokens; the model's context length is {limit} tokens"
+            )
+            with pytest.raises(OutOfVocabulary) as vocab:
+                params = pb.SamplingParams(logit_bias={limit: 1.0, 10**6: -1.0})
+                await first(
+                    fleet, pb.GenerateRequest(prompt_token_ids=[5], sampling_params=params), False
+                )
+            assert str(vocab.value) == (
+                "sampling_params.logit_bias: token 1000000 is out of the vocabulary "
+                f"(size {model.model.vocab_size})"
             )
             # Without room for max_tokens: the worker's rule stops the answer at the context's
             # end; OpenAI's rule (reserve_max_tokens) refuses it.

@@ -8,6 +8,7 @@ from mlx_worker_svc.fleet.scheduler import (
     FleetError,
     FleetScheduler,
     NoWorkers,
+    OutOfVocabulary,
     Overloaded,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "FleetScheduler",
     "LinkConfig",
     "NoWorkers",
+    "OutOfVocabulary",
     "Overloaded",
 ]

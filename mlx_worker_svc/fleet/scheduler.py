@@ -69,6 +69,14 @@ class ContextTooLong(BadRequest):
         self.context_length = context_length
 
 
+class OutOfVocabulary(BadRequest):
+    """A token id of the request (`field` names where) is not in the model's vocabulary."""
+
+    def __init__(self, field: str, token: int, vocab_size: int) -> None:
+        super().__init__(f"{field}: token {token} is out of the vocabulary (size {vocab_size})")
+        self.field, self.token, self.vocab_size = field, token, vocab_size
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -147,10 +155,12 @@ class FleetScheduler:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Runs one request on the fleet; yields the worker's Generate messages.
 
-        A prompt longer than the context is refused (`ContextTooLong`) before it
-        is routed. With `reserve_max_tokens` (OpenAI's rule) it must also leave
-        room for `max_tokens` more, or for one token when that is unset; without
-        it an answer stops at the end of the context, as the worker's Generate does.
+        A prompt longer than the context (`ContextTooLong`) or a token id out
+        of the vocabulary (`OutOfVocabulary`) is refused before it is routed.
+        With `reserve_max_tokens` (OpenAI's rule) the prompt must also leave
+        room for `max_tokens` more, or for one token when that is unset;
+        without it an answer stops at the end of the context, as the worker's
+        Generate does.
         """
         started = time.monotonic()
         try:
@@ -190,7 +200,7 @@ class FleetScheduler:
         params = request.sampling_params
         try:
             prompt = await self._prompt(request)
-            await self._fit_context(len(prompt), params, reserve_max_tokens)
+            await self._fit_model(prompt, params, reserve_max_tokens)
         finally:
             self._admitting -= 1
         r = FleetRequest(
@@ -237,12 +247,23 @@ class FleetScheduler:
             ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
         return list((await link.client.tokenize(ask)).token_ids)
 
-    async def _fit_context(self, prompt: int, params: pb.SamplingParams, reserve: bool) -> None:
-        limit = (await self._some_link()).max_context
+    async def _fit_model(self, prompt: list[int], params: pb.SamplingParams, reserve: bool) -> None:
+        """Raises what the workers would refuse mid-step, in the request's own terms."""
+        link = await self._some_link()
+        vocab = link.vocab_size
+        named = {
+            "prompt_token_ids": prompt,
+            "sampling_params.logit_bias": list(params.logit_bias),
+            "sampling_params.stop_token_ids": list(params.stop_token_ids),
+        }
+        for name, ids in named.items():
+            if vocab and max(ids, default=0) >= vocab:
+                raise OutOfVocabulary(name, next(t for t in ids if t >= vocab), vocab)
+        limit = link.max_context
         max_tokens = params.max_tokens if params.HasField("max_tokens") else None
-        need = prompt + ((max_tokens or 1) if reserve else 0)
+        need = len(prompt) + ((max_tokens or 1) if reserve else 0)
         if limit and need > limit:
-            raise ContextTooLong(prompt, max_tokens if reserve else None, limit)
+            raise ContextTooLong(len(prompt), max_tokens if reserve else None, limit)
 
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""

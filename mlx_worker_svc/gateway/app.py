@@ -35,10 +35,10 @@ from starlette.types import Receive
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
-from mlx_worker_svc.gateway.context import context_error
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
+from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_request
@@ -192,8 +192,8 @@ class Gateway:
     async def _first(self, parsed: ParsedRequest, stream: Stream) -> pb.GenerateResponse:
         try:
             return await anext(stream)
-        except ContextTooLong as exc:
-            raise context_error(parsed.kind, exc) from exc
+        except (ContextTooLong, OutOfVocabulary) as exc:
+            raise limit_error(parsed.kind, exc) from exc
 
     async def _until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
         """Awaits `work`; cancels it and raises ClientGone if the client disconnects first."""

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from driver import ServeProcess
-from test_gateway import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
+from gateway_process import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
 from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb

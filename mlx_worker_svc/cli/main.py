@@ -93,7 +93,9 @@ def _serve_status(args: argparse.Namespace) -> int:
         model = str(ensure_default_model(show_progress=True))
     try:
         limits = AdmissionLimits(
-            max_running_requests=args.max_running_requests, max_queued_steps=args.max_queued_steps
+            max_running_requests=args.max_running_requests,
+            max_queued_steps=args.max_queued_steps,
+            max_steps_in_flight=args.max_steps_in_flight,
         )
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
@@ -244,7 +246,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_worker_svc.core.limits import DEFAULT_MAX_QUEUED_STEPS, DEFAULT_MAX_RUNNING_REQUESTS
+    from mlx_worker_svc.core.limits import (
+        DEFAULT_MAX_QUEUED_STEPS,
+        DEFAULT_MAX_RUNNING_REQUESTS,
+        DEFAULT_MAX_STEPS_IN_FLIGHT,
+    )
 
     parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
     add_logging_arguments(parser, defaults=True)
@@ -306,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_QUEUED_STEPS,
         help="Execute steps and Generate starts waiting for the engine; past it "
         f"RESOURCE_EXHAUSTED at once (default {DEFAULT_MAX_QUEUED_STEPS})",
+    )
+    serve.add_argument(
+        "--max-steps-in-flight",
+        type=int,
+        default=DEFAULT_MAX_STEPS_IN_FLIGHT,
+        help="steps of one ExecuteStream read ahead of their responses "
+        f"(default {DEFAULT_MAX_STEPS_IN_FLIGHT})",
     )
     serve.add_argument(
         "--death-exit-seconds",

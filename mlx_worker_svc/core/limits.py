@@ -17,6 +17,7 @@ from mlx_worker_svc.core.errors import InvalidArgument
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 DEFAULT_MAX_QUEUED_STEPS = 64
+DEFAULT_MAX_STEPS_IN_FLIGHT = 4
 # Threads beyond the admitted work: health checks, GetInfo, Tokenize, lifecycle.
 RESERVED_THREADS = 16
 # Used when the model's context length is not known before it loads (hub ids).
@@ -35,16 +36,21 @@ class AdmissionLimits:
     """Live requests, Execute's and Generate's together, running or preempted."""
     max_queued_steps: int = DEFAULT_MAX_QUEUED_STEPS
     """Engine jobs waiting for the engine thread: Execute steps, Generate starts, deep checks."""
+    max_steps_in_flight: int = DEFAULT_MAX_STEPS_IN_FLIGHT
+    """Steps of one ExecuteStream read ahead of their responses (flow control holds more)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "max_queued_steps"):
+        for name in ("max_running_requests", "max_queued_steps", "max_steps_in_flight"):
             value = getattr(self, name)
             if not 1 <= value <= 1 << 20:
                 raise InvalidArgument(f"{name} must be in [1, {1 << 20}], got {value}")
 
     @property
     def threads(self) -> int:
-        """gRPC threads: one per admitted stream or queued step, plus a reserve."""
+        """gRPC threads: one per admitted stream or queued step, plus a reserve.
+
+        An ExecuteStream holds one of them (its reader runs on a thread of its own).
+        """
         return self.max_running_requests + self.max_queued_steps + RESERVED_THREADS
 
 

@@ -36,6 +36,7 @@ from mlx_worker_svc.core.domain import (
 )
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.worker.step_stream import StreamedStep
 
 _STATES = {
     state: cast(pb.WorkerState, pb.WorkerState.Value(f"WORKER_STATE_{state.value}"))
@@ -294,6 +295,18 @@ def step_result(result: StepResult) -> pb.ExecuteResponse:
             decode_batch_size=t.decode_batch_size,
         ),
     )
+
+
+def streamed_step(step: StreamedStep) -> pb.ExecuteStreamResponse:
+    response = pb.ExecuteStreamResponse(
+        step_id=step.step_id, already_finished_req_ids=step.already_finished
+    )
+    if step.result is not None:
+        response.result.CopyFrom(step_result(step.result))
+    elif step.error is not None:
+        response.error.code = step.error.code.value[0]
+        response.error.message = step.error.message
+    return response
 
 
 def health(report: HealthReport) -> pb.CheckHealthResponse:

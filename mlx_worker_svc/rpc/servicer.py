@@ -21,6 +21,7 @@ from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert
+from mlx_worker_svc.rpc.step_reader import StepReader
 from mlx_worker_svc.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,21 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         result = self._worker.execute(convert.step_plan(request), received_ns=received)
         return convert.step_result(result)
 
+    def ExecuteStream(
+        self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecuteStreamResponse]:
+        stream = self._worker.open_step_stream()
+        context.add_callback(stream.close)  # cancelled, dropped or done: free what it made
+        reader = StepReader(request_iterator, stream, self._worker.limits.max_steps_in_flight)
+        try:
+            for step in reader:
+                yield convert.streamed_step(step)
+        except Exception as exc:
+            _status(context, exc, "ExecuteStream")
+        finally:
+            reader.stop()
+            stream.close()
+
     @_unary
     def CheckHealth(
         self, request: pb.CheckHealthRequest, context: grpc.ServicerContext
@@ -187,6 +203,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 max_running_requests=worker.limits.max_running_requests,
                 max_queued_steps=worker.limits.max_queued_steps,
                 max_message_bytes=self._max_message_bytes,
+                max_steps_in_flight=worker.limits.max_steps_in_flight,
             ),
         )
         if worker.device is not None:

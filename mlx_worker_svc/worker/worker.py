@@ -41,6 +41,7 @@ from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.worker.generate import GENERATE_PREFILL_CHUNK, GenerateMixin
+from mlx_worker_svc.worker.step_stream import StepStream
 
 S = WorkerState
 DEFAULT_BLOCK_SIZE = 16
@@ -267,6 +268,15 @@ class Worker(GenerateMixin):
             self._set_state(S.SERVING)
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, self._epoch, outputs, timings)
+
+    def open_step_stream(self) -> StepStream:
+        """The worker side of one ExecuteStream (step_stream.py)."""
+        return StepStream(self._engine.submit, self._execute, self._free_execute)
+
+    def _free_execute(self, req_ids: list[str]) -> None:
+        if self._runner is not None:
+            for req_id in req_ids:
+                self._runner.free((Origin.EXECUTE, req_id))
 
     # ------------------------------------------------------------ queries
     def health(self, deep: bool) -> HealthReport:

@@ -446,6 +446,26 @@ class ExecuteResponse(_message.Message):
     timings: StepTimings
     def __init__(self, step_id: _Optional[int] = ..., worker_epoch: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ExecuteStreamResponse(_message.Message):
+    __slots__ = ("step_id", "result", "error", "already_finished_req_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    result: ExecuteResponse
+    error: StepError
+    already_finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., result: _Optional[_Union[ExecuteResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., already_finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CheckHealthRequest(_message.Message):
     __slots__ = ("deep",)
     DEEP_FIELD_NUMBER: _ClassVar[int]
@@ -547,14 +567,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., worker_version: _Optional[str] = ..., chat_template: _Optional[str] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ...) -> None: ...
 
 class WorkerLimits(_message.Message):
-    __slots__ = ("max_running_requests", "max_queued_steps", "max_message_bytes")
+    __slots__ = ("max_running_requests", "max_queued_steps", "max_message_bytes", "max_steps_in_flight")
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     max_running_requests: int
     max_queued_steps: int
     max_message_bytes: int
-    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    max_steps_in_flight: int
+    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_steps_in_flight: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -66,6 +66,11 @@ class WorkerServiceStub:
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.ExecuteStream = channel.stream_stream(
+                '/mlx_worker.v1.WorkerService/ExecuteStream',
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.FromString,
+                _registered_method=True)
         self.CheckHealth = channel.unary_unary(
                 '/mlx_worker.v1.WorkerService/CheckHealth',
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.CheckHealthRequest.SerializeToString,
@@ -170,6 +175,33 @@ class WorkerServiceServicer:
 
     def Execute(self, request, context):
         """Runs one scheduler step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecuteStream(self, request_iterator, context):
+        """Runs scheduler steps sent on one stream, in the order sent, one response
+        each in that order; the scheduler may send steps ahead of their responses
+        (up to GetInfo.limits.max_steps_in_flight are read ahead). Each step is
+        what an Execute call would run, with these rules:
+        - Sent ahead: a step counts in num_computed_tokens what the earlier steps
+        of the stream will have computed (they run first).
+        - Already finished: a request that an earlier step of this stream finished
+        (finish_reason set: EOS, a stop token, a length limit) is left out of a
+        later step's cached_requests, num_scheduled_tokens, finished_req_ids and
+        preempted_req_ids and listed in already_finished_req_ids; not an error.
+        - A failing step changes nothing (as a failed Execute) and gets its error
+        in its own response (error); the stream goes on. A later step that
+        counted on the failed step's tokens (its num_computed_tokens includes
+        them) fails with INVALID_ARGUMENT naming the request and both counts, and
+        a later step naming a request the failed step would have created fails
+        with NOT_FOUND: nothing ever runs on a sequence the scheduler misjudged.
+        - When the stream ends (the client closes or cancels it, the connection
+        drops), every request a step of this stream created and that is still
+        live is freed, as a cancelled Generate's is.
+        Errors of the stream as a whole (the worker shutting down, a request that
+        does not parse) end it with a status, as for Execute.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -294,6 +326,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.FromString,
                     response_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'ExecuteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecuteStream,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.FromString,
+                    response_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.SerializeToString,
             ),
             'CheckHealth': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckHealth,
@@ -519,6 +556,33 @@ class WorkerService:
             '/mlx_worker.v1.WorkerService/Execute',
             mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
             mlx__worker_dot_v1_dot_worker__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mlx_worker.v1.WorkerService/ExecuteStream',
+            mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

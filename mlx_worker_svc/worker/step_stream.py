@@ -1,0 +1,134 @@
+"""One ExecuteStream on the worker: steps in the order sent, run ahead of their replies.
+
+A `StepStream` submits each step to the engine thread as soon as it arrives,
+so while one step's reply is converted and sent, the next step is already
+running (and its decode forward, queued by the runner's look-ahead, is on the
+device). Every step runs as an Execute call would; the stream adds two rules
+(the proto's ExecuteStream comment is the contract):
+
+- A request an earlier step of this stream finished (a `finish_reason`) is
+  left out of later steps and reported in `already_finished`: the scheduler
+  sent those steps before it saw the finish.
+- A failing step changes nothing and is reported in its own reply; later
+  steps are checked against the state as it is, so one that counted on the
+  failed step's tokens is refused by the usual num_computed_tokens check.
+
+`close()` frees every request the stream created that is still live. All
+state lives on the engine thread; only `submit` and `close` are called from
+elsewhere, and both just queue jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mlx_worker_svc.core.domain import StepPlan, StepResult
+from mlx_worker_svc.core.errors import Aborted, Internal, WorkerError
+
+log = logging.getLogger(__name__)
+Submit = Callable[[Callable[[], Any]], "Future[Any]"]
+
+# Ids finished by this stream's steps that are remembered for later steps.
+_REMEMBER_FINISHED = 65536
+
+
+@dataclass
+class StreamedStep:
+    """What one step of a stream came to: a result or an error, never both."""
+
+    step_id: int
+    result: StepResult | None = None
+    error: WorkerError | None = None
+    already_finished: list[str] = field(default_factory=list)
+
+
+class StepStream:
+    """The state of one ExecuteStream: the requests it created and finished."""
+
+    def __init__(
+        self,
+        submit: Submit,
+        execute: Callable[[StepPlan, int], StepResult],
+        free: Callable[[list[str]], None],
+    ) -> None:
+        self._submit = submit
+        self._execute = execute
+        self._free = free
+        self._created: set[str] = set()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._closed = False
+        self._close_queued = False
+
+    def submit(self, plan: StepPlan, received_ns: int) -> Future[StreamedStep]:
+        """Queues a step behind the stream's earlier ones (and any other engine work)."""
+        future: Future[StreamedStep] = self._submit(lambda: self._run(plan, received_ns))
+        return future
+
+    def close(self) -> None:
+        """Frees the requests the stream created, after the steps already queued."""
+        if not self._close_queued:
+            self._close_queued = True
+            self._submit(self._end)
+
+    # ----------------------------------------------------- engine thread
+    def _run(self, plan: StepPlan, received_ns: int) -> StreamedStep:
+        if self._closed:
+            return StreamedStep(plan.step_id, error=Aborted("the stream was closed"))
+        plan, skipped = self._without_finished(plan)
+        step = StreamedStep(plan.step_id, already_finished=skipped)
+        try:
+            step.result = self._execute(plan, received_ns)
+        except WorkerError as exc:
+            step.error = exc
+            return step
+        except Exception as exc:  # a bug: reported on this step, the stream goes on
+            log.exception("an ExecuteStream step failed with an unexpected error")
+            step.error = Internal(f"ExecuteStream: {type(exc).__name__}: {exc}")
+            return step
+        self._record(plan, step.result)
+        return step
+
+    def _without_finished(self, plan: StepPlan) -> tuple[StepPlan, list[str]]:
+        """Leaves out the requests an earlier step of the stream finished."""
+        done = self._finished
+        if not done:
+            return plan, []
+        named = [c.req_id for c in plan.cached_requests]
+        named += [*plan.num_scheduled_tokens, *plan.finished_req_ids, *plan.preempted_req_ids]
+        skipped = sorted({req_id for req_id in named if req_id in done})
+        if not skipped:
+            return plan, []
+        gone = set(skipped)
+        plan = replace(
+            plan,
+            cached_requests=tuple(c for c in plan.cached_requests if c.req_id not in gone),
+            num_scheduled_tokens={
+                r: n for r, n in plan.num_scheduled_tokens.items() if r not in gone
+            },
+            finished_req_ids=tuple(r for r in plan.finished_req_ids if r not in gone),
+            preempted_req_ids=tuple(r for r in plan.preempted_req_ids if r not in gone),
+        )
+        return plan, skipped
+
+    def _record(self, plan: StepPlan, result: StepResult) -> None:
+        for new in plan.new_requests:
+            self._created.add(new.req_id)
+            self._finished.pop(new.req_id, None)
+        self._created.difference_update(plan.finished_req_ids)
+        for output in result.outputs:
+            if output.finish_reason is not None:
+                self._created.discard(output.req_id)
+                self._finished[output.req_id] = None
+        while len(self._finished) > _REMEMBER_FINISHED:
+            self._finished.popitem(last=False)
+
+    def _end(self) -> None:
+        self._closed = True
+        if self._created:
+            self._free(sorted(self._created))
+            self._created.clear()

@@ -1,0 +1,199 @@
+"""ExecuteStream: steps sent ahead give unary Execute's tokens, and its rules hold.
+
+The same schedule (chunked prefill, a preemption and its resume, requests ending
+by EOS and by length while later steps are in flight) runs through unary Execute
+and through the stream at depths 1, 2 and 4, greedy and seeded, at batch 1, 4
+and 16, on one worker with the prefix cache off (a sent-ahead chunk of a new
+request can only be predicted without a prefix hit; see stream_driver.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from driver import bring_up, greedy, live_server, wait_until_idle
+from stream_driver import drive_ahead
+
+from mlx_worker_svc.client.step_stream import ExecuteStreamCall, StepFailed, raise_for_error
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Iterator[tuple[pb_grpc.WorkerServiceStub, int, int]]:
+    """(stub, epoch, EOS id) of a worker on the tiny model, prefix cache off."""
+    with live_server() as (_, stub):
+        epoch = bring_up(stub, tiny_dir)
+        stub.InitCache(
+            pb.InitCacheRequest(num_blocks=4096, block_size=16, enable_prefix_caching=False)
+        )
+        eos = stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids[0]
+        yield stub, epoch, eos
+
+
+def _workload(
+    batch: int, eos: int, seeded: bool
+) -> tuple[list[list[int]], list[pb.SamplingParams]]:
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, 5000) for _ in range(rng.randrange(3, 30))] for _ in range(batch)]
+    params = []
+    for i in range(batch):
+        p = greedy(4 + i % 7, ignore_eos=True)
+        if seeded:
+            p.temperature, p.top_p, p.seed = 0.9, 0.95, 1000 + i
+        if i % 3 == 1:  # ends by EOS after min_tokens (EOS pushed up, masked before)
+            p.ignore_eos, p.min_tokens, p.max_tokens = False, 2 + i % 4, 30
+            p.logit_bias[eos] = 100.0
+        params.append(p)
+    return prompts, params
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_stream_tokens_equal_unary_execute(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int], batch: int, seeded: bool
+) -> None:
+    stub, epoch, eos = worker
+    prompts, params = _workload(batch, eos, seeded)
+    schedule = {"chunk": 8, "preempt": (3, 0)}
+    unary = drive_ahead(stub, epoch, prompts, params, depth=0, **schedule)  # type: ignore[arg-type]
+    assert all(unary.tokens), unary
+    for depth in (1, 2, 4):
+        ahead = drive_ahead(stub, epoch, prompts, params, depth=depth, **schedule)  # type: ignore[arg-type]
+        assert ahead.tokens == unary.tokens, f"depth {depth}"
+        if depth > 1:  # requests finished while later steps naming them were in flight
+            assert ahead.skipped > 0
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
+def test_stream_combines_with_decode_steps(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    stub, epoch, eos = worker
+    prompts, params = _workload(4, eos, seeded=False)
+    unary = drive_ahead(stub, epoch, prompts, params, depth=0, decode_steps=3)
+    ahead = drive_ahead(stub, epoch, prompts, params, depth=2, decode_steps=3)
+    assert ahead.tokens == unary.tokens
+
+
+def _new(req_id: str, prompt: list[int], max_tokens: int) -> pb.NewRequest:
+    return pb.NewRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=greedy(max_tokens))
+
+
+def test_failed_step_is_answered_and_later_steps_that_counted_on_it_fail(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("a", [5, 6, 7], 50)],
+                num_scheduled_tokens={"a": 3},
+            )
+        )
+        # Step 2 fails (an unknown request): nothing of it runs, "a" included.
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=2,
+                worker_epoch=epoch,
+                cached_requests=[
+                    pb.CachedRequest(req_id="a", num_computed_tokens=3),
+                    pb.CachedRequest(req_id="ghost", num_computed_tokens=0),
+                ],
+                num_scheduled_tokens={"a": 1, "ghost": 1},
+            )
+        )
+        # Step 3 was sent counting on step 2's token for "a": refused, not run.
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=3,
+                worker_epoch=epoch,
+                cached_requests=[pb.CachedRequest(req_id="a", num_computed_tokens=4)],
+                num_scheduled_tokens={"a": 1},
+            )
+        )
+        # Step 4 is the scheduler's retry after reading step 2's error.
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=4,
+                worker_epoch=epoch,
+                cached_requests=[pb.CachedRequest(req_id="a", num_computed_tokens=3)],
+                num_scheduled_tokens={"a": 1},
+            )
+        )
+        first = raise_for_error(stream.receive())
+        replies = [stream.receive() for _ in range(3)]
+        assert [r.step_id for r in replies] == [2, 3, 4]
+        assert replies[0].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert "'ghost'" in replies[0].error.message
+        with pytest.raises(StepFailed) as failed:
+            raise_for_error(replies[1])
+        assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_computed_tokens is 4 but the worker has 4" not in failed.value.message
+        assert "num_computed_tokens is 4 but the worker has 3 computed" in failed.value.message
+        retried = raise_for_error(replies[2]).outputs[0]
+        assert retried.num_computed_tokens == 4 and len(retried.sampled_token_ids) == 1
+        assert len(first.outputs[0].sampled_token_ids) == 1
+    assert wait_until_idle(stub, 30).num_running_requests == 0  # cancel freed "a"
+
+
+def test_bad_field_fails_only_its_step(worker: tuple[pb_grpc.WorkerServiceStub, int, int]) -> None:
+    stub, epoch, _ = worker
+    bad = pb.SamplingParams(temperature=-1.0)
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=7,
+                worker_epoch=epoch,
+                new_requests=[pb.NewRequest(req_id="x", prompt_token_ids=[1], sampling_params=bad)],
+                num_scheduled_tokens={"x": 1},
+            )
+        )
+        stream.send(pb.ExecuteRequest(step_id=8, worker_epoch=epoch + 1))
+        stream.send(pb.ExecuteRequest(step_id=9, worker_epoch=epoch))
+        replies = [stream.receive() for _ in range(3)]
+        stream.close()
+    assert [r.WhichOneof("outcome") for r in replies] == ["error", "error", "result"]
+    assert replies[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "temperature" in replies[0].error.message
+    assert replies[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "worker_epoch" in replies[1].error.message
+
+
+def test_cancelled_stream_frees_its_requests(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    stub, epoch, _ = worker
+    stream = ExecuteStreamCall(stub)
+    stream.send(
+        pb.ExecuteRequest(
+            step_id=1,
+            worker_epoch=epoch,
+            new_requests=[_new(f"c{i}", [9, 8, 7, i + 3], 500) for i in range(3)],
+            num_scheduled_tokens={f"c{i}": 4 for i in range(3)},
+        )
+    )
+    raise_for_error(stream.receive())
+    assert stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 3
+    stream.cancel()
+    health = wait_until_idle(stub, 30)
+    assert health.state == pb.WORKER_STATE_SERVING and health.healthy
+
+
+def test_get_info_states_the_depth(worker: tuple[pb_grpc.WorkerServiceStub, int, int]) -> None:
+    stub, _, _ = worker
+    assert stub.GetInfo(pb.GetInfoRequest()).limits.max_steps_in_flight == 4
+
+
+def test_stream_refused_before_the_cache_is_set_up(tiny_dir: Path) -> None:
+    with live_server() as (_, stub), ExecuteStreamCall(stub) as stream:
+        stream.send(pb.ExecuteRequest(step_id=1))
+        reply = stream.receive()
+    assert reply.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "the worker is NEW: call InitDevice first" in reply.error.message

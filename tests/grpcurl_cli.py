@@ -96,6 +96,19 @@ class Grpcurl:
         assert messages, f"{method} answered no message"
         return messages
 
+    def stream_stdin(self, method: str, bodies: list[Json]) -> list[Json]:
+        """Sends `bodies` on one stream through `-d @` (standard input); returns the replies."""
+        done = subprocess.run(
+            [str(self.binary), "-plaintext", "-d", "@", self.address, f"{SERVICE}/{method}"],
+            input="\n".join(json.dumps(body) for body in bodies),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, f"grpcurl {method} exited {done.returncode}: {done.stderr}"
+        return parse_stream(done.stdout)
+
     def unary(self, method: str, body: Json) -> Json:
         messages = self.stream(method, body)
         assert len(messages) == 1, f"{method} answered {len(messages)} messages"

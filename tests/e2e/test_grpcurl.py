@@ -54,7 +54,7 @@ def grpcurl(binary: Path, server: WorkerServer) -> Grpcurl:
 def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     assert grpcurl.ok("list").split() == sorted([HEALTH, *REFLECTION, SERVICE])
     assert grpcurl.ok("list", SERVICE).split() == sorted(
-        f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate")
+        f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate", "ExecuteStream")
     )
 
     described = grpcurl.ok("describe", SERVICE)
@@ -68,8 +68,12 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
         "rpc Generate ( .mlx_worker.v1.GenerateRequest ) "
         "returns ( stream .mlx_worker.v1.GenerateResponse );"
     ) in described
-    assert described.count(" rpc ") == len(RPCS) + 1
-    assert described.count("stream ") == 1
+    assert (
+        "rpc ExecuteStream ( stream .mlx_worker.v1.ExecuteRequest ) "
+        "returns ( stream .mlx_worker.v1.ExecuteStreamResponse );"
+    ) in described
+    assert described.count(" rpc ") == len(RPCS) + 2
+    assert described.count("stream ") == 3
 
     assert_reflection_v1_answers(grpcurl, sorted([HEALTH, *REFLECTION, SERVICE]))
     # grpc.health.v1's List (which grpcio-health leaves out): a fresh worker is not SERVING yet.
@@ -250,6 +254,51 @@ def test_grpcurl_drives_the_lifecycle_execute_and_generate(
     after = grpcurl.unary("CheckHealth", {})
     assert (after["state"], after["worker_epoch"]) == ("WORKER_STATE_SERVING", epoch)
     assert grpcurl.health(SERVICE) == "SERVING"
+
+
+def test_grpcurl_drives_execute_stream_from_standard_input(
+    grpcurl: Grpcurl, tiny_dir: Path
+) -> None:
+    """The README's example: three steps on stdin, the last two sent ahead of any reply."""
+    _, _, epoch = bring_up(grpcurl, tiny_dir)
+    prompt = [28120, 28, 1010]
+    sampling = {"temperature": 0, "max_tokens": 2}
+    steps = [
+        {
+            "step_id": 1,
+            "worker_epoch": epoch,
+            "new_requests": [
+                {"req_id": "r0", "prompt_token_ids": prompt, "sampling_params": sampling}
+            ],
+            "num_scheduled_tokens": {"r0": 3},
+        },
+        {
+            "step_id": 2,
+            "worker_epoch": epoch,
+            "cached_requests": [{"req_id": "r0", "num_computed_tokens": 3}],
+            "num_scheduled_tokens": {"r0": 1},
+        },
+        {
+            "step_id": 3,
+            "worker_epoch": epoch,
+            "cached_requests": [{"req_id": "r0", "num_computed_tokens": 4}],
+            "num_scheduled_tokens": {"r0": 1},
+        },
+        {"step_id": 4, "worker_epoch": "1"},
+    ]
+    first, second, third, fourth = grpcurl.stream_stdin("ExecuteStream", steps)
+    assert [m["step_id"] for m in (first, second, third, fourth)] == ["1", "2", "3", "4"]
+    [out] = first["result"]["outputs"]
+    assert (out["num_computed_tokens"], len(out["sampled_token_ids"])) == (3, 1)
+    [last] = second["result"]["outputs"]
+    assert last["finish_reason"] == "FINISH_REASON_LENGTH"
+    # Step 3 was sent before step 2's reply: r0 had finished, so it is left out.
+    assert third["already_finished_req_ids"] == ["r0"]
+    assert "outputs" not in third["result"]
+    # A failing step gets its error in its own reply (9: FAILED_PRECONDITION).
+    assert fourth["error"]["code"] == 9
+    assert "Execute.worker_epoch 1 is stale" in fourth["error"]["message"]
+    assert grpcurl.unary("CheckHealth", {}).get("num_running_requests", 0) == 0
 
 
 def test_grpcurl_reports_not_found_for_a_missing_model(grpcurl: Grpcurl) -> None:

@@ -1,6 +1,7 @@
 """Sections (a) and (b): decode speed through the worker against mlx-lm in-process.
 
-(a) one stream: Generate (gRPC streaming) and Execute (one step per token) vs
+(a) one stream: Generate (gRPC streaming), Execute (one step per token) and
+    ExecuteStream (one step per token, one step ahead) vs
     `mlx_lm.stream_generate`, the same prompt and token count, greedy, no EOS.
 (b) batches of 1, 4, 8, 16 prompts: Execute vs mlx-lm's `BatchGenerator`,
     decode tokens/s after every request has its first token (prefill apart).
@@ -15,6 +16,7 @@ from typing import Any
 from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, ratio
 from benchmarks.execute_client import run_execute, run_generate, warm_up
+from benchmarks.execute_stream import run_execute_stream
 
 
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -28,10 +30,12 @@ def section_a(
     raw_stream(model, tokenizer, prompt, 2)
     run_generate(worker, prompt, 2)
     run_execute(worker, [prompt], 2)
-    raw_runs, gen_runs, exe_runs = [], [], []
+    run_execute_stream(worker, [prompt], 2)
+    raw_runs, gen_runs, exe_runs, ahead_runs = [], [], [], []
     raw_tokens: list[int] = []
     gen_tokens: list[int] = []
     exe_tokens: list[int] = []
+    ahead_tokens: list[int] = []
     for _ in range(repeats):  # interleaved, so slow drifts in machine load hit all three
         timeline, raw_tokens = raw_stream(model, tokenizer, prompt, tokens)
         raw_runs.append(timeline.stats())
@@ -40,7 +44,11 @@ def section_a(
         run = run_execute(worker, [prompt], tokens)
         exe_tokens = run.tokens[0]
         exe_runs.append(run.timeline.stats())
+        run = run_execute_stream(worker, [prompt], tokens, depth=2)
+        ahead_tokens = run.tokens[0]
+        ahead_runs.append(run.timeline.stats())
     raw, gen, exe = _best(raw_runs), _best(gen_runs), _best(exe_runs)
+    ahead = _best(ahead_runs)
     return {
         "prompt_tokens": len(prompt),
         "generated_tokens": tokens,
@@ -48,12 +56,20 @@ def section_a(
         "raw_stream_generate": raw,
         "generate_grpc": gen,
         "execute_grpc": exe,
+        "execute_stream_depth2_grpc": ahead,
         "ratio_generate_vs_raw": ratio(gen["decode_tok_s"] or 0, raw["decode_tok_s"] or 0),
         "ratio_execute_vs_raw": ratio(exe["decode_tok_s"] or 0, raw["decode_tok_s"] or 0),
+        "ratio_execute_stream_vs_raw": ratio(ahead["decode_tok_s"] or 0, raw["decode_tok_s"] or 0),
         "target_ratio": 0.95,
-        "token_counts": [len(raw_tokens), len(gen_tokens), len(exe_tokens)],
-        "tokens_match": raw_tokens == gen_tokens == exe_tokens,
-        "all_runs": {"raw": raw_runs, "generate": gen_runs, "execute": exe_runs},
+        "target_ratio_execute_stream": 1.0,
+        "token_counts": [len(raw_tokens), len(gen_tokens), len(exe_tokens), len(ahead_tokens)],
+        "tokens_match": raw_tokens == gen_tokens == exe_tokens == ahead_tokens,
+        "all_runs": {
+            "raw": raw_runs,
+            "generate": gen_runs,
+            "execute": exe_runs,
+            "execute_stream": ahead_runs,
+        },
     }
 
 

@@ -21,14 +21,26 @@ def markdown(results: dict[str, Any]) -> str:
     if "a" in s:
         a = s["a"]
         raw = _num(a["raw_stream_generate"]["decode_tok_s"])
-        for key, name in (("generate_grpc", "Generate"), ("execute_grpc", "Execute")):
+        paths = (
+            ("generate_grpc", "Generate", "ratio_generate_vs_raw", ">= 0.95"),
+            ("execute_grpc", "Execute", "ratio_execute_vs_raw", ">= 0.95"),
+            (
+                "execute_stream_depth2_grpc",
+                "ExecuteStream (depth 2)",
+                "ratio_execute_stream_vs_raw",
+                ">= 1.0",
+            ),
+        )
+        for key, name, ratio_key, target in paths:
+            if key not in a:  # results written before the path existed
+                continue
             rows.append(
                 (
                     "(a) single stream",
                     f"decode tok/s, {name} vs stream_generate ({a['generated_tokens']} tokens)",
                     _num(a[key]["decode_tok_s"]),
                     raw,
-                    _ratio(a[f"ratio_{key.split('_')[0]}_vs_raw"], ">= 0.95"),
+                    _ratio(a[ratio_key], target),
                 )
             )
     if "b" in s:
@@ -63,6 +75,17 @@ def markdown(results: dict[str, Any]) -> str:
                 "",
             )
         )
+        ahead = c.get("stream_depth2_wall_minus_forward")
+        if ahead is not None:
+            rows.append(
+                (
+                    "(c) step overhead, ExecuteStream depth 2 (tiny)",
+                    "time between replies - forward_ns, p50 / p99 ms",
+                    f"{_num(ahead.get('p50_ms'), 3)} / {_num(ahead.get('p99_ms'), 3)}",
+                    "",
+                    f"p50 < {c['target_p50_ms']} ms, p99 < {c['target_p99_ms_stream']} ms",
+                )
+            )
         local, empty = c["in_process_wall_minus_forward"], c["empty_execute_round_trip"]
         rows.append(
             (
@@ -125,6 +148,20 @@ def markdown(results: dict[str, Any]) -> str:
                     ""
                     if run["speedup_vs_1_worker"] is None or run is one
                     else f"{_num(run['speedup_vs_1_worker'])}x vs 1 worker",
+                )
+            )
+    if "h" in s:
+        h = s["h"]
+        for row in h["rows"]:
+            multi = row[f"execute_{h['decode_steps']}_steps"]
+            rows.append(
+                (
+                    f"(h) batch {row['batch']} (tiny)",
+                    f"decode tok/s, ExecuteStream 1 step/call depth {h['depth']} vs Execute "
+                    f"{h['decode_steps']} steps/call (tokens match: {row['tokens_match']})",
+                    _num(row[f"stream_depth{h['depth']}_one_step"]["decode_tok_s"], 1),
+                    _num(multi["decode_tok_s"], 1),
+                    _ratio(row["ratio_stream_vs_multi_step"], ">= 0.9"),
                 )
             )
     head = "| Section | Measure | Worker | Baseline | Ratio (target) |\n|---|---|---|---|---|\n"

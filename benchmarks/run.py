@@ -30,8 +30,9 @@ from benchmarks.fleet import section_g
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
+from benchmarks.stream import section_h
 
-ALL_SECTIONS = "abcdefg"
+ALL_SECTIONS = "abcdefgh"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-requests", type=int, help="(g) concurrent requests (default 32)")
     p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
     p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
+    p.add_argument("--stream-sizes", help="(h) comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--stream-tokens", type=int, help="(h) tokens per request (default 128)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -75,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 32,
         "fleet_tokens": 256,
         "fleet_workers": "1,2",
+        "stream_sizes": "1,8,32",
+        "stream_tokens": 128,
     }
     quick = {
         "tokens": 8,
@@ -92,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 4,
         "fleet_tokens": 8,
         "fleet_workers": "1,2",
+        "stream_sizes": "1,4",
+        "stream_tokens": 16,
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -127,19 +134,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     wanted = set(args.sections)
     with temp_dir() as tmp:
-        if wanted & {"c", "d", "g"}:
+        if wanted & {"c", "d", "g", "h"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
-        if wanted & {"c", "d"}:
-            model, tokenizer = load(str(tiny))
-            prompt = encode(tokenizer, SHORT)
-            with live_worker(tiny) as worker:
-                if "c" in wanted:
-                    steps = args.overhead_steps
-                    sections["c"] = timed("c", seconds, lambda: section_c(worker, prompt, steps))
-                if "d" in wanted:
-                    n = args.seeds_tokens
-                    sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
-            del model, tokenizer
+        if wanted & {"c", "d", "h"}:
+            _tiny_sections(args, tiny, wanted, sections, seconds)
         if wanted & {"a", "b", "e", "f"}:
             model, tokenizer = load(str(main_model))
         if wanted & {"a", "b", "e"}:
@@ -189,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_facts(),
         "models": {
             "a_b_e_f": str(main_model),
-            "c_d": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "c_d_h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -198,6 +196,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sections": sections,
         "notes": notes,
     }
+
+
+def _tiny_sections(
+    args: argparse.Namespace,
+    tiny: Path,
+    wanted: set[str],
+    sections: dict[str, Any],
+    seconds: dict[str, float],
+) -> None:
+    """Sections (c), (d) and (h), on one worker over the tiny model."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny))
+    prompt = encode(tokenizer, SHORT)
+    with live_worker(tiny) as worker:
+        if "h" in wanted:
+            sizes = [int(x) for x in args.stream_sizes.split(",")]
+            many = distinct_prompts(tokenizer, max(sizes), 16)
+            sections["h"] = timed(
+                "h", seconds, lambda: section_h(worker, many, sizes, args.stream_tokens)
+            )
+        if "c" in wanted:
+            steps = args.overhead_steps
+            sections["c"] = timed("c", seconds, lambda: section_c(worker, prompt, steps))
+        if "d" in wanted:
+            n = args.seeds_tokens
+            sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
 
 
 def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:

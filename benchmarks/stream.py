@@ -1,0 +1,59 @@
+"""Section (h): one token a step through ExecuteStream against multi-step Execute.
+
+On the tiny model, at each batch size, the same prompts run three ways: unary
+Execute one decode step a call, unary Execute `decode_steps` (8) a call, and
+ExecuteStream one decode step a call, `depth` (2) steps in flight. Decode tok/s
+from the first token to the last, greedy, EOS ignored; every path must give
+the same tokens. The stream is meant to stream every token at the multi-step
+path's speed (target >= 0.9x).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.common import Worker, ratio
+from benchmarks.execute_client import run_execute, warm_up
+from benchmarks.execute_stream import run_execute_stream
+
+
+def section_h(
+    worker: Worker,
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    tokens: int,
+    *,
+    decode_steps: int = 8,
+    depth: int = 2,
+) -> dict[str, Any]:
+    warm_up(worker, batch_sizes, [len(prompts[0])])
+    rows = []
+    for size in batch_sizes:
+        batch = prompts[:size]
+        for warm in (run_execute, run_execute_stream):  # every path's shapes once
+            warm(worker, batch, 4)
+        run_execute(worker, batch, 4, decode_steps=decode_steps)
+        one = run_execute(worker, batch, tokens)
+        multi = run_execute(worker, batch, tokens, decode_steps=decode_steps)
+        ahead = run_execute_stream(worker, batch, tokens, depth=depth)
+        o, m, a = (r.timeline.stats() for r in (one, multi, ahead))
+        rows.append(
+            {
+                "batch": size,
+                "execute_one_step": o,
+                f"execute_{decode_steps}_steps": m,
+                f"stream_depth{depth}_one_step": a,
+                "ratio_stream_vs_multi_step": ratio(a["decode_tok_s"] or 0, m["decode_tok_s"] or 0),
+                "ratio_stream_vs_one_step": ratio(a["decode_tok_s"] or 0, o["decode_tok_s"] or 0),
+                "tokens_match": one.tokens == multi.tokens == ahead.tokens,
+            }
+        )
+    return {
+        "model": "tiny",
+        "prompt_tokens": len(prompts[0]),
+        "generated_tokens_per_request": tokens,
+        "decode_steps": decode_steps,
+        "depth": depth,
+        "target_ratio_stream_vs_multi_step": 0.9,
+        "rows": rows,
+    }

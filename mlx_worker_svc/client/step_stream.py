@@ -1,20 +1,25 @@
-"""A scheduler's end of ExecuteStream, for blocking code (benchmarks, tests, scripts).
+"""A scheduler's end of ExecuteStream: blocking (`ExecuteStreamCall`) and asyncio.
 
-`send` queues a step and returns at once; `receive` returns the next reply,
-in the order the steps were sent. Keep up to `GetInfo.limits.max_steps_in_flight`
-steps sent and not yet received to keep the worker busy. `close` half-closes
-the stream (the worker answers what it has and ends it); `cancel` ends it at
-once. Either way the worker frees every request the stream created.
+In blocking code (benchmarks, tests, scripts), `ExecuteStreamCall.send` queues
+a step and returns at once; `receive` returns the next reply, in the order the
+steps were sent. Keep up to `GetInfo.limits.max_steps_in_flight` steps sent and
+not yet received to keep the worker busy. `close` half-closes the stream (the
+worker answers what it has and ends it); `cancel` ends it at once. Either way
+the worker frees every request the stream created. `AsyncExecuteStream` is the
+same for asyncio code (`AsyncWorkerClient.execute_stream`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import grpc.aio
 
+from mlx_worker_svc.client.worker import ClientError, _client_error
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -85,3 +90,45 @@ class StepFailed(Exception):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class AsyncExecuteStream:
+    """One open ExecuteStream on a grpc.aio channel (`AsyncWorkerClient.execute_stream`).
+
+    `send` writes a step, `receive` reads the next reply; a failure of the stream
+    itself (the worker gone, the call cancelled) raises `ClientError` from either.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def send(self, request: pb.ExecuteRequest) -> None:
+        try:
+            await self._call.write(request)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc, _METHOD) from exc
+        except asyncio.InvalidStateError as exc:  # the call has ended
+            raise ClientError(grpc.StatusCode.CANCELLED, str(exc), _METHOD) from exc
+
+    async def receive(self) -> pb.ExecuteStreamResponse:
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc, _METHOD) from exc
+        if not isinstance(message, pb.ExecuteStreamResponse):  # grpc.aio's EOF
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "the stream ended", _METHOD)
+        return message
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def step_error(response: pb.ExecuteStreamResponse) -> ClientError | None:
+    """The step's error as a ClientError (what Execute would have raised), or None."""
+    if not response.HasField("error"):
+        return None
+    code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
+    return ClientError(code, response.error.message, _METHOD)
+
+
+_METHOD = "ExecuteStream"

@@ -54,7 +54,7 @@ from collections.abc import AsyncGenerator, Coroutine, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -62,6 +62,9 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+if TYPE_CHECKING:
+    from mlx_worker_svc.client.step_stream import AsyncExecuteStream
 
 __all__ = [
     "IDEMPOTENT_METHODS",
@@ -221,6 +224,7 @@ _UNARY: tuple[_Rpc[Any, Any], ...] = (
     _HEALTH_CHECK,
 )
 _GENERATE_PATH = "/mlx_worker.v1.WorkerService/Generate"
+_EXECUTE_STREAM_PATH = "/mlx_worker.v1.WorkerService/ExecuteStream"
 
 IDEMPOTENT_METHODS: frozenset[str] = frozenset(rpc.name for rpc in _UNARY if rpc.idempotent)
 """The calls retried on UNAVAILABLE and DEADLINE_EXCEEDED ("Health.Check" is grpc.health.v1)."""
@@ -280,6 +284,11 @@ class AsyncWorkerClient:
         }
         self._generate_call = self._channel.unary_stream(
             _GENERATE_PATH, pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
+        )
+        self._execute_stream_call = self._channel.stream_stream(
+            _EXECUTE_STREAM_PATH,
+            pb.ExecuteRequest.SerializeToString,
+            pb.ExecuteStreamResponse.FromString,
         )
 
     @property
@@ -471,6 +480,12 @@ class AsyncWorkerClient:
             raise _client_error(exc, "Generate") from exc
         finally:
             call.cancel()
+
+    def execute_stream(self) -> AsyncExecuteStream:
+        """Opens an ExecuteStream (never retried, no deadline); see client.step_stream."""
+        from mlx_worker_svc.client.step_stream import AsyncExecuteStream  # it imports this module
+
+        return AsyncExecuteStream(self._execute_stream_call(None, metadata=self._metadata))
 
 
 class WorkerClient:

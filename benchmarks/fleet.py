@@ -10,6 +10,9 @@ worker and a fleet of two (the workers are started once; the one-worker fleet us
 the first). Each fleet first runs one untimed round of other prompts with the same
 shapes, so both are warm and the measured prompts are not in any prefix cache.
 
+Each fleet drives its workers through ExecuteStream, one step ahead (the default);
+the one-worker fleet runs once more through unary Execute (`--steps-ahead 0`), so
+`ratio_stream_vs_unary` compares the two on the same worker and requests.
 Every process here shares the machine's cores (`cpu_count`): workers, fleet and
 client. On a 2-core CPU two workers cannot be twice as fast as one; `cpu_s` gives
 the CPU seconds each process used during the measured round (Linux), which shows
@@ -113,10 +116,11 @@ def worker_processes(model: Path, count: int, tmp: Path) -> Iterator[list[Server
 
 
 @contextmanager
-def _fleet(targets: list[str], tmp: Path) -> Iterator[tuple[Any, ServerProcess]]:
+def _fleet(targets: list[str], tmp: Path, steps_ahead: int) -> Iterator[tuple[Any, ServerProcess]]:
     """A fleet process in front of `targets`; yields a stub to it once all are up."""
     workers = [arg for target in targets for arg in ("--worker", target)]
-    proc = ServerProcess(["fleet", *workers, "--port", "0"], tmp / f"fleet-{len(targets)}.log")
+    args = ["fleet", *workers, "--port", "0", "--steps-ahead", str(steps_ahead)]
+    proc = ServerProcess(args, tmp / f"fleet-{len(targets)}-{steps_ahead}.log")
     try:
         port = proc.wait_for(r"fleet listening on [\d.]+:(\d+)").group(1)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -177,9 +181,12 @@ def section_g(
     half = len(prompts) // 2
     warm, measured = prompts[:half], prompts[half:]
     runs: list[dict[str, Any]] = []
+    # Every count through ExecuteStream one step ahead (the default); one worker also
+    # through unary Execute, one step at a time (--steps-ahead 0), for the comparison.
+    variants = [(count, 1) for count in worker_counts] + [(min(worker_counts), 0)]
     with worker_processes(model, max(worker_counts), tmp) as workers:
-        for count in worker_counts:
-            with _fleet([w.target for w in workers[:count]], tmp) as (stub, fleet):
+        for count, ahead in variants:
+            with _fleet([w.target for w in workers[:count]], tmp, ahead) as (stub, fleet):
                 _round(stub, warm, tokens)
                 pids = {"fleet": fleet.proc.pid}
                 pids.update({f"worker_{i}": w.proc.pid for i, w in enumerate(workers[:count])})
@@ -190,14 +197,19 @@ def section_g(
                 cpu["client"] = round(time.process_time() - client, 2)
                 status = stub.Status(fleet_pb2.StatusRequest())
             run["workers"] = count
+            run["execute"] = "stream, 1 step ahead" if ahead else "unary"
             # CPU seconds each process used during the measured round (None: no /proc).
             run["cpu_s"] = cpu
             # Requests each worker finished, warm-up round included.
             run["finished_per_worker"] = [int(w.num_finished) for w in status.workers]
             runs.append(run)
-    one = next((r for r in runs if r["workers"] == 1), None)
-    for run in runs:
+    streamed = [r for r in runs if r["execute"] != "unary"]
+    one = next((r for r in streamed if r["workers"] == 1), None)
+    for run in streamed:
         run["speedup_vs_1_worker"] = ratio(run["tok_s"], one["tok_s"]) if one else None
+    unary = runs[-1]
+    same = next(r for r in streamed if r["workers"] == unary["workers"])
+    unary["speedup_vs_1_worker"] = None
     return {
         "model": str(model),
         "requests": len(measured),
@@ -205,4 +217,6 @@ def section_g(
         "prompt_tokens": len(measured[0]),
         "cpu_count": os.cpu_count(),
         "runs": runs,
+        "ratio_stream_vs_unary": ratio(same["tok_s"], unary["tok_s"]),
+        "target_ratio_stream_vs_unary": 1.3,
     }

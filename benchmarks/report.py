@@ -134,8 +134,9 @@ def markdown(results: dict[str, Any]) -> str:
         )
     if "g" in s:
         g = s["g"]
-        one = next((r for r in g["runs"] if r["workers"] == 1), None)
-        for run in g["runs"]:
+        runs = [r for r in g["runs"] if r.get("execute") != "unary"]
+        one = next((r for r in runs if r["workers"] == 1), None)
+        for run in runs:
             plural = "s" if run["workers"] > 1 else ""
             rows.append(
                 (
@@ -150,6 +151,20 @@ def markdown(results: dict[str, Any]) -> str:
                     else f"{_num(run['speedup_vs_1_worker'])}x vs 1 worker",
                 )
             )
+    if "g" in s and "ratio_stream_vs_unary" in s["g"]:
+        g = s["g"]
+        unary = g["runs"][-1]
+        same = next(r for r in g["runs"] if r is not unary and r["workers"] == unary["workers"])
+        rows.append(
+            (
+                f"(g) fleet, {unary['workers']} worker (tiny)",
+                f"completed tok/s, ExecuteStream 1 step ahead vs unary Execute, "
+                f"{g['requests']} concurrent requests, one token a step",
+                _num(same["tok_s"], 1),
+                _num(unary["tok_s"], 1),
+                _ratio(g["ratio_stream_vs_unary"], f">= {g['target_ratio_stream_vs_unary']}"),
+            )
+        )
     if "h" in s:
         h = s["h"]
         for row in h["rows"]:

@@ -35,6 +35,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
+        steps_ahead=args.steps_ahead,
         probe_interval=args.probe_interval_s,
         probe_timeout=args.probe_timeout_s,
         probe_misses=args.probe_misses,
@@ -214,6 +215,15 @@ def add_commands(sub: Any) -> None:
             help=f"decode steps per Execute call while every request decodes (1-"
             f"{MAX_DECODE_STEPS}, default 1): fewer round trips, tokens streamed in groups of "
             "up to this many",
+        )
+        cmd.add_argument(
+            "--steps-ahead",
+            type=int,
+            choices=range(8),
+            default=1,
+            metavar="N",
+            help="steps sent to each worker ahead of the oldest reply, through ExecuteStream "
+            "(0-7, default 1); 0 drives workers through unary Execute, one step at a time",
         )
         _add_probe_arguments(cmd)
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")

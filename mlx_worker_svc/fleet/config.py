@@ -15,6 +15,9 @@ class LinkConfig:
     # Decode steps per Execute call once every running request decodes
     # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
     decode_steps: int = 1
+    # Steps sent ahead of the oldest reply through ExecuteStream (pipeline.py);
+    # 0: one unary Execute at a time.
+    steps_ahead: int = 1
     num_blocks: int = 0  # 0: the worker's suggestion
     # A lost worker is probed again after retry_backoff s, doubling to max_backoff.
     retry_backoff: float = 0.5
@@ -33,6 +36,8 @@ class LinkConfig:
     def __post_init__(self) -> None:
         if min(self.probe_interval, self.probe_timeout, self.lifecycle_timeout) <= 0:
             raise ValueError("probe_interval, probe_timeout and lifecycle_timeout must be > 0")
+        if self.steps_ahead < 0:
+            raise ValueError(f"steps_ahead must be >= 0, got {self.steps_ahead}")
         if self.probe_misses < 1:
             raise ValueError(f"probe_misses must be >= 1, got {self.probe_misses}")
 

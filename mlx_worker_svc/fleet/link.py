@@ -27,9 +27,11 @@ from typing import Literal
 
 import grpc
 
+from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.bring_up import FINAL, drive_up
 from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.pipeline import Pipeline, Sent
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -78,6 +80,7 @@ class WorkerLink:
         self._closed = False
         self._step_id = 0
         self._orphans: list[str] = []  # ids a lost worker may still hold
+        self._pipe: Pipeline | None = None  # ExecuteStream, steps ahead (pipeline.py)
 
     # ------------------------------------------------------------- views
     @property
@@ -133,6 +136,8 @@ class WorkerLink:
     async def close(self) -> None:
         self._closed = True
         self._wake.set()
+        if self._pipe is not None:
+            self._pipe.reset()
         await self.client.close()
         await self._prober.close()
 
@@ -151,10 +156,10 @@ class WorkerLink:
                     await asyncio.sleep(backoff * (1 + random.random() / 4))
                     backoff = min(backoff * 2, self.config.max_backoff)
                 continue
-            if not (self.running or self.waiting or self.to_free):
+            if not (self.running or self.waiting or self.to_free or self._in_flight):
                 await self._idle()
                 continue
-            await self._step()
+            await (self._stream_step() if self._pipe is not None else self._step())
 
     async def _idle(self) -> None:
         """Waits for work, probing the worker every probe interval meanwhile."""
@@ -209,6 +214,10 @@ class WorkerLink:
         # Never past what the worker admits (it would refuse the step).
         admitted = info.limits.max_running_requests or self.config.max_num_seqs
         self.max_seqs = min(self.config.max_num_seqs, admitted)
+        # Steps ahead through ExecuteStream, within what the worker reads ahead
+        # (a worker that does not state it is driven through unary Execute).
+        ahead = min(self.config.steps_ahead, info.limits.max_steps_in_flight - 1)
+        self._pipe = Pipeline(ahead) if ahead >= 1 else None
         self.up, self.last_error, self._misses = True, "", 0
         log.info("worker %s up: epoch %d, %d KV blocks", self.target, self.epoch, self.num_blocks)
         return "up"
@@ -227,6 +236,8 @@ class WorkerLink:
         """The worker died, hung or restarted: every request goes back to the fleet."""
         self.up, self.last_error = False, why
         self.state = pb.WORKER_STATE_UNSPECIFIED
+        if self._pipe is not None:
+            self._pipe.reset()
         self._orphans = [*self.running, *self.to_free]
         lost = [*self.running.values(), *self.waiting]
         self.running.clear()
@@ -237,7 +248,23 @@ class WorkerLink:
         self._on_lost(lost)
 
     # -------------------------------------------------------------- step
-    def _plan(self) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
+    @property
+    def _in_flight(self) -> int:
+        return len(self._pipe.in_flight) if self._pipe is not None else 0
+
+    def _views(self) -> dict[str, tuple[int, int]]:
+        """(computed, length) of each running request once the steps in flight are done."""
+        pipe, views = self._pipe, {}
+        for worker_id, r in self.running.items():
+            view = pipe.view(r) if pipe is not None else (r.computed, len(r.tokens))
+            if view is not None:  # None: a chunk of it is in flight
+                views[worker_id] = view
+        return views
+
+    def _plan(
+        self, views: dict[str, tuple[int, int]]
+    ) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
+        """The next step; `views` (from `_views`) is updated with the requests it starts."""
         budget = self.config.max_num_batched_tokens
         request = pb.ExecuteRequest(step_id=self._step_id, worker_epoch=self.epoch)
         self._step_id += 1
@@ -245,18 +272,18 @@ class WorkerLink:
         self.to_free.clear()
         used = self._used_blocks()
         # Decodes first (one token each), then prefill chunks, shortest first.
-        order = sorted(self.running.values(), key=lambda r: len(r.tokens) - r.computed)
-        for r in order:
-            left = len(r.tokens) - r.computed
-            count = min(left, budget)
+        order = sorted(views, key=lambda worker_id: views[worker_id][1] - views[worker_id][0])
+        for worker_id in order:
+            computed, length = views[worker_id]
+            count = min(length - computed, budget)
             if count <= 0:
                 continue
             request.cached_requests.append(
-                pb.CachedRequest(req_id=r.worker_id, num_computed_tokens=r.computed)
+                pb.CachedRequest(req_id=worker_id, num_computed_tokens=computed)
             )
-            request.num_scheduled_tokens[r.worker_id] = count
+            request.num_scheduled_tokens[worker_id] = count
             budget -= count
-            used += self._blocks(r.computed + count) - self._blocks(r.computed)
+            used += self._blocks(computed + count) - self._blocks(computed)
         started: list[FleetRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             r = self.waiting[0]
@@ -272,6 +299,7 @@ class WorkerLink:
             )
             request.num_scheduled_tokens[r.worker_id] = count
             self.running[r.worker_id] = r
+            views[r.worker_id] = (0, len(prompt))
             started.append(r)
             budget -= count
             used += self._blocks(count)
@@ -300,7 +328,7 @@ class WorkerLink:
         return steps if used + more <= self.num_blocks else 1
 
     async def _step(self) -> None:
-        request, started = self._plan()
+        request, started = self._plan(self._views())
         if not request.num_scheduled_tokens and not request.finished_req_ids:
             # Nothing fits: wait for room (a finish) or new work, probing meanwhile.
             await self._idle()
@@ -320,6 +348,49 @@ class WorkerLink:
         except ClientError as exc:
             self._step_failed(exc, request, started)
             return
+        await self._deliver(response)
+
+    async def _stream_step(self) -> None:
+        """Sends the next step if there is room and work, else takes the oldest reply."""
+        pipe = self._pipe
+        assert pipe is not None
+        if pipe.room:
+            views = self._views()
+            request, started = self._plan(views)
+            if request.num_scheduled_tokens or request.finished_req_ids:
+                try:
+                    await pipe.send(self.client, request, started, views)
+                except ClientError as exc:
+                    self._lose_everything(f"{exc.code.name}: {exc.details}")
+                return
+        if not pipe.in_flight:
+            await self._idle()  # nothing fits: wait for room or new work, probing
+            return
+        outcome = await pipe.reply(self._probe, self.config.probe_interval)
+        if isinstance(outcome, str):
+            self._lose_everything(outcome)
+            return
+        sent, reply = outcome
+        error = step_error(reply)
+        if error is None:
+            await self._deliver(reply.result)
+        elif pipe.resyncing:  # it counted on an earlier failed step: send it again
+            self._undo(sent)
+        else:
+            pipe.resyncing = bool(pipe.in_flight)
+            self._step_failed(error, sent.request, sent.started)
+
+    def _undo(self, sent: Sent) -> None:
+        """A step that failed behind an earlier failure changed nothing: plan it again."""
+        self.to_free.extend(sent.request.finished_req_ids)
+        for r in reversed(sent.started):
+            self.running.pop(r.worker_id, None)
+            r.attempt -= 1
+            r.phase = Phase.QUEUED
+            self.waiting.insert(0, r)
+
+    async def _deliver(self, response: pb.ExecuteResponse) -> None:
+        """Takes a step's outputs, streams them, and frees requests that hit a stop."""
         touched = self._apply(response)
         stopped = await asyncio.gather(*(self._emit(self, r) for r in touched))
         for r, stop in zip(touched, stopped, strict=True):

@@ -402,3 +402,21 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     results, peak = asyncio.run(main())
     assert results.count("rejected") >= 7 and peak <= 2
     assert results.count("ok") + results.count("rejected") == 10
+
+
+def test_the_fleet_streams_every_token_as_sampled_through_execute_stream(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """One step ahead (the default) gives unary Execute's tokens, one message a token,
+    with requests joining while others decode."""
+    prompts = distinct_prompts(6, 9, seed=21)
+    requests = [token_request(p, 12 + i) for i, p in enumerate(prompts)]
+    unary = start_fleet(pool.targets[:1], "--steps-ahead", "0")
+    expected = [tokens_of(s.messages) for s in run_streams(unary.stub, requests)]
+    ahead = start_fleet(pool.targets[:1])
+    streams = run_streams(ahead.stub, requests)
+    assert [tokens_of(s.messages) for s in streams] == expected
+    for stream, request in zip(streams, requests, strict=True):
+        counted = [len(m.token_ids) for m in stream.messages if m.token_ids]
+        assert counted == [1] * request.sampling_params.max_tokens
+    assert ahead.worker(pool.targets[0]).num_finished >= len(requests)

@@ -82,10 +82,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--paths",
-        default="execute,multistep,generate",
+        default="execute,multistep,stream,generate",
         help="worker paths: execute (one Execute RPC per step), multistep (Execute calls of "
-        "--decode-steps decode steps each), generate (one Generate stream per request, "
-        "started together)",
+        "--decode-steps decode steps each), stream (one decode step a call through "
+        "ExecuteStream, --stream-depth steps in flight), generate (one Generate stream per "
+        "request, started together)",
+    )
+    p.add_argument(
+        "--stream-depth",
+        type=int,
+        default=2,
+        help="steps in flight on the stream path (2: one step ahead)",
     )
     p.add_argument(
         "--decode-steps",

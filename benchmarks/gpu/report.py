@@ -17,11 +17,13 @@ def _p50(step: dict[str, Any], key: str) -> str:
 
 
 # Worker paths (bench_gpu --paths): Execute from the benchmarks' Python scheduler,
-# one decode step a call or several (num_decode_steps), and one Generate stream
+# one decode step a call or several (num_decode_steps), one decode step a call
+# through ExecuteStream with steps in flight, and one Generate stream
 # per request, the worker scheduling them itself.
 PATHS = {
     "execute": "Execute",
     "multistep": "Execute, n steps a call",
+    "stream": "ExecuteStream, 1 step a call, 1 ahead",
     "generate": "Generate streams",
 }
 

@@ -19,6 +19,7 @@ from typing import Any
 from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, process_worker
 from benchmarks.execute_client import run_execute, run_generate, run_generate_streams
+from benchmarks.execute_stream import run_execute_stream
 from benchmarks.timeline import combined_stats
 
 # Worker variants: the environment of the worker process (engine knobs for A/B runs).
@@ -109,6 +110,14 @@ def _execute(
     return got
 
 
+def _stream(
+    worker: Worker, prompts: list[list[int]], tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One decode step a call through ExecuteStream, `--stream-depth` steps in flight."""
+    run = run_execute_stream(worker, prompts, tokens, depth=args.stream_depth)
+    return {"stats": run.timeline.stats(), "tokens": run.tokens}
+
+
 def _generate(
     worker: Worker, prompts: list[list[int]], tokens: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -119,6 +128,7 @@ def _generate(
 WORKER_RUNS: dict[str, Callable[..., dict[str, Any]]] = {
     "execute": _execute,
     "multistep": functools.partial(_execute, multistep=True),
+    "stream": _stream,
     "generate": _generate,
 }
 
@@ -167,7 +177,8 @@ def parity(
     """Greedy parity on one model: the worker's tokens against mlx-lm's.
 
     The check that must hold: each prompt alone through Execute (batch 1; one
-    decode step a call, and `decode_steps` a call), and alone through Generate,
+    decode step a call, and `decode_steps` a call), through ExecuteStream one
+    step ahead, and alone through Generate,
     gives exactly `stream_generate`'s tokens
     (mlx_lm.generate's path). For information: the prompts as one batch
     (Execute, and concurrent Generate streams), worker against BatchGenerator
@@ -177,6 +188,7 @@ def parity(
     reference = [raw_stream(model, tokenizer, p, tokens)[1] for p in prompts]
     alone = [run_execute(worker, [p], tokens).tokens[0] for p in prompts]
     multi = [run_execute(worker, [p], tokens, decode_steps=decode_steps).tokens[0] for p in prompts]
+    ahead = [run_execute_stream(worker, [p], tokens).tokens[0] for p in prompts]
     streams = run_generate_streams(worker, prompts, tokens)[1]
     generated = [run_generate(worker, p, tokens)[1] for p in prompts]
     together = run_execute(worker, prompts, tokens).tokens
@@ -195,7 +207,8 @@ def parity(
         "generate_single_matches_generate": [
             a == r for a, r in zip(generated, reference, strict=True)
         ],
-        "ok": alone == reference and multi == reference and generated == reference,
+        "stream_single_matches_generate": [a == r for a, r in zip(ahead, reference, strict=True)],
+        "ok": alone == reference == multi == generated == ahead,
         "batched_matches_batch_generator": [
             a == b for a, b in zip(together, batch_ref, strict=True)
         ],

@@ -2,9 +2,11 @@
 
 Both servers serve the embedded SmolLM2 model (what `make serve` serves) on this
 machine, as users run them: a `mlx-worker serve --auto-init` process behind a
-`mlx-worker gateway` process, and one `mlx_lm.server` process on the same model
-directory. Both are started first and stay up (an idle one uses no CPU) and answer
-one untimed round of other prompts at the highest concurrency.
+`mlx-worker gateway` process (its fleet driving the worker through ExecuteStream
+one step ahead, or unary Execute with `--steps-ahead 0`), and one `mlx_lm.server`
+process on the same model directory. Both are started first and stay up (an idle
+one uses no CPU) and answer one untimed round of other prompts at the highest
+concurrency.
 
 At concurrency c (1, 4, 8 by default), c clients each send streamed chat
 completions one after the other (greedy, `--max-tokens` tokens at most,
@@ -80,7 +82,9 @@ def _wait_healthy(url: str, proc: ServerProcess) -> None:
 
 
 @contextmanager
-def servers(model: Path, tmp: Path) -> Iterator[dict[str, tuple[str, list[ServerProcess]]]]:
+def servers(
+    model: Path, tmp: Path, steps_ahead: int = 1
+) -> Iterator[dict[str, tuple[str, list[ServerProcess]]]]:
     """Both stacks, up: {name: (base URL, its processes)}."""
     with ExitStack() as stack:
         port = _free_port()
@@ -92,7 +96,16 @@ def servers(model: Path, tmp: Path) -> Iterator[dict[str, tuple[str, list[Server
         stack.callback(mlx.stop)
         [worker] = stack.enter_context(worker_processes(model, 1, tmp))
         gateway = ServerProcess(
-            ["gateway", "--worker", worker.target, "--port", "0"], tmp / "gateway.log"
+            [
+                "gateway",
+                "--worker",
+                worker.target,
+                "--port",
+                "0",
+                "--steps-ahead",
+                str(steps_ahead),
+            ],
+            tmp / "gateway.log",
         )
         stack.callback(gateway.stop)
         gateway_port = gateway.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1)
@@ -200,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "options": {k: v for k, v in vars(args).items() if k != "out"},
         "levels": [],
     }
-    with temp_dir() as tmp, servers(model, tmp) as stacks:
+    with temp_dir() as tmp, servers(model, tmp, args.steps_ahead) as stacks:
         for url, _ in stacks.values():
             asyncio.run(_level(url, warm, len(warm), 8))
         for concurrency, count in zip(levels, counts, strict=True):
@@ -251,6 +264,13 @@ def main() -> None:
         "--min-requests", type=int, default=4, help="requests per level at least (default 4)"
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
+    parser.add_argument(
+        "--steps-ahead",
+        type=int,
+        default=1,
+        help="the gateway's fleet: steps sent ahead through ExecuteStream (default 1; 0: "
+        "unary Execute), to compare the two",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args()
     results = run(args)

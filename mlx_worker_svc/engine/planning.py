@@ -11,7 +11,13 @@ from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from mlx_worker_svc.domain import MAX_DECODE_STEPS, Origin, SamplingParams, StepPlan
+from mlx_worker_svc.domain import (
+    MAX_DECODE_STEPS,
+    CachedRequest,
+    Origin,
+    SamplingParams,
+    StepPlan,
+)
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, NotFound
 
@@ -164,18 +170,73 @@ def _cached_requests(
         if cached.resumed_from_preemption and not seq.preempted:
             raise InvalidArgument(f"{where}.resumed_from_preemption is set but it is running")
         if cached.num_computed_tokens != seq.num_computed:
-            raise InvalidArgument(
-                f"{where}.num_computed_tokens is {cached.num_computed_tokens} but the worker "
-                f"has {seq.num_computed} computed"
-            )
+            raise InvalidArgument(_count_mismatch(where, cached, seq))
         check_token_ids(cached.new_token_ids, f"{where}.new_token_ids", limits.vocab_size)
+        scheduled = plan.num_scheduled_tokens.get(cached.req_id, 0)
+        check_new_tokens(seq, cached.new_token_ids, scheduled, f"{where}.new_token_ids")
         total = len(seq.tokens) + len(cached.new_token_ids)
-        if total > limits.max_context:
-            raise InvalidArgument(
-                f"{where}.new_token_ids would make the sequence {total} tokens, over the "
-                f"context length {limits.max_context}"
-            )
         if cached.new_token_ids or cached.resumed_from_preemption:
             work.appends.append((seq.key, cached.new_token_ids, cached.resumed_from_preemption))
         counts[cached.req_id] = (seq.num_computed, total)
     return counts
+
+
+def _count_mismatch(where: str, cached: CachedRequest, seq: Sequence) -> str:
+    if seq.preempted:
+        return (
+            f"{where}.num_computed_tokens is {cached.num_computed_tokens}, but a request resumed "
+            f"from preemption restarts from 0: its KV was freed and the worker recomputes its "
+            f"{len(seq.tokens)} tokens (prompt and output, which it kept)"
+        )
+    return (
+        f"{where}.num_computed_tokens is {cached.num_computed_tokens} but the worker has "
+        f"{seq.num_computed} computed (the previous step's RequestOutput.num_computed_tokens)"
+    )
+
+
+def check_new_tokens(seq: Sequence, new: Seq[int], scheduled: int, where: str) -> None:
+    """Refuses `new_token_ids` that cannot be what the scheduler means (worker.proto).
+
+    The worker holds the prompt and every token it sampled; `new` goes after
+    its last token. A scheduler that counts positions from
+    num_computed_tokens (vLLM's pipeline-parallel path echoes the sampled
+    token; a resume may send the whole sequence) sends tokens the worker holds
+    already: when `new` repeats the held tokens from num_computed_tokens, from
+    the end of the prompt or from the start, and the step would not compute
+    past them, appending would duplicate them, so the step is refused. So are
+    appends that leave no room for the token the request samples next.
+    """
+    if not new:
+        return
+    held = seq.tokens
+    end = seq.num_computed + scheduled
+    for start in dict.fromkeys((seq.num_computed, seq.prompt_len, 0)):
+        count = min(len(new), len(held) - start)
+        if count < 1 or end > start + len(new) or list(new[:count]) != held[start : start + count]:
+            continue
+        repeated = held[start : start + count]
+        shown = f"{repeated}" if count <= 8 else f"{count} tokens ({repeated[:4]}...)"
+        what = f"{shown}, which the worker holds from position {start}"
+        advice = (
+            "A preempted request keeps its tokens: resume it with num_computed_tokens 0 and "
+            "no new_token_ids"
+            if seq.preempted
+            else "A decode step sends no new_token_ids and schedules 1 token"
+        )
+        raise InvalidArgument(
+            f"{where} repeats {what}: the worker appends every token it samples, and "
+            f"new_token_ids go after its last token (position {len(held) - 1}), so they are "
+            f"only tokens it does not hold. {advice}, unless tokens are new"
+        )
+    total = len(held) + len(new)
+    if total >= seq.length_limit:
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.prompt_len + max_tokens == seq.length_limit:
+            why = f"its prompt of {seq.prompt_len} plus max_tokens {max_tokens}"
+        else:
+            why = "the context length"
+        raise InvalidArgument(
+            f"{where} would make the sequence {total} tokens, and this request ends at "
+            f"{seq.length_limit} tokens ({why}; appended tokens count as output), which "
+            "leaves no room for the token it samples next"
+        )

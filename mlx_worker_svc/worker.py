@@ -150,16 +150,20 @@ class Worker(GenerateMixin):
             assert profile is not None
             loaded = self._need_model()
             wanted = prefix_caching is None or prefix_caching
-            allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+            block = block_size or profile.block_size
+            if memory_limit_bytes:
+                limit, field = memory_limit_bytes, "InitCache.memory_limit_bytes"
+                memory_guard.check_budget(profile, num_blocks, block, limit, field)
+            else:
+                total = profile.total_memory_bytes
+                memory_guard.check_budget(profile, num_blocks, block, total, "the device's memory")
+                allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+                limit = memory_guard.derived_limit(profile, num_blocks, block, allowance)
             config = CacheConfig(
                 num_blocks=num_blocks,
-                block_size=block_size or profile.block_size,
+                block_size=block,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
-                memory_limit_bytes=min(
-                    memory_limit_bytes
-                    or memory_guard.derived_limit(profile, num_blocks, allowance),
-                    MAX_MEMORY_LIMIT,
-                ),
+                memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
             )
             if self._runner is not None and self._cache_config == config:
                 return config

@@ -14,6 +14,7 @@ from mlx_worker_svc.domain import ChatMessage, GenerateChunk, GenerateSpec, Work
 from mlx_worker_svc.engine import text
 from mlx_worker_svc.errors import Internal, InvalidArgument, ResourceExhausted
 from mlx_worker_svc.generation import GenerateStream
+from mlx_worker_svc.log_format import clip
 from mlx_worker_svc.worker_core import WorkerCore
 
 S = WorkerState
@@ -68,7 +69,7 @@ class GenerateMixin(WorkerCore):
             self._admit_requests("Generate", 1)
             loaded = self._need_model()
             if request_id in self._streams:
-                raise InvalidArgument(f"request_id {request_id!r} is already streaming")
+                raise InvalidArgument(f"request_id {clip(request_id)!r} is already streaming")
             runner.add_generate(request_id, tuple(prompt), spec.sampling)
             skip = frozenset(loaded.info.eos_token_ids) if spec.skip_special_tokens else frozenset()
             stream = GenerateStream(

@@ -20,6 +20,7 @@ from mlx_worker_svc.domain import (
 )
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, NotFound
+from mlx_worker_svc.log_format import clip
 
 _EXEC = Origin.EXECUTE
 
@@ -61,7 +62,7 @@ def _no_duplicates(ids: Seq[str], field: str) -> None:
         if not req_id:
             raise InvalidArgument(f"{field} has an empty req_id")
         if req_id in seen:
-            raise InvalidArgument(f"{field} names req_id {req_id!r} twice")
+            raise InvalidArgument(f"{field} names req_id {clip(req_id)!r} twice")
         seen.add(req_id)
 
 
@@ -81,7 +82,7 @@ def plan_step(
     counts = _new_requests(plan, seqs, limits, work)
     counts.update(_cached_requests(plan, seqs, gone, set(counts), limits=limits, work=work))
     for req_id, count in plan.num_scheduled_tokens.items():
-        where = f"num_scheduled_tokens[{req_id!r}]"
+        where = f"num_scheduled_tokens[{clip(req_id)!r}]"
         if req_id not in counts:
             raise InvalidArgument(
                 f"{where}: req_id is in neither new_requests nor cached_requests of this step"
@@ -112,14 +113,14 @@ def _removals(
         if key in seqs:
             work.finished.append(key)
         elif key not in recently_finished:
-            raise NotFound(f"finished_req_ids: unknown req_id {req_id!r}")
+            raise NotFound(f"finished_req_ids: unknown req_id {clip(req_id)!r}")
     gone = set(plan.finished_req_ids)
     for req_id in plan.preempted_req_ids:
         key = (_EXEC, req_id)
         if req_id in gone:
-            raise InvalidArgument(f"req_id {req_id!r} is both finished and preempted")
+            raise InvalidArgument(f"req_id {clip(req_id)!r} is both finished and preempted")
         if key not in seqs:
-            raise NotFound(f"preempted_req_ids: unknown req_id {req_id!r}")
+            raise NotFound(f"preempted_req_ids: unknown req_id {clip(req_id)!r}")
         work.preempted.append(key)
     return gone | set(plan.preempted_req_ids)
 
@@ -131,10 +132,19 @@ def _new_requests(
     _no_duplicates([r.req_id for r in plan.new_requests], "new_requests")
     counts: dict[str, tuple[int, int]] = {}
     for i, new in enumerate(plan.new_requests):
-        where = f"new_requests[{i}] (req_id {new.req_id!r})"
+        where = f"new_requests[{i}] (req_id {clip(new.req_id)!r})"
         key = (_EXEC, new.req_id)
         if key in seqs and new.req_id not in plan.finished_req_ids:
-            raise InvalidArgument(f"{where}: req_id is already running")
+            if seqs[key].preempted:
+                raise InvalidArgument(
+                    f"{where}: req_id is a preempted request the worker still holds: resume it "
+                    "in cached_requests with resumed_from_preemption, or name it in "
+                    "finished_req_ids to start it again as new"
+                )
+            raise InvalidArgument(
+                f"{where}: req_id is already running; name it in finished_req_ids to start "
+                "it again as new"
+            )
         check_prompt(new.prompt_token_ids, f"{where}.prompt_token_ids", limits)
         check_sampling(new.sampling, f"{where}.sampling_params", limits)
         work.new.append(NewSequence(key, new.prompt_token_ids, new.sampling))
@@ -155,7 +165,7 @@ def _cached_requests(
     _no_duplicates([r.req_id for r in plan.cached_requests], "cached_requests")
     counts: dict[str, tuple[int, int]] = {}
     for i, cached in enumerate(plan.cached_requests):
-        where = f"cached_requests[{i}] (req_id {cached.req_id!r})"
+        where = f"cached_requests[{i}] (req_id {clip(cached.req_id)!r})"
         if cached.req_id in new_ids:
             raise InvalidArgument(f"{where}: req_id is also in new_requests")
         if cached.req_id in gone:

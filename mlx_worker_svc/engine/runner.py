@@ -47,6 +47,7 @@ from mlx_worker_svc.engine.sampling import (
 )
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.log_format import clip
 
 # Look-ahead (batch.DecodeBatch): "speculate" queues the next decode forward on
 # the sampled tokens before the host reads them; "after" starts it once the
@@ -134,7 +135,7 @@ class ModelRunner(Prefill):
         """Registers a Generate request; the engine schedules it from now on."""
         key = (Origin.GENERATE, req_id)
         if key in self.seqs:
-            raise InvalidArgument(f"request_id {req_id!r} is already running")
+            raise InvalidArgument(f"request_id {clip(req_id)!r} is already running")
         check_prompt(prompt, "prompt", self.limits)
         check_sampling(params, "sampling_params", self.limits)
         if self.budget.blocks_for(len(prompt) + 1) > self.budget.num_blocks:

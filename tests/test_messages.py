@@ -11,9 +11,9 @@ import grpc
 import pytest
 from driver import code_of, details_of, greedy
 
+from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.log_format import JsonFormatter, TextFormatter
 
 Stub = pb_grpc.WorkerServiceStub
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -11,16 +11,16 @@ from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from mlx_worker_svc.domain import (
+from mlx_worker_svc.core.domain import (
     MAX_DECODE_STEPS,
     CachedRequest,
     Origin,
     SamplingParams,
     StepPlan,
 )
+from mlx_worker_svc.core.errors import InvalidArgument, NotFound
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
-from mlx_worker_svc.errors import InvalidArgument, NotFound
-from mlx_worker_svc.log_format import clip
 
 _EXEC = Origin.EXECUTE
 

@@ -32,7 +32,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_grpcurl import grpcurl_binary
+from grpcurl_cli import grpcurl_binary
 
 from mlx_worker_svc.client.worker import (
     ClientConfig,

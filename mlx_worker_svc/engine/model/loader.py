@@ -10,6 +10,7 @@ are read.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, W
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.group import sharding
 
+log = logging.getLogger(__name__)
 # A model without a declared context length gets this one.
 DEFAULT_CONTEXT_LENGTH = 4096
 # What mlx-lm's load_adapters reads from an adapter directory.
@@ -137,6 +139,44 @@ def _dominant_float_dtype(params: list[tuple[str, mx.array]]) -> str:
     return max(counts, key=lambda k: counts[k]) if counts else "unknown"
 
 
+def loaded_quantization(model: nn.Module) -> Quantization:
+    """The quantization of most of the model's quantized weights, as loaded.
+
+    Read from the layers themselves (their bits, group size and mode), not from
+    config.json; models mix them (an 8-bit embedding beside 4-bit layers), and
+    the one covering the most weights is reported.
+    """
+    counts: dict[Quantization, int] = {}
+    for _, module in model.named_modules():
+        bits, group_size = getattr(module, "bits", None), getattr(module, "group_size", None)
+        weight = module.get("weight") if isinstance(module, nn.Module) else None
+        if isinstance(bits, int) and isinstance(group_size, int) and weight is not None:
+            key = Quantization(bits, group_size, str(getattr(module, "mode", "affine")))
+            counts[key] = counts.get(key, 0) + int(weight.size) * 32 // bits
+    return max(counts, key=lambda q: counts[q]) if counts else Quantization()
+
+
+def _warn_if_config_differs(spec: LoadSpec, cfg: dict[str, Any], loaded: Quantization) -> None:
+    """Logs a config.json whose top-level quantization disagrees with the weights.
+
+    mlx-lm infers each layer's bits and group size from its packed weights, so
+    such a model loads and runs correctly; the worker reports what was loaded.
+    """
+    declared = cfg.get("quantization")
+    if not isinstance(declared, dict) or not loaded.bits:
+        return
+    said = (declared.get("bits"), declared.get("group_size"))
+    if said != (loaded.bits, loaded.group_size):
+        log.warning(
+            "config.json says quantization bits %s, group size %s, but the weights loaded are "
+            "%d-bit with group size %d; reporting the weights",
+            *said,
+            loaded.bits,
+            loaded.group_size,
+            extra={"model": clip(spec.model)},
+        )
+
+
 def describe(
     spec: LoadSpec,
     source: str,
@@ -170,14 +210,8 @@ def describe(
     context = arg("max_position_embeddings", "max_seq_len", default=DEFAULT_CONTEXT_LENGTH)
     if spec.max_model_len:
         context = min(context, spec.max_model_len)
-    quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
-    quantization = Quantization()
-    if isinstance(quant, dict) and quant.get("bits"):
-        quantization = Quantization(
-            bits=int(quant["bits"]),
-            group_size=int(quant.get("group_size", 64)),
-            mode=str(quant.get("mode", "affine")),
-        )
+    quantization = loaded_quantization(model)
+    _warn_if_config_differs(spec, cfg, quantization)
     params = tree_flatten(model.parameters())
     weight_bytes = sum(int(v.nbytes) for _, v in params)
     eos = sorted(int(t) for t in (tokenizer.eos_token_ids or []))

@@ -180,14 +180,7 @@ class Worker(GenerateMixin):
             loaded = self._need_model()
             wanted = prefix_caching is None or prefix_caching
             block = block_size or profile.block_size
-            if memory_limit_bytes:
-                limit, field = memory_limit_bytes, "InitCache.memory_limit_bytes"
-                memory_guard.check_budget(profile, num_blocks, block, limit, field)
-            else:
-                total = profile.total_memory_bytes
-                memory_guard.check_budget(profile, num_blocks, block, total, "the device's memory")
-                allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
-                limit = memory_guard.derived_limit(profile, num_blocks, block, allowance)
+            limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
             config = CacheConfig(
                 num_blocks=num_blocks,
                 block_size=block,

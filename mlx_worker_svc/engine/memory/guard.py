@@ -27,13 +27,21 @@ def kv_bytes(profile: MemoryProfile, num_blocks: int, block_size: int) -> int:
     return num_blocks * block_size * profile.bytes_per_block // profile.block_size
 
 
-def derived_limit(
-    profile: MemoryProfile, num_blocks: int, block_size: int, utilization_bytes: int
-) -> int:
-    """The default memory limit: the allowance, or the budget if it is larger."""
+def budget_limit(profile: MemoryProfile, num_blocks: int, block_size: int, asked: int) -> int:
+    """The memory limit for a KV budget; raises if the budget can never fit.
+
+    `asked` is InitCache.memory_limit_bytes. 0 derives the limit: the larger of
+    memory_utilization x the recommended working set and weights + activation
+    peak + the full budget, which must then fit the device's total memory.
+    """
+    if asked:
+        check_budget(profile, num_blocks, block_size, asked, "InitCache.memory_limit_bytes")
+        return asked
+    total = profile.total_memory_bytes
+    check_budget(profile, num_blocks, block_size, total, "the device's memory")
+    allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
     need = profile.weight_bytes + profile.activation_peak_bytes
-    need += kv_bytes(profile, num_blocks, block_size)
-    return max(utilization_bytes, need)
+    return max(allowance, need + kv_bytes(profile, num_blocks, block_size))
 
 
 def check_budget(

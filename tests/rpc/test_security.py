@@ -175,12 +175,14 @@ def _call(
     method: MethodDescriptor,
     metadata: tuple[tuple[str, str], ...],
 ) -> None:
-    """Calls `method` with an empty request and reads every answer."""
-    assert not method.client_streaming
+    """Calls `method` with an empty request (one on a request stream) and reads every answer."""
     path = f"/{service.full_name}/{method.name}"
     request = message_factory.GetMessageClass(method.input_type)()
     response = message_factory.GetMessageClass(method.output_type)
-    if method.server_streaming:
+    if method.client_streaming:
+        both = channel.stream_stream(path, type(request).SerializeToString, response.FromString)
+        list(both(iter([request]), timeout=TIMEOUT, metadata=metadata))
+    elif method.server_streaming:
         stream = channel.unary_stream(path, type(request).SerializeToString, response.FromString)
         list(stream(request, timeout=TIMEOUT, metadata=metadata))
     else:
@@ -263,9 +265,9 @@ def test_every_worker_rpc_is_refused_without_the_token(served: Counter[str]) -> 
                     "/mlx_worker.v1.WorkerService/NoSuchMethod", None, None
                 )
                 assert _refused(unknown, b"", TIMEOUT, metadata)
-        assert len(WORKER_SERVICE.methods) == 18
+        assert len(WORKER_SERVICE.methods) == 19
         assert set(refused.values()) == {len(BAD_METADATA)}
-        assert sum(refused.values()) == (18 + 3) * len(BAD_METADATA) == 147
+        assert sum(refused.values()) == (19 + 3) * len(BAD_METADATA) == 154
         assert sum(served.values()) == 0, served  # 0 RPCs ran unauthenticated
         assert server.worker.state is WorkerState.NEW  # no InitDevice, no Shutdown
 

@@ -52,6 +52,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     CONTEXT_LENGTH = "context_length"
     ABORTED = "aborted"
+    GRAMMAR_COMPLETE = "grammar_complete"  # the structured-output grammar allows no more
 
 
 class Origin(enum.Enum):

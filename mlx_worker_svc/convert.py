@@ -31,6 +31,7 @@ from mlx_worker_svc.domain import (
     SleepReport,
     StepPlan,
     StepResult,
+    StructuredOutputs,
     TokenLogprobs,
     WorkerState,
 )
@@ -212,9 +213,27 @@ def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
+        structured_outputs=(
+            structured_outputs(message.structured_outputs, f"{where}.structured_outputs")
+            if message.HasField("structured_outputs")
+            else None
+        ),
     )
     params.validate(where)
     return params
+
+
+def structured_outputs(message: pb.StructuredOutputs, where: str) -> StructuredOutputs:
+    """The spec of a StructuredOutputs message (checked by SamplingParams.validate)."""
+    kind = message.WhichOneof("kind") or ""
+    if kind == "json_object" and not message.json_object:
+        raise InvalidArgument(f"{where}.json_object must be true when set")
+    return StructuredOutputs(
+        kind=kind,
+        text=getattr(message, kind) if kind not in ("", "choice", "json_object") else "",
+        choices=tuple(message.choice.choices),
+        disable_any_whitespace=message.disable_any_whitespace,
+    )
 
 
 def step_plan(request: pb.ExecuteRequest) -> StepPlan:
@@ -246,6 +265,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
         finished_req_ids=tuple(request.finished_req_ids),
         preempted_req_ids=tuple(request.preempted_req_ids),
         num_decode_steps=request.num_decode_steps,
+        grammar_bitmask=dict(request.grammar_bitmask),
     )
 
 

@@ -71,6 +71,42 @@ class Origin(enum.Enum):
     __hash__ = object.__hash__
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark_grammar", "gbnf_grammar")
+_JSON_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must be (proto StructuredOutputs); hashable, a cache key.
+
+    `kind` is one of STRUCTURED_KINDS; `text` holds the schema, regex or
+    grammar (empty for json_object), `choices` the strings of a choice.
+    """
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    disable_any_whitespace: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises InvalidArgument naming `where.<field>` for a spec that cannot be compiled."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidArgument(f"{where}: set one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "choice":
+            if not self.choices:
+                raise InvalidArgument(f"{where}.choice.choices is empty; give at least one")
+            for i, choice in enumerate(self.choices):
+                if not choice:
+                    raise InvalidArgument(f"{where}.choice.choices[{i}] is empty")
+        elif self.kind != "json_object" and not self.text:
+            raise InvalidArgument(f"{where}.{self.kind} is empty")
+        if self.disable_any_whitespace and self.kind not in _JSON_KINDS:
+            raise InvalidArgument(
+                f"{where}.disable_any_whitespace applies to json_schema and json_object only, "
+                f"not {self.kind}"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -88,6 +124,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self, where: str) -> None:
         """Raises InvalidArgument naming `where.<field>` for an out-of-range value."""
@@ -132,6 +169,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate(f"{where}.structured_outputs")
+            if self.ignore_eos:
+                raise bad(
+                    "ignore_eos",
+                    "cannot be combined with structured_outputs: the grammar decides "
+                    "where the output ends",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +211,8 @@ class StepPlan:
     preempted_req_ids: tuple[str, ...] = ()
     # Decode steps in this call (0 and 1: one); see ExecuteRequest.num_decode_steps.
     num_decode_steps: int = 1
+    # req_id -> packed allowed-token mask of its next token; see ExecuteRequest.grammar_bitmask.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ serve: $(STAMP) ## serve the worker on the embedded model, lifecycle done
 	$(PY) -m mlx_worker_svc serve --auto-init --host $(HOST) --port $(PORT)
 
 demo: $(STAMP) ## start a worker, stream one chat answer through Generate, stop it
-	$(PY) -m mlx_worker_svc.demo
+	$(PY) -m mlx_worker_svc.cli.demo
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check .

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from benchmarks.common import Worker
 from benchmarks.timeline import Timeline
-from mlx_worker_svc import convert
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.rpc import convert
 
 ExecuteCall = Callable[[pb.ExecuteRequest], pb.ExecuteResponse]
 

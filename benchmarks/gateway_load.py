@@ -39,7 +39,7 @@ import httpx
 
 from benchmarks.common import machine_facts, machine_name, percentile, ratio, temp_dir
 from benchmarks.fleet import ServerProcess, cpu_seconds, cpu_used, worker_processes
-from mlx_worker_svc.embedded import ensure_default_model
+from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GATEWAY, MLX_LM = "gateway", "mlx_lm.server"

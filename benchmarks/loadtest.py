@@ -53,7 +53,7 @@ from benchmarks.common import (
     slope,
     temp_dir,
 )
-from mlx_worker_svc.embedded import ensure_default_model
+from mlx_worker_svc.engine.model.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 

@@ -117,7 +117,7 @@ def timed(name: str, seconds: dict[str, float], fn: Callable[[], dict[str, Any]]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
 
-    from mlx_worker_svc.embedded import ensure_default_model
+    from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
     started = time.perf_counter()
     embedded = ensure_default_model(show_progress=False)

@@ -479,7 +479,7 @@ def soak(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlx_worker_svc.embedded import ensure_default_model
+    from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
     args = parse_args(argv)
     with temp_dir() as tmp:

@@ -1,5 +1,5 @@
 """`python -m mlx_worker_svc` runs the `mlx-worker` command line."""
 
-from mlx_worker_svc.cli import main
+from mlx_worker_svc.cli.main import main
 
 raise SystemExit(main())

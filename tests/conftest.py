@@ -10,9 +10,9 @@ import pytest
 from driver import ServeProcess, bring_up
 from tiny_model import build_tiny_model, dequantized_copy
 
-from mlx_worker_svc.embedded import ensure_default_model
+from mlx_worker_svc.engine.model.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 
 @pytest.fixture(scope="session")

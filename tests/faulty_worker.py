@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from mlx_worker_svc import cli
+from mlx_worker_svc.cli import main as cli
 from mlx_worker_svc.engine.runner import ModelRunner
 
 

@@ -16,12 +16,12 @@ import pytest
 from driver import ServeProcess, code_of, details_of, greedy, live_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mlx_worker_svc.engine_loop import EngineLoop
-from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.core.limits import AdmissionLimits, context_hint, message_limit
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.limits import AdmissionLimits, context_hint, message_limit
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.worker.engine_loop import EngineLoop
 
 LIMIT = 2
 
@@ -232,7 +232,7 @@ def test_engine_death_ends_calls_with_internal_and_the_process_exits_nonzero(
 def test_getinfo_reports_the_limits_and_the_fleet_keeps_within_them(
     limited: tuple[WorkerServer, pb_grpc.WorkerServiceStub, int],
 ) -> None:
-    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig
 
     server, stub, _ = limited
     limits = stub.GetInfo(pb.GetInfoRequest()).limits

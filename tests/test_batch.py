@@ -10,7 +10,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from tiny_model import tiny_config
 
-from mlx_worker_svc.engine.batch import (
+from mlx_worker_svc.engine.cache.batch import (
     AlignedBatchKVCache,
     DecodeBatch,
     merge_caches,
@@ -183,7 +183,7 @@ def test_prompts_prefilled_together_match_prompts_prefilled_alone(model: llama.M
 
 
 def test_prefill_groups_take_equal_lengths_up_to_one_chunk() -> None:
-    from mlx_worker_svc.domain import Origin
+    from mlx_worker_svc.core.domain import Origin
     from mlx_worker_svc.engine.admission import PREFILL_STEP, prefill_groups
 
     def key(name: str) -> tuple[Origin, str]:

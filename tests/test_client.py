@@ -18,7 +18,7 @@ import pytest
 from driver import greedy
 from grpc_health.v1 import health_pb2
 
-from mlx_worker_svc.client import (
+from mlx_worker_svc.client.worker import (
     IDEMPOTENT_METHODS,
     AsyncWorkerClient,
     ClientConfig,
@@ -27,7 +27,7 @@ from mlx_worker_svc.client import (
 )
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import SERVICE_NAME, WorkerServer
+from mlx_worker_svc.rpc.server import SERVICE_NAME, WorkerServer
 
 PROMPT = [1, 2, 3, 4, 5]
 MAX_TOKENS = 8
@@ -399,7 +399,7 @@ def test_idempotent_calls_are_retried_on_unavailable_and_the_rest_tried_once(
     assert expected == IDEMPOTENT_METHODS
     target, servicer = fake
     servicer.flaky = 2
-    caplog.set_level(logging.INFO, logger="mlx_worker_svc.client")
+    caplog.set_level(logging.INFO, logger="mlx_worker_svc.client.worker")
 
     async def calls() -> None:
         async with AsyncWorkerClient(target, _fast(token=TOKEN, retries=3)) as client:
@@ -410,7 +410,7 @@ def test_idempotent_calls_are_retried_on_unavailable_and_the_rest_tried_once(
 
     asyncio.run(calls())
     assert servicer.calls == Counter(GetInfo=3, Execute=1)
-    retries = [r.getMessage() for r in caplog.records if r.name == "mlx_worker_svc.client"]
+    retries = [r.getMessage() for r in caplog.records if r.name == "mlx_worker_svc.client.worker"]
     assert len(retries) == 2 and all(m.startswith("GetInfo") for m in retries)
 
 

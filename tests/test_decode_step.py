@@ -1,4 +1,4 @@
-"""A llama's own decode step (engine/decode_step.py): the model's logits, bit for bit."""
+"""A llama's own decode step (engine/rewrite/decode_step.py): the model's logits, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tiny_model import random_llama
 
-from mlx_worker_svc.engine import decode_step, fused, transposed
-from mlx_worker_svc.engine.batch import AlignedBatchKVCache, merge_caches
+from mlx_worker_svc.engine.cache.batch import AlignedBatchKVCache, merge_caches
+from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8, 2]]
 

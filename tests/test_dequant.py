@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tiny_model import random_llama
 
-from mlx_worker_svc.engine import dequant
+from mlx_worker_svc.engine.rewrite import dequant
 
 
 def tiny_llama(quantized: bool) -> llama.Model:

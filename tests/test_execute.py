@@ -276,7 +276,8 @@ def test_kv_budget_is_enforced_before_anything_changes(stub: Stub, tiny_dir: Pat
 def test_equally_long_prompts_prefill_together_and_give_mlx_lm_tokens(
     tiny_stub: Stub, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlx_worker_svc.engine import batch, prefill
+    from mlx_worker_svc.engine import prefill
+    from mlx_worker_svc.engine.cache import batch
 
     groups: list[int] = []
 
@@ -296,7 +297,7 @@ def test_equally_long_prompts_prefill_together_and_give_mlx_lm_tokens(
 def test_the_memory_check_counts_a_prefill_group_as_one_forward(
     tiny_stub: Stub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlx_worker_svc.engine.memory_guard import MemoryGuard
+    from mlx_worker_svc.engine.memory.guard import MemoryGuard
 
     seen: list[list[tuple[int, int]]] = []
     estimate = MemoryGuard.estimate

@@ -621,7 +621,7 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     """The queue bound counts requests whose prompt is still being tokenized."""
     import asyncio
 
-    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig, Overloaded
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig, Overloaded
 
     async def main() -> tuple[list[str], int]:
         config = FleetConfig(link=LinkConfig(max_num_seqs=1), queue_capacity=2)

@@ -27,7 +27,7 @@ from test_fleet import Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import WorkerServer
+from mlx_worker_svc.rpc.server import WorkerServer
 
 KEY = "sk-gateway-test-key"
 OTHER_KEY = "sk-second-key"

@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from tokenizers import pre_tokenizers
 
-from mlx_worker_svc import embedded
-from mlx_worker_svc.engine.gguf import convert_gguf
-from mlx_worker_svc.errors import Internal, InvalidArgument, NotFound, Unavailable
+from mlx_worker_svc.core.errors import Internal, InvalidArgument, NotFound, Unavailable
+from mlx_worker_svc.engine.model import embedded
+from mlx_worker_svc.engine.model.gguf import convert_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "l l", "ll o", "H e", "He llo"]

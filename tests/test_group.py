@@ -31,13 +31,13 @@ from test_fleet import Fleet, Proc, Stream, distinct_prompts, run_streams, token
 from test_grpcurl import SERVICE, Grpcurl, grpcurl_binary
 from tiny_model import build_tiny_model
 
-from mlx_worker_svc.domain import Parallelism
-from mlx_worker_svc.engine import sharding
-from mlx_worker_svc.errors import InvalidArgument
+from mlx_worker_svc.cli.group_launch import free_ports
+from mlx_worker_svc.core.domain import Parallelism
+from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.engine.group import sharding
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.group_launch import free_ports
-from mlx_worker_svc.server import WorkerServer
+from mlx_worker_svc.rpc.server import WorkerServer
 
 WATCHDOG = 5.0  # --collective-timeout of the groups broken on purpose
 MAX_TOKENS = 8

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from mlx_worker_svc.server import WorkerServer
+from mlx_worker_svc.rpc.server import WorkerServer
 
 SERVICE = "mlx_worker.v1.WorkerService"
 HEALTH = "grpc.health.v1.Health"

@@ -14,7 +14,7 @@ from tiny_model import build_tiny_model
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import WorkerServer
+from mlx_worker_svc.rpc.server import WorkerServer
 
 Stub = pb_grpc.WorkerServiceStub
 

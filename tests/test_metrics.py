@@ -29,13 +29,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_fleet import Fleet, Proc
 
+from mlx_worker_svc.core.limits import AdmissionLimits
+from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.limits import AdmissionLimits
-from mlx_worker_svc.log_format import JsonFormatter, TextFormatter
-from mlx_worker_svc.metrics import ServerMetrics
-from mlx_worker_svc.security import SecurityConfig
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.metrics import ServerMetrics
+from mlx_worker_svc.rpc.security import SecurityConfig
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 NUM_BLOCKS = 512
 Labels = frozenset[tuple[str, str]]
@@ -212,7 +212,7 @@ def test_worker_logs_carry_request_ids(worker: Live, caplog: pytest.LogCaptureFi
     assert [r.getMessage() for r in mine] == ["request admitted", "request finished"]
     finished = json.loads(JsonFormatter().format(mine[-1]))
     assert finished["req_id"] == "log-me" and finished["level"] == "INFO"
-    assert finished["logger"] == "mlx_worker_svc.generation"
+    assert finished["logger"] == "mlx_worker_svc.worker.generation"
     assert finished["message"] == "request finished" and finished["ts"].endswith("+00:00")
     assert (finished["finish_reason"], finished["prompt_tokens"]) == ("length", 6)
     assert finished["completion_tokens"] == 3
@@ -350,7 +350,7 @@ def test_fleet_and_worker_json_logs_carry_request_ids(served: Served) -> None:
         if line["message"] in ("request finished", "request failed")
     }
     finished = ended["fleet-log"]
-    assert (finished["level"], finished["logger"]) == ("INFO", "mlx_worker_svc.scheduler.fleet")
+    assert (finished["level"], finished["logger"]) == ("INFO", "mlx_worker_svc.fleet.scheduler")
     assert (finished["outcome"], finished["completion_tokens"]) == ("length", 4)
     assert finished["worker"] == served.target
     assert {"ts", "message", "prompt_tokens"} <= finished.keys()
@@ -360,7 +360,7 @@ def test_fleet_and_worker_json_logs_carry_request_ids(served: Served) -> None:
     on_worker = {
         (line["message"], line.get("req_id"))
         for line in json_lines(served.worker)
-        if line["logger"] == "mlx_worker_svc.worker_core"
+        if line["logger"] == "mlx_worker_svc.worker.core"
     }
     assert ("request admitted", "fleet-log#1") in on_worker
     assert ("request finished", "fleet-log#1") in on_worker

@@ -165,7 +165,7 @@ def test_the_fleet_scheduler_decodes_several_steps_a_call_once_all_decode(
 ) -> None:
     import asyncio
 
-    from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig
 
     steps_asked: list[int] = []
     execute = server.worker.execute

@@ -34,13 +34,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_grpcurl import grpcurl_binary
 
-from mlx_worker_svc.client import ClientConfig, ClientError, WorkerClient, channel_credentials
-from mlx_worker_svc.domain import WorkerState
+from mlx_worker_svc.client.worker import (
+    ClientConfig,
+    ClientError,
+    WorkerClient,
+    channel_credentials,
+)
+from mlx_worker_svc.core.domain import WorkerState
+from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig
+from mlx_worker_svc.fleet.server import serve_fleet
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.scheduler import FleetConfig, FleetScheduler, LinkConfig
-from mlx_worker_svc.scheduler.server import serve_fleet
-from mlx_worker_svc.security import (
+from mlx_worker_svc.rpc.security import (
     CLIENT_TOKEN_ENV,
     TOKEN_ENV,
     UNAUTHENTICATED_DETAILS,
@@ -52,8 +57,8 @@ from mlx_worker_svc.security import (
     is_loopback,
     load_tokens,
 )
-from mlx_worker_svc.server import ServerConfig, WorkerServer
-from mlx_worker_svc.servicer import WorkerServicer
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.servicer import WorkerServicer
 
 TOKEN = "tok-3f9a1c"
 OTHER_TOKEN = "tok-rotated-7b2e"

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from mlx_worker_svc.domain import FinishReason, Origin, SamplingParams
+from mlx_worker_svc.core.domain import FinishReason, Origin, SamplingParams
 from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.sequence import Sequence
 

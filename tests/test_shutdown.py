@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 
 def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:

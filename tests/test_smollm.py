@@ -29,7 +29,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 pytestmark = pytest.mark.smollm
 Stub = pb_grpc.WorkerServiceStub

@@ -12,7 +12,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_model import random_llama
 
-from mlx_worker_svc.engine import fused, transposed
+from mlx_worker_svc.engine.rewrite import fused, transposed
 
 
 @pytest.fixture(autouse=True)

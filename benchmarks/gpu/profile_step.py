@@ -22,9 +22,9 @@ no look-ahead) into the host's graph construction (Python), the launch
 (`mx.async_eval`: MLX encodes and submits the kernels) and the wait for the
 device after it: whether a step is bound by the host or by the device. With
 `--fuse` the same model with its weights' transposed views kept
-(`engine/transposed.py`), and with its projections fused too
-(`engine/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), and
-the fused copy's own decode step (`engine/decode_step.py`), run beside it,
+(`engine/rewrite/transposed.py`), and with its projections fused too
+(`engine/rewrite/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), and
+the fused copy's own decode step (`engine/rewrite/decode_step.py`), run beside it,
 interleaved, and their greedy tokens are compared with mlx-lm's.
 """
 
@@ -47,7 +47,7 @@ from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from benchmarks.gpu.worker_runs import bench_worker, kv_blocks
-from mlx_worker_svc.engine import decode_step, fused, transposed
+from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.engine.sampling import greedy
 

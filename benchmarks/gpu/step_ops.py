@@ -5,8 +5,8 @@ count of kernels is the number to cut. MLX's CUDA backend writes each CUDA
 graph it launches as a DOT file when `MLX_SAVE_CUDA_GRAPHS_DOT_FILE` names a
 path prefix (read once per process: set it when starting this script). This
 builds the benchmark's random model, and for mlx-lm's model, the worker's
-fused copy (`engine/fused.py` over `engine/transposed.py`) and that copy with
-its own decode step (`engine/decode_step.py`) prefills a batch,
+fused copy (`engine/rewrite/fused.py` over `engine/rewrite/transposed.py`) and that copy with
+its own decode step (`engine/rewrite/decode_step.py`) prefills a batch,
 warms two decode steps, then counts the graphs and kernel nodes of one more
 step and names the kernels, with MLX's primitives of the same step (its
 `mx.export_to_dot` graph) beside them.
@@ -60,7 +60,7 @@ def count_step(model: Any, prompts: list[list[int]], dump: Path, work: Path) -> 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_worker_svc.engine import decode_step
+    from mlx_worker_svc.engine.rewrite import decode_step
     from mlx_worker_svc.engine.sampling import greedy
 
     cache = make_prompt_cache(model)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     dump.parent.mkdir(parents=True, exist_ok=True)
     from mlx_lm import load
 
-    from mlx_worker_svc.engine import decode_step, fused, transposed
+    from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 
     shape = SMOKE if args.smoke else LLAMA_1B
     sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -17,7 +17,7 @@ import mlx.core as mx
 from tokenizers import pre_tokenizers
 
 from benchmarks.common import tiny_model_module
-from mlx_worker_svc.engine.gguf_tokenizer import write_tokenizer_files
+from mlx_worker_svc.engine.model.gguf_tokenizer import write_tokenizer_files
 
 # Llama-3.2-1B's shape (config.json of meta-llama/Llama-3.2-1B), random weights.
 LLAMA_1B: dict[str, Any] = {

@@ -40,12 +40,12 @@ VARIANTS: dict[str, dict[str, str]] = {
     # The default engine with MLX's CUDA graphs of up to 80 operations (MLX's default: 20),
     # so fewer graphs are built and launched per decode step.
     "ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
-    # The default engine without fused projections (engine/fused.py).
+    # The default engine without fused projections (engine/rewrite/fused.py).
     "unfused": {"MLX_WORKER_FUSE": "0"},
     # The default engine with fused projections for single rows only.
     "fuse-single": {"MLX_WORKER_FUSE_BATCHED": "0"},
     # The default engine with linear layers transposing their weight in every
-    # forward, as nn.Linear does (engine/transposed.py).
+    # forward, as nn.Linear does (engine/rewrite/transposed.py).
     "untransposed": {"MLX_WORKER_TRANSPOSED": "0"},
 }
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence as Seq
 
 import mlx.core as mx
 
-from mlx_worker_svc.domain import Origin, SamplingParams, StepPlan
-from mlx_worker_svc.engine.kv_budget import KVBudget
-from mlx_worker_svc.engine.memory_guard import MemoryGuard
+from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
+from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.memory.guard import MemoryGuard
+from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.planning import Limits, plan_step
-from mlx_worker_svc.engine.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.engine.structured import GrammarCompiler, plan_structured
 

@@ -11,9 +11,9 @@ from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from mlx_worker_svc.domain import MAX_DECODE_STEPS, Origin, SamplingParams, StepPlan
+from mlx_worker_svc.core.domain import MAX_DECODE_STEPS, Origin, SamplingParams, StepPlan
+from mlx_worker_svc.core.errors import InvalidArgument, NotFound
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
-from mlx_worker_svc.errors import InvalidArgument, NotFound
 
 _EXEC = Origin.EXECUTE
 

@@ -15,9 +15,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_worker_svc.domain import RequestOutput, TokenLogprobs
+from mlx_worker_svc.core.domain import RequestOutput, TokenLogprobs
 from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission, prefill_groups
-from mlx_worker_svc.engine.batch import DecodeBatch, prefill_together
+from mlx_worker_svc.engine.cache.batch import DecodeBatch, prefill_together
 from mlx_worker_svc.engine.recovery import StepJournal
 from mlx_worker_svc.engine.sampling import prompt_logprobs
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence

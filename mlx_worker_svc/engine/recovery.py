@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
-from mlx_worker_svc.engine.batch import DecodeBatch
+from mlx_worker_svc.engine.cache.batch import DecodeBatch
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_worker_svc.domain import (
+from mlx_worker_svc.core.domain import (
     CacheConfig,
     FinishReason,
     KVUsage,
@@ -31,15 +31,17 @@ from mlx_worker_svc.domain import (
     SamplingParams,
     StepTimings,
 )
-from mlx_worker_svc.engine import decode_step, dequant, fused, structured, transposed
-from mlx_worker_svc.engine.batch import DecodeBatch, batchable
-from mlx_worker_svc.engine.kv_budget import KVBudget
-from mlx_worker_svc.engine.loader import LoadedModel
-from mlx_worker_svc.engine.memory_guard import MemoryGuard
+from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.engine import structured
+from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
+from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.memory.guard import MemoryGuard
+from mlx_worker_svc.engine.memory.kv_budget import KVBudget
+from mlx_worker_svc.engine.model.loader import LoadedModel
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
-from mlx_worker_svc.engine.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.recovery import StepJournal
+from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, transposed
 from mlx_worker_svc.engine.sampling import (
     RequestSampler,
     choose_tokens,
@@ -47,7 +49,6 @@ from mlx_worker_svc.engine.sampling import (
     token_logprobs,
 )
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
-from mlx_worker_svc.errors import InvalidArgument, ResourceExhausted
 
 # Look-ahead (batch.DecodeBatch): "speculate" queues the next decode forward on
 # the sampled tokens before the host reads them; "after" starts it once the

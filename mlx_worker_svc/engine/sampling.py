@@ -17,7 +17,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_worker_svc.domain import SamplingParams, TokenLogprobs
+from mlx_worker_svc.core.domain import SamplingParams, TokenLogprobs
 
 
 class RequestSampler:

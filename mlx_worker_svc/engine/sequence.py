@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_worker_svc.domain import FinishReason, Origin, SamplingParams
+from mlx_worker_svc.core.domain import FinishReason, Origin, SamplingParams
 from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.structured import Grammar
 

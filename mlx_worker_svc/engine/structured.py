@@ -34,8 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.domain import Origin, StepPlan, StructuredOutputs
-from mlx_worker_svc.errors import Internal, InvalidArgument
+from mlx_worker_svc.core.domain import Origin, StepPlan, StructuredOutputs
+from mlx_worker_svc.core.errors import Internal, InvalidArgument
 
 if TYPE_CHECKING:
     from mlx_worker_svc.engine.sequence import RequestKey, Work

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.domain import ChatMessage
-from mlx_worker_svc.errors import FailedPrecondition, InvalidArgument
+from mlx_worker_svc.core.domain import ChatMessage
+from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
 

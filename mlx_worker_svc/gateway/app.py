@@ -33,16 +33,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
-from mlx_worker_svc.client import ClientError
-from mlx_worker_svc.errors import WorkerError
+from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, token_ids
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.scheduler import FleetScheduler
-from mlx_worker_svc.security import SecurityConfig, token_check
+from mlx_worker_svc.rpc.security import SecurityConfig, token_check
 
 T = TypeVar("T")
 Stream = AsyncGenerator[pb.GenerateResponse, None]

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_worker_svc.gateway.errors import ApiError
-from mlx_worker_svc.security import TokenCheck
+from mlx_worker_svc.rpc.security import TokenCheck
 
 _MISSING = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "

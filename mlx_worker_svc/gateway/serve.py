@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.gateway.app import GatewayConfig, create_app
-from mlx_worker_svc.scheduler import FleetScheduler
 
 log = logging.getLogger(__name__)
 

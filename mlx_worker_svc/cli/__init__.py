@@ -1,0 +1,2 @@
+"""Entry points: the `mlx-worker` command line (serve, fleet, gateway, generate,
+convert-gguf), worker-group launch and the demo. May import every layer."""

@@ -1,0 +1,199 @@
+"""`mlx-worker fleet`, `gateway` and `generate`: the fleet scheduler from a shell.
+
+`fleet` serves `mlx_worker.v1.FleetService` in front of the given workers;
+`gateway` serves an OpenAI-compatible HTTP API (mlx_worker_svc.gateway) over
+the same scheduler, in-process; `generate` runs the scheduler for one prompt
+and streams the text to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any
+
+from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+GATEWAY_KEY_ENV = "MLX_GATEWAY_API_KEY"
+"""Environment variable with one more API key for `gateway` (beside --api-key-file)."""
+
+
+def _fleet_config(args: argparse.Namespace) -> Any:
+    """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options."""
+    from mlx_worker_svc.client.worker import ClientConfig
+    from mlx_worker_svc.fleet import FleetConfig, LinkConfig
+    from mlx_worker_svc.rpc.security import worker_client_from_args
+
+    credentials, token = worker_client_from_args(args)
+    link = LinkConfig(
+        model=args.model or "",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_steps=args.decode_steps,
+        client=ClientConfig(credentials=credentials, token=token),
+    )
+    return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
+
+
+async def _run_fleet(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.fleet import FleetScheduler
+    from mlx_worker_svc.fleet.server import serve_fleet
+    from mlx_worker_svc.rpc.metrics import MetricsEndpoint
+    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+
+    try:  # before any worker is contacted
+        security = server_security_from_args(args)
+        config = _fleet_config(args)
+    except SecurityError as exc:
+        print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
+        return 2
+    fleet = FleetScheduler(args.worker, config)
+    await fleet.start()
+    endpoint = MetricsEndpoint(fleet.metrics.registry)
+    try:
+        if args.metrics_port is not None:
+            endpoint.start(args.metrics_host, args.metrics_port)
+        server, port = await serve_fleet(fleet, args.host, args.port, security)
+    except (OSError, SecurityError) as exc:
+        logging.error("%s", exc)
+        endpoint.close()
+        await fleet.stop()
+        return 2
+    print(f"mlx-worker fleet listening on {args.host}:{port}", flush=True)
+    if endpoint.port:
+        print(f"mlx-worker fleet metrics on {args.metrics_host}:{endpoint.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(grace=5.0)
+    endpoint.close()
+    await fleet.stop()
+    return 0
+
+
+async def _run_gateway(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.fleet import FleetScheduler
+    from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
+    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+
+    try:  # before any worker is contacted
+        security = server_security_from_args(args)
+        fleet_config = _fleet_config(args)
+        config = GatewayConfig(served_model_name=args.served_model_name, security=security)
+        server = GatewayServer(
+            FleetScheduler(args.worker, fleet_config), args.host, args.port, config
+        )
+        await server.start()  # the app's lifespan starts the fleet
+    except (OSError, SecurityError) as exc:
+        print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.stop)
+    await server.wait()
+    return 0
+
+
+async def _run_generate(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.fleet import FleetError, FleetScheduler
+    from mlx_worker_svc.rpc.security import SecurityError
+
+    try:
+        config = _fleet_config(args)
+    except SecurityError as exc:
+        print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
+        return 2
+    fleet = FleetScheduler(args.worker, config)
+    await fleet.start()
+    sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if args.raw:
+        request = pb.GenerateRequest(prompt=args.prompt, sampling_params=sampling)
+    else:
+        message = pb.ChatMessage(role="user", content=args.prompt)
+        request = pb.GenerateRequest(messages=[message], sampling_params=sampling)
+    code = 0
+    try:
+        async for chunk in fleet.generate(request):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except FleetError as exc:
+        print(f"\ngenerate: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        await fleet.stop()
+    return code
+
+
+def _decode_steps(text: str) -> int:
+    steps = int(text)
+    if not 1 <= steps <= MAX_DECODE_STEPS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DECODE_STEPS}], got {steps}")
+    return steps
+
+
+def add_commands(sub: Any) -> None:
+    """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
+    from mlx_worker_svc.rpc.metrics import add_metrics_arguments
+    from mlx_worker_svc.rpc.security import add_server_arguments, add_worker_client_arguments
+
+    for name, help_text, runner in (
+        ("fleet", "serve FleetService in front of workers", _run_fleet),
+        ("gateway", "serve an OpenAI-compatible HTTP API in front of workers", _run_gateway),
+        ("generate", "stream one answer from the workers to the terminal", _run_generate),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument(
+            "--worker", action="append", required=True, metavar="HOST:PORT", help="repeatable"
+        )
+        cmd.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        cmd.add_argument("--max-num-seqs", type=int, default=64)
+        cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
+        cmd.add_argument(
+            "--decode-steps",
+            type=_decode_steps,
+            default=1,
+            help=f"decode steps per Execute call while every request decodes (1-"
+            f"{MAX_DECODE_STEPS}, default 1): fewer round trips, tokens streamed in groups of "
+            "up to this many",
+        )
+        cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
+        cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
+        if name in ("fleet", "gateway"):
+            port = 50050 if name == "fleet" else 8000
+            cmd.add_argument(
+                "--host",
+                default="127.0.0.1",
+                help="default 127.0.0.1; any other needs TLS, a token or --insecure",
+            )
+            cmd.add_argument("--port", type=int, default=port, help=f"default {port}; 0 = any")
+        if name == "fleet":
+            add_server_arguments(cmd)
+            add_metrics_arguments(cmd)
+        elif name == "gateway":
+            add_server_arguments(cmd, token_flag="--api-key-file", token_env=GATEWAY_KEY_ENV)
+            cmd.add_argument(
+                "--served-model-name",
+                help="the model id clients use (default: the workers' model directory name)",
+            )
+        else:
+            cmd.add_argument("prompt")
+            cmd.add_argument("--max-tokens", type=int, default=128)
+            cmd.add_argument("--temperature", type=float, default=0.0)
+            cmd.add_argument("--raw", action="store_true", help="no chat template")
+        add_worker_client_arguments(cmd)
+
+        def run(args: argparse.Namespace, runner: Any = runner) -> int:
+            with contextlib.suppress(KeyboardInterrupt):
+                return int(asyncio.run(runner(args)))
+            return 130
+
+        cmd.set_defaults(func=run)

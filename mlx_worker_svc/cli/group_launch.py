@@ -1,0 +1,165 @@
+"""`mlx-worker serve --world-size N`: a worker group started through `mlx.launch`.
+
+The group's processes are started by MLX's own launcher, which gives each its
+rank and the backend's addresses: `mlx.launch` runs this same command line
+with `--group` added on every rank (N ranks on this machine, or the hosts of
+`--hostfile`). Rank 0 serves gRPC; the other ranks follow it
+(engine/group/replica.py). This process relays the group's output, passes SIGTERM
+and SIGINT to rank 0 (whose drain stops every rank), and exits with rank 0's
+exit status, which rank 0 prints as its last line (`EXIT_LINE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+# Every rank prints RANK_LINE once it has joined the group; rank 0 prints
+# EXIT_LINE just before it exits.
+RANK_LINE = "mlx-worker group rank {rank} of {size} ({backend}) pid {pid} on {host}"
+EXIT_LINE = "mlx-worker rank 0 exits with status {status}"
+_RANK = re.compile(r"mlx-worker group rank (\d+) of \d+ \(\S+\) pid (\d+) on (\S+)")
+_EXIT = re.compile(r"mlx-worker rank 0 exits with status (-?\d+)")
+BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
+# More than a pipe buffer holds (64 KiB on Linux, at most that on macOS).
+_STDIN_FILL = 256 << 10
+
+
+def init_backend(backend: str) -> str:
+    """The name `mx.distributed.init` knows a launcher backend by."""
+    return "jaccl" if backend.startswith("jaccl") else backend
+
+
+def launched_backend() -> str:
+    """The backend mlx.launch started this process for, from what it set in the environment."""
+    env = os.environ
+    if "MLX_IBV_DEVICES" in env:
+        return "jaccl-ring" if env.get("MLX_JACCL_RING") else "jaccl"
+    if "NCCL_HOST_IP" in env:
+        return "nccl"
+    if any(name.startswith(("OMPI_COMM_WORLD", "PMI_")) for name in env):
+        return "mpi"
+    return "ring"
+
+
+def _hostfile_backend(hostfile: str) -> str:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return str(json.loads(Path(hostfile).read_text()).get("backend") or "")
+    return ""
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive ports free on loopback (ring backend)."""
+    for _ in range(64):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise OSError("no free ports for the ring backend")
+
+
+def _mlx_launch() -> str | None:
+    here = Path(sys.executable).parent / "mlx.launch"
+    return str(here) if here.exists() else shutil.which("mlx.launch")
+
+
+def launch_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """The `mlx.launch` command that starts the group `args` asks for."""
+    launcher = _mlx_launch()
+    if launcher is None:
+        raise FileNotFoundError("mlx.launch is not installed (it comes with the mlx package)")
+    backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    command = [launcher, "--backend", backend]
+    if args.hostfile:
+        command += ["--hostfile", args.hostfile]
+    else:
+        command += ["--hosts", "127.0.0.1", "-n", str(args.world_size)]
+    if backend == "ring":
+        command += ["--starting-port", str(args.group_port or free_ports(args.world_size))]
+    rank = [sys.executable, "-m", "mlx_worker_svc", *argv, "--backend", backend, "--group"]
+    return [*command, "--", *rank]
+
+
+def _quiet(stdin: IO[str] | None) -> None:
+    """Keeps mlx.launch (0.32.4) from spinning a core for as long as the group lives.
+
+    Its loop for each rank waits in `select` for the rank's output, or for room in
+    the pipe to the rank's stdin, and that pipe always has room: the loop never
+    sleeps. Filling it with blank lines (which our ranks never read) makes it wait.
+    The pipe to mlx.launch itself stays open: at EOF its main loop spins instead.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        if stdin is not None:
+            stdin.write("\n" * _STDIN_FILL)
+            stdin.flush()
+
+
+def run_group(args: argparse.Namespace, argv: list[str]) -> int:
+    """Starts the group, relays its output, returns rank 0's exit status."""
+    try:
+        command = launch_command(args, argv)
+    except (FileNotFoundError, OSError) as exc:
+        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    group = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    if not args.hostfile:
+        threading.Thread(target=_quiet, args=(group.stdin,), daemon=True).start()
+    rank0: int | None = None
+    status: int | None = None
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        # Rank 0's drain stops every rank; without it yet, stop the launcher's session.
+        with contextlib.suppress(ProcessLookupError):
+            if rank0 is not None:
+                os.kill(rank0, signum)
+            else:
+                os.killpg(group.pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert group.stdout is not None
+        for line in group.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            ranked = _RANK.search(line)
+            if ranked and ranked.group(1) == "0" and ranked.group(3) == socket.gethostname():
+                rank0 = int(ranked.group(2))
+            ended = _EXIT.search(line)
+            if ended:
+                status = int(ended.group(1))
+        group.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for pipe in (group.stdin, group.stdout):
+            if pipe is not None:
+                pipe.close()
+    return status if status is not None else 1

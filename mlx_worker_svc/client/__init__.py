@@ -1,0 +1,1 @@
+"""Typed gRPC clients for WorkerService (asyncio and sync). Imports the generated stubs."""

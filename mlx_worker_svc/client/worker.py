@@ -1,0 +1,670 @@
+"""A typed client for WorkerService: `AsyncWorkerClient` (grpc.aio) and `WorkerClient` (sync).
+
+Every RPC of `mlx_worker.v1.WorkerService` has one method, named in snake_case
+(`InitDevice` -> `init_device`), that takes the request message and returns the
+response message; `generate` yields the stream's messages and `health` asks the
+standard `grpc.health.v1` service. `WorkerClient` is the same client for code
+without an event loop: it runs an `AsyncWorkerClient` on a private event-loop
+thread, so both share one implementation (and the sync client may be used from
+several threads at once).
+
+Deadlines
+    Every unary call gets a deadline: `ClientConfig.timeout` (30 s) unless the
+    call passes `timeout=`, and `ClientConfig.execute_timeout` (600 s) for
+    Execute, whose step may be a long prefill. The deadline is per attempt (a
+    retried call may take up to `(retries + 1) x timeout` plus the backoff).
+    LoadModel of a large hub model or WakeUp after a level-2 Sleep reload
+    weights: give them a longer `timeout=`. Generate has no deadline unless
+    one is passed; stop a stream by leaving the loop and closing the iterator
+    (`aclose()` / `close()`, or let it go out of scope), which cancels the RPC
+    and the worker frees the request.
+
+Retries
+    Only idempotent calls are retried, on UNAVAILABLE (no connection, the
+    server restarting) and DEADLINE_EXCEEDED, up to `retries` more times with
+    exponential backoff (`backoff` doubling up to `max_backoff`) and jitter.
+    They are the lifecycle calls (InitDevice, LoadModel, DetermineMemory,
+    InitCache, WarmUp: the worker makes a repeat with the same arguments a
+    no-op), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
+    ListLoras, the grpc.health.v1 Check), WakeUp (a no-op when awake) and
+    ResetPrefixCache. Execute, Generate, Sleep, Shutdown, AddLora and
+    RemoveLora change state in ways a blind repeat could double (a step run
+    twice, a stream restarted, requests aborted twice), so they are tried once
+    and the caller (the scheduler) decides. Any other status code fails at
+    once. Every failure, after the retries, is a `ClientError` carrying the
+    status code, the server's details, the RPC name and the attempts made.
+
+Credentials and the token
+    `ClientConfig.credentials` (`channel_credentials(ca, cert, key)`, with a
+    client key and certificate for mTLS) makes the channel secure; without it
+    the channel is plaintext. `ClientConfig.token` is sent on every call as
+    `authorization: Bearer <token>` metadata, which a worker or fleet started
+    with tokens checks (mlx_worker_svc.rpc.security); send it only over a secure
+    channel or a trusted network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections.abc import AsyncGenerator, Coroutine, Generator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar, cast
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+__all__ = [
+    "IDEMPOTENT_METHODS",
+    "AsyncWorkerClient",
+    "ClientConfig",
+    "ClientError",
+    "WorkerClient",
+    "channel_credentials",
+]
+
+log = logging.getLogger(__name__)
+
+ReqT = TypeVar("ReqT", bound=Message)
+RespT = TypeVar("RespT", bound=Message)
+T = TypeVar("T")
+
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a client connects, waits and retries (see the module docstring)."""
+
+    timeout: float = 30.0
+    """Default deadline, in seconds, of each attempt of a unary call."""
+    execute_timeout: float = 600.0
+    """Default deadline of Execute, whose step may be a long prefill."""
+    retries: int = 3
+    """Extra attempts of an idempotent call after UNAVAILABLE or DEADLINE_EXCEEDED."""
+    backoff: float = 0.1
+    """Wait before the first retry, in seconds; doubles for each further one."""
+    max_backoff: float = 2.0
+    """Longest wait between two attempts."""
+    max_message_bytes: int = 64 << 20
+    """Largest message sent or received."""
+    keepalive_ms: int = 30_000
+    """Interval of HTTP/2 keepalive pings while calls are open."""
+    credentials: grpc.ChannelCredentials | None = None
+    """TLS (or mTLS) credentials; a secure channel when set."""
+    token: str | None = None
+    """Sent as `authorization: Bearer <token>` on every call."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """Extra gRPC channel options, after the ones above."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.execute_timeout <= 0:
+            raise ValueError("timeout and execute_timeout must be > 0")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError("backoff and max_backoff must be >= 0")
+        if self.max_message_bytes <= 0 or self.keepalive_ms <= 0:
+            raise ValueError("max_message_bytes and keepalive_ms must be > 0")
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """The gRPC channel options this config stands for."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_ms),
+            # Idle channels send no pings: servers count those as abuse.
+            ("grpc.keepalive_permit_without_calls", 0),
+            # Reconnect on the retry schedule. With gRPC's default (1 s, growing
+            # to 120 s) every retry made while the channel waits to reconnect
+            # fails at once, and a restarted worker is seen only at the next
+            # reconnect, up to two minutes later.
+            ("grpc.initial_reconnect_backoff_ms", max(int(self.backoff * 1000), 10)),
+            ("grpc.max_reconnect_backoff_ms", max(int(self.max_backoff * 1000), 10)),
+            *self.options,
+        ]
+
+    def backoff_delay(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (0-based), with jitter."""
+        ceiling = min(self.max_backoff, self.backoff * 2.0**retry)
+        return random.uniform(ceiling / 2, ceiling)
+
+
+class ClientError(Exception):
+    """A WorkerService call failed (after any retries)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, method: str, attempts: int = 1) -> None:
+        self.code = code
+        self.details = details
+        self.method = method
+        self.attempts = attempts
+        tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+        super().__init__(f"{method} failed with {code.name}{tries}: {details}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.code, self.details, self.method, self.attempts))
+
+
+@dataclass(frozen=True)
+class _Rpc(Generic[ReqT, RespT]):
+    """One unary RPC: its path, message types and whether it may be retried."""
+
+    name: str
+    path: str
+    request: type[ReqT]
+    response: type[RespT]
+    idempotent: bool
+    long: bool = False  # deadline from execute_timeout
+
+
+def _rpc(
+    name: str, request: type[ReqT], response: type[RespT], idempotent: bool, *, long: bool = False
+) -> _Rpc[ReqT, RespT]:
+    return _Rpc(name, f"/mlx_worker.v1.WorkerService/{name}", request, response, idempotent, long)
+
+
+_INIT_DEVICE = _rpc("InitDevice", pb.InitDeviceRequest, pb.InitDeviceResponse, True)
+_LOAD_MODEL = _rpc("LoadModel", pb.LoadModelRequest, pb.LoadModelResponse, True)
+_DETERMINE_MEMORY = _rpc(
+    "DetermineMemory", pb.DetermineMemoryRequest, pb.DetermineMemoryResponse, True
+)
+_INIT_CACHE = _rpc("InitCache", pb.InitCacheRequest, pb.InitCacheResponse, True)
+_WARM_UP = _rpc("WarmUp", pb.WarmUpRequest, pb.WarmUpResponse, True)
+_EXECUTE = _rpc("Execute", pb.ExecuteRequest, pb.ExecuteResponse, False, long=True)
+_CHECK_HEALTH = _rpc("CheckHealth", pb.CheckHealthRequest, pb.CheckHealthResponse, True)
+_SHUTDOWN = _rpc("Shutdown", pb.ShutdownRequest, pb.ShutdownResponse, False)
+_GET_INFO = _rpc("GetInfo", pb.GetInfoRequest, pb.GetInfoResponse, True)
+_TOKENIZE = _rpc("Tokenize", pb.TokenizeRequest, pb.TokenizeResponse, True)
+_DETOKENIZE = _rpc("Detokenize", pb.DetokenizeRequest, pb.DetokenizeResponse, True)
+_SLEEP = _rpc("Sleep", pb.SleepRequest, pb.SleepResponse, False)
+_WAKE_UP = _rpc("WakeUp", pb.WakeUpRequest, pb.WakeUpResponse, True)
+_RESET_PREFIX_CACHE = _rpc(
+    "ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse, True
+)
+_ADD_LORA = _rpc("AddLora", pb.AddLoraRequest, pb.AddLoraResponse, False)
+_REMOVE_LORA = _rpc("RemoveLora", pb.RemoveLoraRequest, pb.RemoveLoraResponse, False)
+_LIST_LORAS = _rpc("ListLoras", pb.ListLorasRequest, pb.ListLorasResponse, True)
+_HEALTH_CHECK: _Rpc[Any, Any] = _Rpc(
+    "Health.Check",
+    "/grpc.health.v1.Health/Check",
+    health_pb2.HealthCheckRequest,
+    health_pb2.HealthCheckResponse,
+    True,
+)
+_UNARY: tuple[_Rpc[Any, Any], ...] = (
+    _INIT_DEVICE,
+    _LOAD_MODEL,
+    _DETERMINE_MEMORY,
+    _INIT_CACHE,
+    _WARM_UP,
+    _EXECUTE,
+    _CHECK_HEALTH,
+    _SHUTDOWN,
+    _GET_INFO,
+    _TOKENIZE,
+    _DETOKENIZE,
+    _SLEEP,
+    _WAKE_UP,
+    _RESET_PREFIX_CACHE,
+    _ADD_LORA,
+    _REMOVE_LORA,
+    _LIST_LORAS,
+    _HEALTH_CHECK,
+)
+_GENERATE_PATH = "/mlx_worker.v1.WorkerService/Generate"
+
+IDEMPOTENT_METHODS: frozenset[str] = frozenset(rpc.name for rpc in _UNARY if rpc.idempotent)
+"""The calls retried on UNAVAILABLE and DEADLINE_EXCEEDED ("Health.Check" is grpc.health.v1)."""
+
+
+def channel_credentials(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials for `ClientConfig.credentials` from PEM files.
+
+    `ca_file`: the CA bundle that signed the server's certificate (None: the
+    system's roots); `cert_file` and `key_file` (both or neither): the client
+    certificate and key a mutual-TLS server requires. Raises OSError for a file
+    that cannot be read, ValueError for a certificate without its key.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else Path(path).read_bytes()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file),
+        private_key=read(key_file),
+        certificate_chain=read(cert_file),
+    )
+
+
+def _client_error(exc: grpc.RpcError, method: str, attempts: int = 1) -> ClientError:
+    call = cast(grpc.Call, exc)
+    return ClientError(call.code(), call.details() or "", method, attempts)
+
+
+class AsyncWorkerClient:
+    """WorkerService over one grpc.aio channel.
+
+    Make it inside a coroutine and use it on that event loop only (the channel
+    binds to the running loop); `WorkerClient` is the one for other threads.
+    """
+
+    def __init__(self, target: str, config: ClientConfig | None = None) -> None:
+        self._target = target
+        self._config = config or ClientConfig()
+        options = self._config.channel_options()
+        if self._config.credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, self._config.credentials, options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self._config.token}"),) if self._config.token else ()
+        )
+        self._unary_calls = {
+            rpc.path: self._channel.unary_unary(
+                rpc.path, rpc.request.SerializeToString, rpc.response.FromString
+            )
+            for rpc in _UNARY
+        }
+        self._generate_call = self._channel.unary_stream(
+            _GENERATE_PATH, pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
+        )
+
+    @property
+    def target(self) -> str:
+        return self._target
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._target!r})"
+
+    async def close(self) -> None:
+        """Closes the channel; calls still open are cancelled."""
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _call(
+        self, rpc: _Rpc[ReqT, RespT], request: ReqT | None, timeout: float | None
+    ) -> RespT:
+        """One unary RPC with its deadline, the token and (when idempotent) retries."""
+        if request is None:
+            request = rpc.request()
+        elif not isinstance(request, rpc.request):
+            raise TypeError(
+                f"{rpc.name} takes {rpc.request.__name__}, not {type(request).__name__}"
+            )
+        if timeout is None:
+            timeout = self._config.execute_timeout if rpc.long else self._config.timeout
+        attempts = 1 + (self._config.retries if rpc.idempotent else 0)
+        call = self._unary_calls[rpc.path]
+        for attempt in range(1, attempts + 1):
+            try:
+                return cast(RespT, await call(request, timeout=timeout, metadata=self._metadata))
+            except grpc.aio.AioRpcError as exc:
+                if attempt == attempts or exc.code() not in _RETRYABLE:
+                    raise _client_error(exc, rpc.name, attempt) from exc
+                delay = self._config.backoff_delay(attempt - 1)
+                log.info(
+                    "%s to %s: %s (%s); retry %d of %d in %.3fs",
+                    rpc.name,
+                    self._target,
+                    exc.code().name,
+                    exc.details(),
+                    attempt,
+                    attempts - 1,
+                    delay,
+                )
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def init_device(
+        self, request: pb.InitDeviceRequest | None = None, *, timeout: float | None = None
+    ) -> pb.InitDeviceResponse:
+        """Picks the device and reports it (retried)."""
+        return await self._call(_INIT_DEVICE, request, timeout)
+
+    async def load_model(
+        self, request: pb.LoadModelRequest, *, timeout: float | None = None
+    ) -> pb.LoadModelResponse:
+        """Loads a model (retried: the same arguments again are a no-op)."""
+        return await self._call(_LOAD_MODEL, request, timeout)
+
+    async def determine_memory(
+        self, request: pb.DetermineMemoryRequest | None = None, *, timeout: float | None = None
+    ) -> pb.DetermineMemoryResponse:
+        """Profiles memory and reports the KV budget (retried)."""
+        return await self._call(_DETERMINE_MEMORY, request, timeout)
+
+    async def init_cache(
+        self, request: pb.InitCacheRequest, *, timeout: float | None = None
+    ) -> pb.InitCacheResponse:
+        """Sets the KV budget (retried)."""
+        return await self._call(_INIT_CACHE, request, timeout)
+
+    async def warm_up(
+        self, request: pb.WarmUpRequest | None = None, *, timeout: float | None = None
+    ) -> pb.WarmUpResponse:
+        """Runs the scheduler's shapes once (retried)."""
+        return await self._call(_WARM_UP, request, timeout)
+
+    async def execute(
+        self, request: pb.ExecuteRequest, *, timeout: float | None = None
+    ) -> pb.ExecuteResponse:
+        """Runs one scheduler step (never retried; deadline `execute_timeout`)."""
+        return await self._call(_EXECUTE, request, timeout)
+
+    async def check_health(
+        self, request: pb.CheckHealthRequest | None = None, *, timeout: float | None = None
+    ) -> pb.CheckHealthResponse:
+        """State, load and the last error (retried)."""
+        return await self._call(_CHECK_HEALTH, request, timeout)
+
+    async def shutdown(
+        self, request: pb.ShutdownRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ShutdownResponse:
+        """Drains (or aborts) in-flight work and stops the worker (never retried)."""
+        return await self._call(_SHUTDOWN, request, timeout)
+
+    async def get_info(
+        self, request: pb.GetInfoRequest | None = None, *, timeout: float | None = None
+    ) -> pb.GetInfoResponse:
+        """Model and worker facts (retried)."""
+        return await self._call(_GET_INFO, request, timeout)
+
+    async def tokenize(
+        self, request: pb.TokenizeRequest, *, timeout: float | None = None
+    ) -> pb.TokenizeResponse:
+        """Text or chat messages to token ids (retried)."""
+        return await self._call(_TOKENIZE, request, timeout)
+
+    async def detokenize(
+        self, request: pb.DetokenizeRequest, *, timeout: float | None = None
+    ) -> pb.DetokenizeResponse:
+        """Token ids to text (retried)."""
+        return await self._call(_DETOKENIZE, request, timeout)
+
+    async def sleep(
+        self, request: pb.SleepRequest | None = None, *, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        """Frees the KV cache (level 1) and the weights (level 2); never retried."""
+        return await self._call(_SLEEP, request, timeout)
+
+    async def wake_up(
+        self, request: pb.WakeUpRequest | None = None, *, timeout: float | None = None
+    ) -> pb.WakeUpResponse:
+        """Restores what Sleep freed (retried: a no-op when awake)."""
+        return await self._call(_WAKE_UP, request, timeout)
+
+    async def reset_prefix_cache(
+        self, request: pb.ResetPrefixCacheRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ResetPrefixCacheResponse:
+        """Drops the prefix cache (retried)."""
+        return await self._call(_RESET_PREFIX_CACHE, request, timeout)
+
+    async def add_lora(
+        self, request: pb.AddLoraRequest, *, timeout: float | None = None
+    ) -> pb.AddLoraResponse:
+        """Loads a LoRA adapter (never retried)."""
+        return await self._call(_ADD_LORA, request, timeout)
+
+    async def remove_lora(
+        self, request: pb.RemoveLoraRequest, *, timeout: float | None = None
+    ) -> pb.RemoveLoraResponse:
+        """Unloads a LoRA adapter (never retried)."""
+        return await self._call(_REMOVE_LORA, request, timeout)
+
+    async def list_loras(
+        self, request: pb.ListLorasRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ListLorasResponse:
+        """Lists loaded LoRA adapters (retried)."""
+        return await self._call(_LIST_LORAS, request, timeout)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> int:
+        """grpc.health.v1 Check: a `HealthCheckResponse.ServingStatus` value (retried).
+
+        "" is the whole server; "mlx_worker.v1.WorkerService" is SERVING only
+        while the worker accepts Execute and Generate.
+        """
+        request = health_pb2.HealthCheckRequest(service=service)
+        return int((await self._call(_HEALTH_CHECK, request, timeout)).status)
+
+    async def generate(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Streams a Generate call (never retried; no deadline unless `timeout`).
+
+        Leaving the loop early and closing the iterator (`aclose()`, or
+        dropping it) cancels the RPC, and the worker frees the request.
+        """
+        if not isinstance(request, pb.GenerateRequest):
+            raise TypeError(f"Generate takes GenerateRequest, not {type(request).__name__}")
+        call = self._generate_call(request, timeout=timeout, metadata=self._metadata)
+        try:
+            async for message in call:
+                yield cast(pb.GenerateResponse, message)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc, "Generate") from exc
+        finally:
+            call.cancel()
+
+
+class WorkerClient:
+    """The synchronous client: an `AsyncWorkerClient` on a private event-loop thread.
+
+    Thread-safe: calls from several threads run concurrently on the one channel.
+    """
+
+    def __init__(self, target: str, config: ClientConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"WorkerClient({target})", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncWorkerClient:  # the channel binds to the running loop
+            return AsyncWorkerClient(target, config)
+
+        try:
+            self._client = self._run(make())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def target(self) -> str:
+        return self._client.target
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._client.config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r})"
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self!r} is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: cancel the RPC too
+            raise
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        """Closes the channel and stops the loop thread (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self._run(self._client.close())
+            self._run(self._loop.shutdown_asyncgens())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def init_device(
+        self, request: pb.InitDeviceRequest | None = None, *, timeout: float | None = None
+    ) -> pb.InitDeviceResponse:
+        """See `AsyncWorkerClient.init_device`."""
+        return self._run(self._client.init_device(request, timeout=timeout))
+
+    def load_model(
+        self, request: pb.LoadModelRequest, *, timeout: float | None = None
+    ) -> pb.LoadModelResponse:
+        """See `AsyncWorkerClient.load_model`."""
+        return self._run(self._client.load_model(request, timeout=timeout))
+
+    def determine_memory(
+        self, request: pb.DetermineMemoryRequest | None = None, *, timeout: float | None = None
+    ) -> pb.DetermineMemoryResponse:
+        """See `AsyncWorkerClient.determine_memory`."""
+        return self._run(self._client.determine_memory(request, timeout=timeout))
+
+    def init_cache(
+        self, request: pb.InitCacheRequest, *, timeout: float | None = None
+    ) -> pb.InitCacheResponse:
+        """See `AsyncWorkerClient.init_cache`."""
+        return self._run(self._client.init_cache(request, timeout=timeout))
+
+    def warm_up(
+        self, request: pb.WarmUpRequest | None = None, *, timeout: float | None = None
+    ) -> pb.WarmUpResponse:
+        """See `AsyncWorkerClient.warm_up`."""
+        return self._run(self._client.warm_up(request, timeout=timeout))
+
+    def execute(
+        self, request: pb.ExecuteRequest, *, timeout: float | None = None
+    ) -> pb.ExecuteResponse:
+        """See `AsyncWorkerClient.execute`."""
+        return self._run(self._client.execute(request, timeout=timeout))
+
+    def check_health(
+        self, request: pb.CheckHealthRequest | None = None, *, timeout: float | None = None
+    ) -> pb.CheckHealthResponse:
+        """See `AsyncWorkerClient.check_health`."""
+        return self._run(self._client.check_health(request, timeout=timeout))
+
+    def shutdown(
+        self, request: pb.ShutdownRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ShutdownResponse:
+        """See `AsyncWorkerClient.shutdown`."""
+        return self._run(self._client.shutdown(request, timeout=timeout))
+
+    def get_info(
+        self, request: pb.GetInfoRequest | None = None, *, timeout: float | None = None
+    ) -> pb.GetInfoResponse:
+        """See `AsyncWorkerClient.get_info`."""
+        return self._run(self._client.get_info(request, timeout=timeout))
+
+    def tokenize(
+        self, request: pb.TokenizeRequest, *, timeout: float | None = None
+    ) -> pb.TokenizeResponse:
+        """See `AsyncWorkerClient.tokenize`."""
+        return self._run(self._client.tokenize(request, timeout=timeout))
+
+    def detokenize(
+        self, request: pb.DetokenizeRequest, *, timeout: float | None = None
+    ) -> pb.DetokenizeResponse:
+        """See `AsyncWorkerClient.detokenize`."""
+        return self._run(self._client.detokenize(request, timeout=timeout))
+
+    def sleep(
+        self, request: pb.SleepRequest | None = None, *, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        """See `AsyncWorkerClient.sleep`."""
+        return self._run(self._client.sleep(request, timeout=timeout))
+
+    def wake_up(
+        self, request: pb.WakeUpRequest | None = None, *, timeout: float | None = None
+    ) -> pb.WakeUpResponse:
+        """See `AsyncWorkerClient.wake_up`."""
+        return self._run(self._client.wake_up(request, timeout=timeout))
+
+    def reset_prefix_cache(
+        self, request: pb.ResetPrefixCacheRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ResetPrefixCacheResponse:
+        """See `AsyncWorkerClient.reset_prefix_cache`."""
+        return self._run(self._client.reset_prefix_cache(request, timeout=timeout))
+
+    def add_lora(
+        self, request: pb.AddLoraRequest, *, timeout: float | None = None
+    ) -> pb.AddLoraResponse:
+        """See `AsyncWorkerClient.add_lora`."""
+        return self._run(self._client.add_lora(request, timeout=timeout))
+
+    def remove_lora(
+        self, request: pb.RemoveLoraRequest, *, timeout: float | None = None
+    ) -> pb.RemoveLoraResponse:
+        """See `AsyncWorkerClient.remove_lora`."""
+        return self._run(self._client.remove_lora(request, timeout=timeout))
+
+    def list_loras(
+        self, request: pb.ListLorasRequest | None = None, *, timeout: float | None = None
+    ) -> pb.ListLorasResponse:
+        """See `AsyncWorkerClient.list_loras`."""
+        return self._run(self._client.list_loras(request, timeout=timeout))
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> int:
+        """See `AsyncWorkerClient.health`."""
+        return self._run(self._client.health(service, timeout=timeout))
+
+    def generate(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None
+    ) -> Generator[pb.GenerateResponse, None, None]:
+        """See `AsyncWorkerClient.generate`; closing the iterator cancels the RPC."""
+        stream = self._client.generate(request, timeout=timeout)
+
+        async def step() -> pb.GenerateResponse | None:
+            try:
+                return await anext(stream)
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while (message := self._run(step())) is not None:
+                yield message
+        finally:
+            if not self._closed:
+                self._run(stream.aclose())

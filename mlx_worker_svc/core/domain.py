@@ -1,0 +1,427 @@
+"""Plain domain types shared by the servicer, the worker and the engine.
+
+These dataclasses are what crosses layer boundaries: the servicer converts
+protobuf messages into them (convert.py), the worker and engine work on them,
+and nothing here knows about protobuf or MLX. Range checks that need no model
+(sampling parameter bounds) live here too, so every caller gets the same
+messages naming the offending field.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from mlx_worker_svc.core.errors import InvalidArgument
+
+MAX_LOGPROBS = 20
+# Most decode steps one Execute call may run (ExecuteRequest.num_decode_steps).
+MAX_DECODE_STEPS = 64
+
+
+class WorkerState(enum.Enum):
+    NEW = "NEW"
+    DEVICE_READY = "DEVICE_READY"
+    MODEL_LOADED = "MODEL_LOADED"
+    MEMORY_PROFILED = "MEMORY_PROFILED"
+    READY = "READY"
+    SERVING = "SERVING"
+    SLEEPING = "SLEEPING"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+class DeviceKind(enum.Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class Parallelism(enum.Enum):
+    """How a model is split over a worker group's ranks."""
+
+    NONE = "none"  # one process holds the whole model
+    TENSOR = "tensor"  # every rank holds a slice of every layer
+    PIPELINE = "pipeline"  # every rank holds a run of whole layers
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    CONTEXT_LENGTH = "context_length"
+    ABORTED = "aborted"
+    GRAMMAR_COMPLETE = "grammar_complete"  # the structured-output grammar allows no more
+
+
+class Origin(enum.Enum):
+    """Who owns a request: a remote scheduler (Execute) or the worker (Generate).
+
+    The two id spaces are separate: an Execute req_id "a" and a Generate
+    request "a" are different requests.
+    """
+
+    EXECUTE = "execute"
+    GENERATE = "generate"
+
+    # Request keys (origin, req_id) are hashed many times per request per step;
+    # Enum's own __hash__ is Python code, the identity hash is C (members are
+    # singletons, and Enum equality is identity).
+    __hash__ = object.__hash__
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark_grammar", "gbnf_grammar")
+_JSON_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must be (proto StructuredOutputs); hashable, a cache key.
+
+    `kind` is one of STRUCTURED_KINDS; `text` holds the schema, regex or
+    grammar (empty for json_object), `choices` the strings of a choice.
+    """
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    disable_any_whitespace: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises InvalidArgument naming `where.<field>` for a spec that cannot be compiled."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidArgument(f"{where}: set one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "choice":
+            if not self.choices:
+                raise InvalidArgument(f"{where}.choice.choices is empty; give at least one")
+            for i, choice in enumerate(self.choices):
+                if not choice:
+                    raise InvalidArgument(f"{where}.choice.choices[{i}] is empty")
+        elif self.kind != "json_object" and not self.text:
+            raise InvalidArgument(f"{where}.{self.kind} is empty")
+        if self.disable_any_whitespace and self.kind not in _JSON_KINDS:
+            raise InvalidArgument(
+                f"{where}.disable_any_whitespace applies to json_schema and json_object only, "
+                f"not {self.kind}"
+            )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def validate(self, where: str) -> None:
+        """Raises InvalidArgument naming `where.<field>` for an out-of-range value."""
+
+        def bad(name: str, why: str) -> InvalidArgument:
+            return InvalidArgument(f"{where}.{name} {why}")
+
+        def finite(name: str, value: float) -> None:
+            if not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value}")
+
+        finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (off) or a positive count, got {self.top_k}")
+        finite("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            finite(name, value)
+            if not -2 <= value <= 2:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        for token, bias in self.logit_bias.items():
+            if not math.isfinite(bias):
+                raise bad(f"logit_bias[{token}]", f"must be a finite number, got {bias}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1 when set, got {self.max_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens",
+                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate(f"{where}.structured_outputs")
+            if self.ignore_eos:
+                raise bad(
+                    "ignore_eos",
+                    "cannot be combined with structured_outputs: the grammar decides "
+                    "where the output ends",
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    req_id: str
+    num_computed_tokens: int
+    new_token_ids: tuple[int, ...] = ()
+    resumed_from_preemption: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One scheduler step, as the scheduler sent it (see DESIGN.md, Execute)."""
+
+    step_id: int
+    worker_epoch: int
+    new_requests: tuple[NewRequest, ...] = ()
+    cached_requests: tuple[CachedRequest, ...] = ()
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: tuple[str, ...] = ()
+    preempted_req_ids: tuple[str, ...] = ()
+    # Decode steps in this call (0 and 1: one); see ExecuteRequest.num_decode_steps.
+    num_decode_steps: int = 1
+    # req_id -> packed allowed-token mask of its next token; see ExecuteRequest.grammar_bitmask.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    total_ns: int = 0
+    forward_ns: int = 0
+    num_tokens: int = 0
+    decode_batch_size: int = 0
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    worker_epoch: int
+    outputs: list[RequestOutput]
+    timings: StepTimings
+
+
+@dataclass(frozen=True)
+class GroupRank:
+    """One process of a worker group, as InitDevice and GetInfo report it."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int
+    device_name: str
+    total_memory_bytes: int
+    recommended_working_set_bytes: int
+    weight_bytes: int = 0
+    """Bytes of the model shard this rank holds (0 before LoadModel)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: DeviceKind
+    name: str
+    total_memory_bytes: int
+    recommended_working_set_bytes: int
+    mlx_version: str
+    mlx_lm_version: str
+    platform: str
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str = ""
+    """The mx.distributed backend of a worker group ("" for one process)."""
+    ranks: tuple[GroupRank, ...] = ()
+
+
+@dataclass(frozen=True)
+class Quantization:
+    bits: int = 0
+    group_size: int = 0
+    mode: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    model_path: str
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_context_length: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    quantization: Quantization
+    weight_bytes: int
+    dtype: str
+    has_chat_template: bool
+    adapter_path: str = ""
+    parallelism: Parallelism = Parallelism.NONE
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What LoadModel was asked for; equal specs make LoadModel a no-op."""
+
+    model: str
+    adapter_path: str = ""
+    max_model_len: int = 0
+    revision: str = ""
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    total_memory_bytes: int
+    recommended_working_set_bytes: int
+    weight_bytes: int
+    activation_peak_bytes: int
+    available_kv_bytes: int
+    bytes_per_block: int
+    block_size: int
+    suggested_num_blocks: int
+    memory_utilization: float = 0.9
+    # The activation model fitted from profiling forwards of T, T/2 and T/4
+    # tokens: a forward of c tokens over a context of L tokens peaks at about
+    # fixed + per_token * c + per_token_pair * c * L above what it holds.
+    activation_bytes_fixed: float = 0.0
+    activation_bytes_per_token: float = 0.0
+    activation_bytes_per_token_pair: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    num_blocks: int = 0
+    used_blocks: int = 0
+    block_size: int = 0
+    # Evictable blocks held by the prefix cache (not in used_blocks).
+    prefix_cache_blocks: int = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return max(self.num_blocks - self.used_blocks, 0)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    active_bytes: int = 0
+    peak_bytes: int = 0
+    cache_bytes: int = 0
+    limit_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What InitCache set: the KV budget, the prefix cache, the memory limit."""
+
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool
+    memory_limit_bytes: int
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    state: WorkerState
+    level: int
+    num_aborted: int
+    freed_bytes: int
+    worker_epoch: int
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A Generate call after conversion: exactly one prompt form is set."""
+
+    request_id: str
+    prompt: str = ""
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class GenerateChunk:
+    """One message of a Generate stream."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    state: WorkerState
+    healthy: bool
+    num_running_requests: int
+    num_preempted_requests: int
+    kv: KVUsage
+    last_error: str
+    worker_epoch: int
+    deep_check_ns: int
+    uptime_seconds: float
+    memory: MemoryUsage

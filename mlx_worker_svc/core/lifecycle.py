@@ -1,0 +1,79 @@
+"""The lifecycle rules: which state each call needs and what to call first.
+
+NEW → DEVICE_READY → MODEL_LOADED → MEMORY_PROFILED → READY → SERVING, with
+SLEEPING beside SERVING and DRAINING → STOPPED at the end (DESIGN.md). The
+worker asks `require()` before every call; the answer names the state and the
+call that must come first, so a scheduler can recover without guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_worker_svc.core.domain import DeviceKind, WorkerState
+from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+S = WorkerState
+ORDER = (S.NEW, S.DEVICE_READY, S.MODEL_LOADED, S.MEMORY_PROFILED, S.READY, S.SERVING)
+NEXT_CALL = {
+    S.NEW: "InitDevice",
+    S.DEVICE_READY: "LoadModel",
+    S.MODEL_LOADED: "DetermineMemory",
+    S.MEMORY_PROFILED: "InitCache",
+    S.SLEEPING: "WakeUp",
+}
+EXECUTABLE = (S.READY, S.SERVING)
+
+
+@dataclass(frozen=True)
+class DeviceArgs:
+    """What InitDevice was asked for; equal args make InitDevice a no-op."""
+
+    kind: DeviceKind = DeviceKind.AUTO
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 0
+    """0: the worker as it was started (one process, or the group mlx.launch started)."""
+    distributed_init_method: str = ""
+    """"" or the group's mx.distributed backend ("ring", "jaccl", "mpi")."""
+
+    def check(self, world_size: int, backend: str) -> None:
+        """Raises unless these args describe the worker as started."""
+        if self.rank or self.local_rank:
+            raise InvalidArgument(
+                f"InitDevice.rank is {self.rank} and local_rank {self.local_rank}: only rank 0 "
+                "of a worker group serves gRPC (the other ranks follow it), so both must be 0"
+            )
+        if self.world_size not in (0, world_size):
+            if world_size == 1:
+                raise FailedPrecondition(
+                    f"InitDevice.world_size is {self.world_size} but this worker is a single "
+                    f"process: start a group with `mlx-worker serve --world-size "
+                    f"{self.world_size}` (or mlx.launch ... mlx-worker serve --group)"
+                )
+            raise FailedPrecondition(
+                f"InitDevice.world_size is {self.world_size} but this worker is a group of "
+                f"{world_size} processes; restart it with the size wanted"
+            )
+        if self.distributed_init_method not in ("", backend):
+            raise FailedPrecondition(
+                f"InitDevice.distributed_init_method is {self.distributed_init_method!r} but "
+                + (
+                    f"this worker group runs on the {backend!r} backend"
+                    if backend
+                    else "this worker is a single process (no mx.distributed backend)"
+                )
+            )
+
+
+def require(state: WorkerState, call: str, minimum: WorkerState) -> None:
+    """Raises unless `state` is `minimum` or later in the lifecycle."""
+    if state in (S.DRAINING, S.STOPPED):
+        raise Unavailable(f"{call}: the worker is {state.value} and accepts no new work")
+    if state in ORDER and ORDER.index(state) >= ORDER.index(minimum):
+        return
+    needed = NEXT_CALL.get(state, "")
+    raise FailedPrecondition(
+        f"{call} needs state {minimum.value} or later; the worker is {state.value}"
+        + (f": call {needed} first" if needed else "")
+    )

@@ -1,0 +1,1 @@
+"""KV caches: the persistent decode batch and the prefix cache."""

@@ -1,0 +1,1 @@
+"""Memory: device facts, profiling, the memory guard and the KV budget."""

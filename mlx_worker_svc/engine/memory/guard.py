@@ -1,0 +1,84 @@
+"""The memory guard: a step whose activations would not fit is refused up front.
+
+MLX's CPU backend does not enforce its memory limit (an allocation past the
+machine's memory crashes the process), and on Metal and CUDA an allocation
+failure surfaces in the middle of a step. So before a step changes anything
+the guard estimates the peak of its largest forward from the activation model
+DetermineMemory fitted (`bytes_per_token * c + bytes_per_token_pair * c * L`
+for c tokens over a context of L) and compares it with what the memory limit
+leaves beside MLX's active memory. The prefix cache gives its blocks back
+first; only then is the step refused with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import mlx.core as mx
+
+from mlx_worker_svc.core.domain import MemoryProfile, MemoryUsage
+from mlx_worker_svc.core.errors import ResourceExhausted
+
+_MIB = 1 << 20
+
+
+def derived_limit(profile: MemoryProfile, num_blocks: int, utilization_bytes: int) -> int:
+    """The default memory limit: the allowance, or the budget if it is larger."""
+    need = profile.weight_bytes + profile.activation_peak_bytes
+    need += num_blocks * profile.bytes_per_block
+    return max(utilization_bytes, need)
+
+
+def usage(limit: int) -> MemoryUsage:
+    return MemoryUsage(
+        active_bytes=int(mx.get_active_memory()),
+        peak_bytes=int(mx.get_peak_memory()),
+        cache_bytes=int(mx.get_cache_memory()),
+        limit_bytes=limit,
+    )
+
+
+class MemoryGuard:
+    def __init__(self, profile: MemoryProfile, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._fixed = profile.activation_bytes_fixed
+        self._per_token = profile.activation_bytes_per_token
+        self._per_pair = profile.activation_bytes_per_token_pair
+        mx.set_memory_limit(limit_bytes)
+
+    def estimate(self, forwards: Iterable[tuple[int, int]]) -> int:
+        """Peak bytes of the largest of `forwards`, each (tokens, context)."""
+        peak = 0.0
+        for tokens, context in forwards:
+            peak = max(
+                peak, self._fixed + self._per_token * tokens + self._per_pair * tokens * context
+            )
+        return int(peak)
+
+    def check(self, need: int, what: str, make_room: Callable[[int], int]) -> None:
+        """Raises ResourceExhausted unless `need` bytes fit under the limit.
+
+        `make_room(bytes)` may free memory first (the prefix cache's blocks).
+        """
+        free = self.limit - int(mx.get_active_memory())
+        if need <= free:
+            return
+        make_room(need - free)
+        free = self.limit - int(mx.get_active_memory())
+        if need <= free:
+            return
+        raise ResourceExhausted(
+            f"{what} needs about {need / _MIB:.1f} MiB of activations but only "
+            f"{max(free, 0) / _MIB:.1f} MiB are free under the memory limit of "
+            f"{self.limit / _MIB:.1f} MiB; schedule fewer tokens or preempt requests"
+        )
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """Whether an exception from MLX is an out-of-memory condition."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("malloc", "allocate", "out of memory", "outofmemory")
+    )

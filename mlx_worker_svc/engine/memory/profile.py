@@ -1,0 +1,163 @@
+"""Measuring memory: activation peak, bytes per KV block, warm-up shapes.
+
+Every figure comes from running the loaded model, not from a formula: the
+activation peak from a profiling forward at the step's token budget, and the
+bytes of one KV block from a real cache filled with one block of tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_worker_svc.core.domain import MemoryProfile, ModelInfo
+from mlx_worker_svc.engine.cache.batch import merge_caches
+from mlx_worker_svc.engine.memory.device import memory_facts
+from mlx_worker_svc.engine.rewrite import dequant
+
+
+def _filled_bytes(cache: list[Any]) -> int:
+    """Bytes of the KV actually held (a cache's buffers grow in steps)."""
+    total = 0
+    for layer in cache:
+        offset = getattr(layer, "offset", None)
+        for array in layer.state:
+            if not isinstance(array, mx.array):
+                continue
+            if isinstance(offset, int) and array.ndim == 4 and array.shape[2] >= offset:
+                total += int(array[..., :offset, :].nbytes)
+            else:
+                total += int(array.nbytes)
+    return total
+
+
+def bytes_per_block(model: nn.Module, block_size: int) -> int:
+    """Bytes one block of `block_size` tokens takes in this model's KV cache."""
+    cache = make_prompt_cache(model)
+    model(mx.zeros((1, block_size), dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return _filled_bytes(cache)
+
+
+def _forward_peak(model: nn.Module, tokens: int) -> int:
+    """Bytes a fresh forward of `tokens` tokens allocates above what is live."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((1, tokens), dtype=mx.uint32), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    peak = mx.get_peak_memory()
+    del logits, cache
+    mx.clear_cache()
+    return max(int(peak) - int(before), 0)
+
+
+def fit_activations(points: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """(fixed, per token, per token pair) from forwards (T tokens, peak bytes).
+
+    A forward of c tokens over a context of L peaks at about
+    fixed + per_token * c + per_pair * c * L; the profile runs c = L = T at
+    three sizes and solves for the three terms, none below zero.
+    """
+    (t1, p1), (t2, p2), (t3, p3) = sorted(points, reverse=True)
+    if len({t1, t2, t3}) < 3:
+        return 0.0, p1 / max(t1, 1), 0.0
+    matrix = mx.array([[1.0, t, t * t] for t in (t1, t2, t3)], dtype=mx.float32)
+    rhs = mx.array([float(p1), float(p2), float(p3)], dtype=mx.float32)
+    fixed, per_token, per_pair = (float(v) for v in mx.linalg.solve(matrix, rhs, stream=mx.cpu))
+    if per_pair < 0 or per_token < 0 or fixed < 0:
+        # Noise in a small profile: fall back to the conservative linear bound.
+        return 0.0, p1 / t1, 0.0
+    return fixed, per_token, per_pair
+
+
+def profile(
+    model: nn.Module,
+    info: ModelInfo,
+    *,
+    memory_utilization: float,
+    max_num_batched_tokens: int,
+    block_size: int,
+) -> MemoryProfile:
+    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget."""
+    sizes = sorted(
+        {
+            max_num_batched_tokens,
+            max(max_num_batched_tokens // 2, 1),
+            max(max_num_batched_tokens // 4, 1),
+        },
+        reverse=True,
+    )
+    points = [(size, _forward_peak(model, size)) for size in sizes]
+    activation = points[0][1]
+    fixed, per_token, per_pair = (
+        fit_activations(points)
+        if len(points) == 3
+        else (0.0, activation / max_num_batched_tokens, 0.0)
+    )
+    per_block = bytes_per_block(model, block_size)
+    total, recommended = memory_facts()
+    allowed = int(recommended * memory_utilization)
+    available = max(allowed - info.weight_bytes - activation, 0)
+    return MemoryProfile(
+        total_memory_bytes=total,
+        recommended_working_set_bytes=recommended,
+        weight_bytes=info.weight_bytes,
+        activation_peak_bytes=activation,
+        available_kv_bytes=available,
+        bytes_per_block=per_block,
+        block_size=block_size,
+        suggested_num_blocks=available // per_block if per_block else 0,
+        memory_utilization=memory_utilization,
+        activation_bytes_fixed=fixed,
+        activation_bytes_per_token=per_token,
+        activation_bytes_per_token_pair=per_pair,
+    )
+
+
+def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]) -> int:
+    """Runs each prefill length and decode batch size once; returns shapes run."""
+    shapes = 0
+    for length in prefill_lengths:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((1, length), dtype=mx.uint32), cache=cache))
+        shapes += 1
+    for size in batch_sizes:
+        caches = []
+        for _ in range(size):
+            cache = make_prompt_cache(model)
+            model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)
+            # One forward per evaluation: in a pipeline group two pending forwards
+            # could run their sends and receives in different orders on two ranks.
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        batch = merge_caches(caches)
+        with dequant.rows(model, size):
+            mx.eval(model(mx.zeros((size, 1), dtype=mx.uint32), cache=batch))
+        shapes += 1
+    mx.clear_cache()
+    return shapes
+
+
+def deep_check(model: nn.Module) -> int:
+    """A 1-token forward; returns its duration in ns (raises if the engine fails)."""
+    start = time.perf_counter_ns()
+    logits = model(mx.zeros((1, 1), dtype=mx.uint32))
+    mx.eval(logits)
+    if not bool(mx.all(mx.isfinite(logits)).item()):
+        raise RuntimeError("deep check: the model produced non-finite logits")
+    return time.perf_counter_ns() - start
+
+
+def release() -> None:
+    """Returns MLX's cached buffers to the system (after freeing model or KV)."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()

@@ -1,0 +1,184 @@
+"""Loading a model through `mlx_lm.load` and describing what was loaded.
+
+Owns the mapping from "what the caller asked for" (a local directory or a hub
+id) to a loaded model and tokenizer, the errors a bad path or a broken model
+directory turns into, and the model facts the worker reports (sizes, heads,
+context length, EOS ids, quantization, weight bytes). In a worker group each
+rank loads lazily and keeps only its shard (sharding.py) before the weights
+are read.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_worker_svc.core.domain import LoadSpec, ModelInfo, Parallelism, Quantization
+from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
+from mlx_worker_svc.engine.group import sharding
+
+# A model without a declared context length gets this one.
+DEFAULT_CONTEXT_LENGTH = 4096
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    info: ModelInfo
+    load_seconds: float
+
+
+def _resolve(spec: LoadSpec) -> str:
+    try:
+        return _resolve_path(spec)
+    except (OSError, RuntimeError) as exc:  # name too long, unknown ~user, ...
+        raise InvalidArgument(f"model {spec.model[:200]!r} is not a usable path: {exc}") from exc
+
+
+def _resolve_path(spec: LoadSpec) -> str:
+    path = Path(spec.model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InvalidArgument(f"model {spec.model!r} is a file; give a model directory")
+        if not (path / "config.json").is_file():
+            raise InvalidArgument(
+                f"model directory {spec.model!r} has no config.json: not an MLX/HF model"
+            )
+        return str(path)
+    if not spec.model:
+        raise InvalidArgument("model must name a model directory or a hub id")
+    if _HUB_ID.match(spec.model) is None:
+        raise NotFound(f"model path {spec.model!r} does not exist")
+    return spec.model
+
+
+def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
+    """Loads `spec` with mlx_lm.load; raises NotFound/InvalidArgument/Unavailable.
+
+    With an `mx.distributed` group of more than one rank, loads this rank's shard.
+    """
+    from mlx_lm import load as mlx_load
+
+    source = _resolve(spec)
+    try:
+        adapter_missing = bool(spec.adapter_path) and not Path(spec.adapter_path).is_dir()
+    except OSError as exc:
+        raise InvalidArgument(f"adapter_path is not a usable path: {exc}") from exc
+    if adapter_missing:
+        raise NotFound(f"adapter_path {spec.adapter_path!r} does not exist")
+    start = time.perf_counter()
+    sharded = group is not None and group.size() > 1
+    parallelism = Parallelism.NONE
+    try:
+        model, tokenizer, config = mlx_load(
+            source,
+            adapter_path=spec.adapter_path or None,
+            lazy=sharded,
+            revision=spec.revision or None,
+            trust_remote_code=spec.trust_remote_code,
+            return_config=True,
+        )
+        if sharded:
+            parallelism = sharding.shard(model, group)
+            mx.eval(model.parameters())  # reads this rank's share of the weights only
+    except WorkerError:
+        raise
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
+    except OSError as exc:
+        raise Unavailable(f"model {spec.model!r} could not be fetched: {exc}") from exc
+    except Exception as exc:
+        name = type(exc).__name__
+        if "NotFound" in name or "RepositoryNotFound" in name:
+            raise NotFound(f"model {spec.model!r} was not found: {exc}") from exc
+        raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
+    seconds = time.perf_counter() - start
+    info = describe(spec, source, model, tokenizer, config, parallelism=parallelism)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=seconds)
+
+
+def _dominant_float_dtype(params: list[tuple[str, mx.array]]) -> str:
+    counts: dict[str, int] = {}
+    for _, value in params:
+        if mx.issubdtype(value.dtype, mx.floating):
+            key = str(value.dtype).removeprefix("mlx.core.")
+            counts[key] = counts.get(key, 0) + value.size
+    return max(counts, key=lambda k: counts[k]) if counts else "unknown"
+
+
+def describe(
+    spec: LoadSpec,
+    source: str,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    config: Any,
+    *,
+    parallelism: Parallelism = Parallelism.NONE,
+) -> ModelInfo:
+    """The facts a scheduler needs about a loaded model."""
+    cfg: dict[str, Any] = dict(config) if isinstance(config, dict) else {}
+    args = getattr(model, "args", None)
+
+    def arg(*names: str, default: int = 0) -> int:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is None:
+                value = cfg.get(name)
+            if isinstance(value, int) and value > 0:
+                return value
+        return default
+
+    layers = getattr(model, "layers", None)
+    num_layers = len(layers) if layers is not None else arg("num_hidden_layers")
+    if parallelism is Parallelism.PIPELINE:  # `layers` are this rank's stage only
+        num_layers = arg("num_hidden_layers", default=num_layers)
+    hidden = arg("hidden_size", "d_model", "dim")
+    heads = arg("num_attention_heads", "n_heads")
+    kv_heads = arg("num_key_value_heads", "n_kv_heads", default=heads)
+    head_dim = arg("head_dim", default=hidden // heads if heads else 0)
+    context = arg("max_position_embeddings", "max_seq_len", default=DEFAULT_CONTEXT_LENGTH)
+    if spec.max_model_len:
+        context = min(context, spec.max_model_len)
+    quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
+    quantization = Quantization()
+    if isinstance(quant, dict) and quant.get("bits"):
+        quantization = Quantization(
+            bits=int(quant["bits"]),
+            group_size=int(quant.get("group_size", 64)),
+            mode=str(quant.get("mode", "affine")),
+        )
+    params = tree_flatten(model.parameters())
+    weight_bytes = sum(int(v.nbytes) for _, v in params)
+    eos = sorted(int(t) for t in (tokenizer.eos_token_ids or []))
+    bos = tokenizer.bos_token_id
+    vocab = arg("vocab_size", default=len(tokenizer.vocab))
+    return ModelInfo(
+        model=spec.model,
+        model_path=source,
+        model_type=str(cfg.get("model_type", getattr(args, "model_type", "unknown"))),
+        vocab_size=vocab,
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        max_context_length=context,
+        eos_token_ids=tuple(eos),
+        bos_token_id=int(bos) if bos is not None else -1,
+        quantization=quantization,
+        weight_bytes=weight_bytes,
+        dtype=_dominant_float_dtype(params),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        adapter_path=spec.adapter_path,
+        parallelism=parallelism,
+    )

@@ -1,0 +1,86 @@
+"""Linear layers multiply by a transposed view of their weight made once.
+
+`nn.Linear` computes `x @ weight.T` (and a tied output head
+`Embedding.as_linear` the same), so every forward adds one transpose to the
+graph per layer: 113 per decode step of a 16-layer Llama (65 with fused
+projections, `engine/rewrite/fused.py`), each built in Python and then evaluated by
+MLX, for a view that never changes. A decode
+step of one sequence on a GPU is bound by exactly that host work (see
+`engine/rewrite/fused.py`). `install` switches a loaded model's plain linear layers
+(and a plain embedding, for tied heads) to subclasses that keep the view,
+made once, with the weight it was made from: the product is the same
+operation on the same arrays (same buffer, shape and strides), so the
+results are the unchanged model's bit for bit (`tests/test_transposed.py`).
+If a weight is replaced (`model.update`, a reload), the view is made anew
+from the new one on the next call. Parameters, their names and saving are
+untouched; the view is a plain attribute, sharing the weight's memory.
+
+On by default on every backend; `MLX_WORKER_TRANSPOSED=0` turns it off (for
+A/B runs of the GPU benchmark).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+ENABLED = os.environ.get("MLX_WORKER_TRANSPOSED", "1") != "0"
+
+
+class _View:
+    """A weight and its transposed view (a plain object: no parameter, not saved)."""
+
+    __slots__ = ("view", "weight")
+
+    def __init__(self) -> None:
+        self.weight: mx.array | None = None
+        self.view: mx.array | None = None
+
+    def of(self, weight: mx.array) -> mx.array:
+        if weight is not self.weight or self.view is None:
+            self.weight, self.view = weight, weight.T
+        return self.view
+
+
+class TransposedLinear(nn.Linear):  # type: ignore[misc]  # mlx.nn is untyped
+    """`nn.Linear`, multiplying by the kept view of its weight."""
+
+    _transposed: _View
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight_t = self._transposed.of(self["weight"])
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, weight_t)
+        return x @ weight_t
+
+
+class TransposedEmbedding(nn.Embedding):  # type: ignore[misc]
+    """`nn.Embedding` whose `as_linear` (a tied output head) uses the kept view."""
+
+    _transposed: _View
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self._transposed.of(self["weight"])
+
+
+_SWITCHED: dict[type, type] = {nn.Linear: TransposedLinear, nn.Embedding: TransposedEmbedding}
+
+
+def adopt(layer: Any) -> bool:
+    """Switches one plain `nn.Linear` or `nn.Embedding` (with a view of its own)."""
+    switched = _SWITCHED.get(type(layer))
+    if not ENABLED or (switched is None and type(layer) not in _SWITCHED.values()):
+        return False
+    if switched is not None:
+        layer.__class__ = switched
+    # Always a fresh view holder: a shallow copy of a switched layer must not share one.
+    object.__setattr__(layer, "_transposed", _View())
+    return True
+
+
+def install(model: nn.Module) -> int:
+    """Switches the model's plain linear and embedding layers; returns how many."""
+    return sum(adopt(module) for _, module in model.named_modules())

@@ -1,0 +1,387 @@
+"""One worker as the fleet drives it: bring-up, the step loop, failure.
+
+A `WorkerLink` owns one worker's client and a continuous-batching loop over
+the requests routed to it: each step gives every decoding request one token,
+then fills the token budget with prefill chunks, admitting waiting requests
+while the KV budget the worker reported has room. It speaks only the public
+Execute protocol. When the worker stops answering (or restarted: a new
+`worker_epoch`), every request on it is handed back to the fleet to continue
+elsewhere, and the link probes the worker with backoff until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientConfig, ClientError
+from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Codes that mean the worker (not the request) is gone or restarted.
+_WORKER_DOWN = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+_FINAL = (pb.WORKER_STATE_READY, pb.WORKER_STATE_SERVING)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    model: str = ""  # LoadModel's model for a worker that has none loaded
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # Decode steps per Execute call once every running request decodes
+    # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
+    decode_steps: int = 1
+    num_blocks: int = 0  # 0: the worker's suggestion
+    retry_backoff: float = 0.5
+    max_backoff: float = 10.0
+    # While a step runs, the worker must answer CheckHealth this often, or it
+    # is taken as hung and its requests move on (a step itself may be long).
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        target: str,
+        config: LinkConfig,
+        *,
+        on_lost: Callable[[list[FleetRequest]], None],
+        on_up: Callable[[WorkerLink], None],
+        emit: Callable[[WorkerLink, FleetRequest], Awaitable[bool]],
+    ) -> None:
+        self.target = target
+        self.config = config
+        self.client = AsyncWorkerClient(target, config.client)
+        self.up = False
+        self.epoch = 0
+        self.model = ""
+        self.state = pb.WORKER_STATE_UNSPECIFIED
+        self.num_blocks = 0
+        self.block_size = 16
+        self.max_context = 0
+        self.max_seqs = config.max_num_seqs
+        self.waiting: list[FleetRequest] = []
+        self.running: dict[str, FleetRequest] = {}
+        self.to_free: list[str] = []
+        self.stats = fleet_pb2.WorkerStatus(target=target)
+        self.last_error = ""
+        self._on_lost, self._on_up, self._emit = on_lost, on_up, emit
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._step_id = 0
+        self._orphans: list[str] = []  # ids a lost worker may still hold
+
+    # ------------------------------------------------------------- views
+    @property
+    def load(self) -> float:
+        """Least-loaded routing score: requests here plus the KV share in use."""
+        used = self._used_blocks()
+        kv = used / self.num_blocks if self.num_blocks else 0.0
+        return len(self.running) + len(self.waiting) + kv
+
+    def status(self) -> fleet_pb2.WorkerStatus:
+        out = fleet_pb2.WorkerStatus()
+        out.CopyFrom(self.stats)
+        out.up, out.state, out.worker_epoch, out.model = self.up, self.state, self.epoch, self.model
+        out.num_running = len(self.running) + len(self.waiting)
+        out.last_error = self.last_error
+        used = self._used_blocks()
+        out.kv.CopyFrom(
+            pb.KVUsage(
+                num_blocks=self.num_blocks,
+                used_blocks=used,
+                free_blocks=max(self.num_blocks - used, 0),
+                block_size=self.block_size,
+            )
+        )
+        return out
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _used_blocks(self) -> int:
+        """KV blocks the running requests hold, as far as this link knows."""
+        return sum(self._blocks(r.computed) for r in self.running.values())
+
+    # ----------------------------------------------------------- control
+    def assign(self, request: FleetRequest, *, front: bool = False) -> None:
+        """Queues a request here (`front`: ahead of the others, e.g. after failover)."""
+        request.phase = Phase.QUEUED
+        if front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+        self._wake.set()
+
+    def cancel(self, request: FleetRequest) -> None:
+        """Frees a request's worker state at the next step (sent at once when idle)."""
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if self.running.pop(request.worker_id, None) is not None:
+            self.to_free.append(request.worker_id)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        await self.client.close()
+
+    # -------------------------------------------------------------- loop
+    async def run(self) -> None:
+        backoff = self.config.retry_backoff
+        while not self._closed:
+            if not self.up:
+                if await self._bring_up():
+                    backoff = self.config.retry_backoff
+                    self._on_up(self)
+                else:
+                    await asyncio.sleep(backoff * (1 + random.random() / 4))
+                    backoff = min(backoff * 2, self.config.max_backoff)
+                continue
+            if not (self.running or self.waiting or self.to_free):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._step()
+
+    async def _bring_up(self) -> bool:
+        """Takes the worker through its lifecycle (or adopts it if it is ready)."""
+        client = self.client
+        try:
+            info = await client.get_info()
+            if info.state not in _FINAL:
+                if info.state == pb.WORKER_STATE_NEW:
+                    await client.init_device(pb.InitDeviceRequest())
+                    info = await client.get_info()
+                if info.state == pb.WORKER_STATE_DEVICE_READY:
+                    if not self.config.model:
+                        raise RuntimeError("the worker has no model loaded and no --model is set")
+                    await client.load_model(pb.LoadModelRequest(model=self.config.model))
+                    info = await client.get_info()
+                if info.state in (pb.WORKER_STATE_MODEL_LOADED, pb.WORKER_STATE_MEMORY_PROFILED):
+                    # Profiled at the step size this scheduler will send.
+                    tokens = min(self.config.max_num_batched_tokens, info.model.max_context_length)
+                    memory = await client.determine_memory(
+                        pb.DetermineMemoryRequest(max_num_batched_tokens=tokens)
+                    )
+                    blocks = self.config.num_blocks or max(memory.suggested_num_blocks, 1)
+                    await client.init_cache(pb.InitCacheRequest(num_blocks=blocks))
+                    await client.warm_up(pb.WarmUpRequest())
+                    info = await client.get_info()
+            if info.state not in _FINAL:
+                raise RuntimeError(f"the worker is {pb.WorkerState.Name(info.state)}")
+        except (ClientError, RuntimeError) as exc:
+            self.last_error = str(exc)
+            log.warning("worker %s not usable: %s", self.target, exc)
+            return False
+        if info.worker_epoch == self.epoch:
+            await self._free_orphans()
+        self._orphans.clear()
+        self.epoch, self.state = info.worker_epoch, info.state
+        self.model = info.model.model_path
+        self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
+        self.max_context = info.model.max_context_length
+        # Never past what the worker admits (it would refuse the step).
+        admitted = info.limits.max_running_requests or self.config.max_num_seqs
+        self.max_seqs = min(self.config.max_num_seqs, admitted)
+        self.up, self.last_error = True, ""
+        log.info("worker %s up: epoch %d, %d KV blocks", self.target, self.epoch, self.num_blocks)
+        return True
+
+    async def _free_orphans(self) -> None:
+        """Back with the same epoch (it was hung, not restarted): free what it still holds."""
+        for worker_id in self._orphans:
+            step = pb.ExecuteRequest(
+                step_id=self._step_id, worker_epoch=self.epoch, finished_req_ids=[worker_id]
+            )
+            self._step_id += 1
+            with contextlib.suppress(ClientError):  # NOT_FOUND: it never arrived
+                await self.client.execute(step)
+
+    def _lose_everything(self, why: str) -> None:
+        """The worker died, hung or restarted: every request goes back to the fleet."""
+        self.up, self.last_error = False, why
+        self.state = pb.WORKER_STATE_UNSPECIFIED
+        self._orphans = [*self.running, *self.to_free]
+        lost = [*self.running.values(), *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        self.to_free.clear()
+        self.stats.num_failed_over += len(lost)
+        log.warning("worker %s lost (%s): %d requests move on", self.target, why, len(lost))
+        self._on_lost(lost)
+
+    # -------------------------------------------------------------- step
+    def _plan(self) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
+        budget = self.config.max_num_batched_tokens
+        request = pb.ExecuteRequest(step_id=self._step_id, worker_epoch=self.epoch)
+        self._step_id += 1
+        request.finished_req_ids.extend(self.to_free)
+        self.to_free.clear()
+        used = self._used_blocks()
+        # Decodes first (one token each), then prefill chunks, shortest first.
+        order = sorted(self.running.values(), key=lambda r: len(r.tokens) - r.computed)
+        for r in order:
+            left = len(r.tokens) - r.computed
+            count = min(left, budget)
+            if count <= 0:
+                continue
+            request.cached_requests.append(
+                pb.CachedRequest(req_id=r.worker_id, num_computed_tokens=r.computed)
+            )
+            request.num_scheduled_tokens[r.worker_id] = count
+            budget -= count
+            used += self._blocks(r.computed + count) - self._blocks(r.computed)
+        started: list[FleetRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            count = min(len(r.tokens), budget)
+            if used + self._blocks(count + 1) > self.num_blocks and self.running:
+                break
+            self.waiting.pop(0)
+            r.attempt += 1
+            r.computed, r.phase, r.reported_cached = 0, Phase.RUNNING, False
+            prompt, params = r.continuation()
+            request.new_requests.append(
+                pb.NewRequest(req_id=r.worker_id, prompt_token_ids=prompt, sampling_params=params)
+            )
+            request.num_scheduled_tokens[r.worker_id] = count
+            self.running[r.worker_id] = r
+            started.append(r)
+            budget -= count
+            used += self._blocks(count)
+        request.num_decode_steps = self._decode_steps(request, used)
+        return request, started
+
+    def _decode_steps(self, request: pb.ExecuteRequest, used: int) -> int:
+        """The configured decode steps for this call, or 1.
+
+        Several steps only when every scheduled request decodes one token,
+        nothing waits to start (its first token would wait for the whole call),
+        no request has stop strings (this scheduler checks them between calls,
+        so tokens past one would be computed for nothing) and the KV budget
+        holds the extra tokens.
+        """
+        steps = self.config.decode_steps
+        if steps <= 1 or self.waiting or request.new_requests:
+            return 1
+        scheduled = request.num_scheduled_tokens
+        if not scheduled or any(count != 1 for count in scheduled.values()):
+            return 1
+        rows = [self.running[req_id] for req_id in scheduled]
+        if any(r.stop for r in rows):
+            return 1
+        more = sum(self._blocks(r.computed + steps) - self._blocks(r.computed + 1) for r in rows)
+        return steps if used + more <= self.num_blocks else 1
+
+    async def _step(self) -> None:
+        request, started = self._plan()
+        if not request.num_scheduled_tokens and not request.finished_req_ids:
+            # Nothing fits: wait for room (a finish) or new work.
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        execute = asyncio.create_task(self.client.execute(request))
+        while not execute.done():
+            await asyncio.wait({execute}, timeout=self.config.health_interval)
+            if not execute.done() and not await self._answers():
+                execute.cancel()
+                self._lose_everything("the worker stopped answering health checks")
+                return
+        try:
+            response = execute.result()
+        except ClientError as exc:
+            self._step_failed(exc, request, started)
+            return
+        touched = self._apply(response)
+        stopped = await asyncio.gather(*(self._emit(self, r) for r in touched))
+        for r, stop in zip(touched, stopped, strict=True):
+            if stop and self.running.pop(r.worker_id, None) is not None:
+                self.to_free.append(r.worker_id)
+
+    async def _answers(self) -> bool:
+        try:
+            await self.client.check_health(timeout=self.config.health_timeout)
+        except ClientError:
+            return False
+        return True
+
+    def _step_failed(
+        self, exc: ClientError, request: pb.ExecuteRequest, started: list[FleetRequest]
+    ) -> None:
+        stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in exc.details
+        if exc.code in _WORKER_DOWN or stale:
+            self._lose_everything(f"{exc.code.name}: {exc.details}")
+            return
+        # The step changed nothing on the worker: undo it here too (an id the
+        # worker does not know is already free there).
+        if exc.code != grpc.StatusCode.NOT_FOUND:
+            self.to_free.extend(request.finished_req_ids)
+        for r in started:
+            self.running.pop(r.worker_id, None)
+            r.attempt -= 1
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (started or len(self.running) > 1):
+            # Out of KV or memory: put back the newest request (preempt it if running).
+            if started:
+                for r in reversed(started):
+                    r.phase = Phase.QUEUED
+                    self.waiting.insert(0, r)
+            else:
+                newest = list(self.running.values())[-1]
+                self._preempt(newest)
+            return
+        # The worker refused the request itself (or the only one left): fail it.
+        victims = started or list(self.running.values())
+        for r in victims:
+            self.running.pop(r.worker_id, None)
+            self.to_free.append(r.worker_id)
+            r.phase = Phase.DONE
+            r.outbox.put_nowait(exc)
+
+    def _preempt(self, r: FleetRequest) -> None:
+        """Frees a running request's KV; it restarts later from prompt + tokens."""
+        self.running.pop(r.worker_id, None)
+        self.to_free.append(r.worker_id)
+        r.phase = Phase.PREEMPTED
+        self.waiting.insert(0, r)
+
+    def _apply(self, response: pb.ExecuteResponse) -> list[FleetRequest]:
+        """Takes a step's outputs; returns the requests with something to stream."""
+        touched: list[FleetRequest] = []
+        for out in response.outputs:
+            r = self.running.get(out.req_id)
+            if r is None:
+                continue
+            r.computed = out.num_computed_tokens
+            if not r.reported_cached:
+                r.reported_cached = True
+                if out.num_cached_prompt_tokens:
+                    self.stats.prefix_hits += 1
+                    self.stats.cached_prompt_tokens += out.num_cached_prompt_tokens
+                    if r.attempt == 1:
+                        r.cached_tokens = out.num_cached_prompt_tokens
+            r.generated.extend(out.sampled_token_ids)
+            r.logprobs.extend(out.logprobs)
+            if out.finish_reason:
+                # The worker has freed it already.
+                del self.running[out.req_id]
+                self.stats.num_finished += 1
+                r.phase = Phase.DONE
+                r.finish_reason = out.finish_reason
+            if out.sampled_token_ids or out.finish_reason:
+                touched.append(r)
+        return touched

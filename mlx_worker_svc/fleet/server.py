@@ -1,0 +1,132 @@
+"""`mlx_worker.v1.FleetService` over gRPC (asyncio), with health and reflection.
+
+The servicer is thin: Generate streams `FleetScheduler.generate`, Status
+returns `FleetScheduler.status`. Fleet errors map to their status codes
+(RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE with no worker up,
+INVALID_ARGUMENT for a malformed request); a worker's error on a request keeps
+the worker's code and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.fleet.scheduler import FleetError, FleetScheduler
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.rpc.metrics import AsyncRpcMetricsInterceptor
+from mlx_worker_svc.rpc.security import (
+    AsyncTokenInterceptor,
+    SecurityConfig,
+    check_bind,
+    server_credentials,
+    token_check,
+)
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name
+_MAX_MESSAGE = 64 << 20
+
+
+class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
+    def __init__(self, fleet: FleetScheduler) -> None:
+        self._fleet = fleet
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for message in self._fleet.generate(request):
+                yield message
+        except FleetError as exc:
+            await context.abort(exc.code, str(exc))
+        except ClientError as exc:
+            await context.abort(exc.code, exc.details)
+
+    async def Status(  # noqa: N802 (gRPC method name)
+        self,
+        request: fleet_pb2.StatusRequest,
+        context: grpc.aio.ServicerContext[fleet_pb2.StatusRequest, fleet_pb2.StatusResponse],
+    ) -> fleet_pb2.StatusResponse:
+        return self._fleet.status()
+
+
+async def serve_fleet(
+    fleet: FleetScheduler, host: str, port: int, security: SecurityConfig | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the fleet's gRPC server; returns it and the bound port.
+
+    `security` (default: plaintext, loopback only) adds TLS, mutual TLS and the
+    bearer-token check; raises `security.UnsafeBind` for a non-loopback host
+    without TLS or a token (unless insecure), OSError when it cannot bind.
+    """
+    security = security or SecurityConfig()
+    check_bind(host, security)
+    credentials = server_credentials(security)
+    check = token_check(security)
+    interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [
+        AsyncRpcMetricsInterceptor(fleet.metrics.rpcs)
+    ]
+    if check is not None:
+        interceptors.append(AsyncTokenInterceptor(check))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    fleet_pb2_grpc.add_FleetServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        FleetServicer(fleet), server
+    )
+    checker = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        hint = "" if credentials is None else " (or the TLS key does not match the certificate)"
+        raise OSError(f"cannot listen on {address}{hint}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await checker.set("", health_pb2.HealthCheckResponse.SERVING)
+    # The fleet service is SERVING while at least one worker is up.
+    server_tasks.add(asyncio.create_task(_track_health(fleet, checker)))
+    log.info("fleet serving %s on %s:%d (%s)", SERVICE_NAME, host, bound, security.describe())
+    return server, bound
+
+
+server_tasks: set[asyncio.Task[None]] = set()
+
+
+async def _track_health(fleet: FleetScheduler, checker: HealthServicer) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    while True:
+        up = any(link.up for link in fleet.links)
+        await checker.set(SERVICE_NAME, serving if up else not_serving)
+        await asyncio.sleep(0.25)

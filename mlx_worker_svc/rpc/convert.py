@@ -1,0 +1,365 @@
+"""Conversion between protobuf messages and domain types.
+
+With servicer.py, the only module that touches generated protobuf code. Each
+function maps one message; proto3 `optional` fields become None when unset so
+that the domain defaults (vLLM's) apply.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from mlx_worker_svc.core.domain import (
+    CacheConfig,
+    CachedRequest,
+    ChatMessage,
+    DeviceInfo,
+    DeviceKind,
+    FinishReason,
+    GenerateChunk,
+    GenerateSpec,
+    HealthReport,
+    KVUsage,
+    LoadSpec,
+    MemoryProfile,
+    MemoryUsage,
+    ModelInfo,
+    NewRequest,
+    Parallelism,
+    RequestOutput,
+    SamplingParams,
+    SleepReport,
+    StepPlan,
+    StepResult,
+    StructuredOutputs,
+    TokenLogprobs,
+    WorkerState,
+)
+from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+_STATES = {
+    state: cast(pb.WorkerState, pb.WorkerState.Value(f"WORKER_STATE_{state.value}"))
+    for state in WorkerState
+}
+_DEVICES_IN = {
+    pb.DEVICE_KIND_UNSPECIFIED: DeviceKind.AUTO,
+    pb.DEVICE_KIND_CPU: DeviceKind.CPU,
+    pb.DEVICE_KIND_GPU: DeviceKind.GPU,
+}
+_DEVICES_OUT = {DeviceKind.CPU: pb.DEVICE_KIND_CPU, DeviceKind.GPU: pb.DEVICE_KIND_GPU}
+_PARALLELISM = {
+    mode: cast(pb.Parallelism, pb.Parallelism.Value(f"PARALLELISM_{mode.name}"))
+    for mode in Parallelism
+}
+_FINISH = {
+    reason: cast(pb.FinishReason, pb.FinishReason.Value(f"FINISH_REASON_{reason.name}"))
+    for reason in FinishReason
+}
+
+
+def state(value: WorkerState) -> pb.WorkerState:
+    return _STATES[value]
+
+
+def device_kind(value: pb.DeviceKind) -> DeviceKind:
+    if value not in _DEVICES_IN:
+        raise InvalidArgument(f"device {value} is not a known DeviceKind")
+    return _DEVICES_IN[value]
+
+
+def device_info(info: DeviceInfo) -> pb.DeviceInfo:
+    return pb.DeviceInfo(
+        kind=_DEVICES_OUT.get(info.kind, pb.DEVICE_KIND_UNSPECIFIED),
+        name=info.name,
+        total_memory_bytes=info.total_memory_bytes,
+        recommended_working_set_bytes=info.recommended_working_set_bytes,
+        mlx_version=info.mlx_version,
+        mlx_lm_version=info.mlx_lm_version,
+        platform=info.platform,
+        rank=info.rank,
+        local_rank=info.local_rank,
+        world_size=info.world_size,
+        backend=info.backend,
+        ranks=[
+            pb.GroupRank(
+                rank=r.rank,
+                host=r.host,
+                local_rank=r.local_rank,
+                pid=r.pid,
+                device_name=r.device_name,
+                total_memory_bytes=r.total_memory_bytes,
+                recommended_working_set_bytes=r.recommended_working_set_bytes,
+                weight_bytes=r.weight_bytes,
+            )
+            for r in info.ranks
+        ],
+    )
+
+
+def load_spec(request: pb.LoadModelRequest) -> LoadSpec:
+    return LoadSpec(
+        model=request.model,
+        adapter_path=request.adapter_path,
+        max_model_len=request.max_model_len,
+        revision=request.revision,
+        trust_remote_code=request.trust_remote_code,
+    )
+
+
+def model_info(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        model_path=info.model_path,
+        model_type=info.model_type,
+        vocab_size=info.vocab_size,
+        num_layers=info.num_layers,
+        num_attention_heads=info.num_attention_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        hidden_size=info.hidden_size,
+        max_context_length=info.max_context_length,
+        eos_token_ids=list(info.eos_token_ids),
+        bos_token_id=info.bos_token_id,
+        quantization=pb.Quantization(
+            bits=info.quantization.bits,
+            group_size=info.quantization.group_size,
+            mode=info.quantization.mode,
+        ),
+        weight_bytes=info.weight_bytes,
+        dtype=info.dtype,
+        has_chat_template=info.has_chat_template,
+        adapter_path=info.adapter_path,
+        parallelism=_PARALLELISM[info.parallelism],
+    )
+
+
+def memory_profile(profile: MemoryProfile, worker_state: WorkerState) -> pb.DetermineMemoryResponse:
+    return pb.DetermineMemoryResponse(
+        total_memory_bytes=profile.total_memory_bytes,
+        recommended_working_set_bytes=profile.recommended_working_set_bytes,
+        weight_bytes=profile.weight_bytes,
+        activation_peak_bytes=profile.activation_peak_bytes,
+        available_kv_bytes=profile.available_kv_bytes,
+        bytes_per_block=profile.bytes_per_block,
+        block_size=profile.block_size,
+        suggested_num_blocks=profile.suggested_num_blocks,
+        state=state(worker_state),
+    )
+
+
+def kv_usage(usage: KVUsage) -> pb.KVUsage:
+    return pb.KVUsage(
+        num_blocks=usage.num_blocks,
+        used_blocks=usage.used_blocks,
+        free_blocks=usage.free_blocks,
+        block_size=usage.block_size,
+        prefix_cache_blocks=usage.prefix_cache_blocks,
+    )
+
+
+def memory_usage(usage: MemoryUsage) -> pb.MemoryUsage:
+    return pb.MemoryUsage(
+        active_bytes=usage.active_bytes,
+        peak_bytes=usage.peak_bytes,
+        cache_bytes=usage.cache_bytes,
+        limit_bytes=usage.limit_bytes,
+    )
+
+
+def cache_config(config: CacheConfig, worker_state: WorkerState) -> pb.InitCacheResponse:
+    return pb.InitCacheResponse(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        max_kv_tokens=config.num_blocks * config.block_size,
+        state=state(worker_state),
+        prefix_caching=config.prefix_caching,
+        memory_limit_bytes=config.memory_limit_bytes,
+    )
+
+
+def sleep_report(report: SleepReport) -> pb.SleepResponse:
+    return pb.SleepResponse(
+        state=state(report.state),
+        level=report.level,
+        num_aborted=report.num_aborted,
+        freed_bytes=report.freed_bytes,
+        worker_epoch=report.worker_epoch,
+    )
+
+
+def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
+    """Converts and range-checks sampling parameters (errors name `where.<field>`)."""
+    if message.stop:
+        raise Unimplemented(
+            f"{where}.stop: stop strings are checked by a scheduler that holds the text "
+            "(FleetService.Generate); the worker does not honour them"
+        )
+    params = SamplingParams(
+        temperature=message.temperature if message.HasField("temperature") else 1.0,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        top_k=0 if message.top_k == -1 else message.top_k,
+        min_p=message.min_p,
+        repetition_penalty=(
+            message.repetition_penalty if message.HasField("repetition_penalty") else 1.0
+        ),
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=dict(message.logit_bias),
+        seed=message.seed if message.HasField("seed") else None,
+        min_tokens=message.min_tokens,
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
+        structured_outputs=(
+            structured_outputs(message.structured_outputs, f"{where}.structured_outputs")
+            if message.HasField("structured_outputs")
+            else None
+        ),
+    )
+    params.validate(where)
+    return params
+
+
+def structured_outputs(message: pb.StructuredOutputs, where: str) -> StructuredOutputs:
+    """The spec of a StructuredOutputs message (checked by SamplingParams.validate)."""
+    kind = message.WhichOneof("kind") or ""
+    if kind == "json_object" and not message.json_object:
+        raise InvalidArgument(f"{where}.json_object must be true when set")
+    return StructuredOutputs(
+        kind=kind,
+        text=getattr(message, kind) if kind not in ("", "choice", "json_object") else "",
+        choices=tuple(message.choice.choices),
+        disable_any_whitespace=message.disable_any_whitespace,
+    )
+
+
+def step_plan(request: pb.ExecuteRequest) -> StepPlan:
+    new = tuple(
+        NewRequest(
+            req_id=r.req_id,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            sampling=sampling_params(
+                r.sampling_params, f"new_requests[{i}] (req_id {r.req_id!r}).sampling_params"
+            ),
+        )
+        for i, r in enumerate(request.new_requests)
+    )
+    cached = tuple(
+        CachedRequest(
+            req_id=r.req_id,
+            num_computed_tokens=r.num_computed_tokens,
+            new_token_ids=tuple(r.new_token_ids),
+            resumed_from_preemption=r.resumed_from_preemption,
+        )
+        for r in request.cached_requests
+    )
+    return StepPlan(
+        step_id=request.step_id,
+        worker_epoch=request.worker_epoch,
+        new_requests=new,
+        cached_requests=cached,
+        num_scheduled_tokens=dict(request.num_scheduled_tokens),
+        finished_req_ids=tuple(request.finished_req_ids),
+        preempted_req_ids=tuple(request.preempted_req_ids),
+        num_decode_steps=request.num_decode_steps,
+        grammar_bitmask=dict(request.grammar_bitmask),
+    )
+
+
+def token_logprobs(info: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        token_id=info.token_id,
+        logprob=info.logprob,
+        rank=info.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in info.top],
+    )
+
+
+def finish_reason(reason: FinishReason | None) -> pb.FinishReason:
+    return _FINISH[reason] if reason is not None else pb.FINISH_REASON_UNSPECIFIED
+
+
+def request_output(output: RequestOutput) -> pb.RequestOutput:
+    # One message per request per step: fields left at their defaults are not
+    # passed (each keyword costs a conversion; the wire bytes are the same).
+    message = pb.RequestOutput(
+        req_id=output.req_id,
+        sampled_token_ids=output.sampled_token_ids,
+        num_computed_tokens=output.num_computed_tokens,
+    )
+    if output.logprobs:
+        message.logprobs.extend(token_logprobs(i) for i in output.logprobs)
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(token_logprobs(i) for i in output.prompt_logprobs)
+    if output.num_cached_prompt_tokens:
+        message.num_cached_prompt_tokens = output.num_cached_prompt_tokens
+    if output.finish_reason is not None:
+        message.finish_reason = _FINISH[output.finish_reason]
+    return message
+
+
+def step_result(result: StepResult) -> pb.ExecuteResponse:
+    t = result.timings
+    return pb.ExecuteResponse(
+        step_id=result.step_id,
+        worker_epoch=result.worker_epoch,
+        outputs=[request_output(o) for o in result.outputs],
+        timings=pb.StepTimings(
+            total_ns=t.total_ns,
+            forward_ns=t.forward_ns,
+            num_tokens=t.num_tokens,
+            decode_batch_size=t.decode_batch_size,
+        ),
+    )
+
+
+def health(report: HealthReport) -> pb.CheckHealthResponse:
+    return pb.CheckHealthResponse(
+        state=state(report.state),
+        healthy=report.healthy,
+        num_running_requests=report.num_running_requests,
+        num_preempted_requests=report.num_preempted_requests,
+        kv=kv_usage(report.kv),
+        last_error=report.last_error,
+        worker_epoch=report.worker_epoch,
+        deep_check_ns=report.deep_check_ns,
+        uptime_seconds=report.uptime_seconds,
+        memory=memory_usage(report.memory),
+    )
+
+
+def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
+
+
+def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
+    if request.sampling_params.HasField("prompt_logprobs"):
+        raise InvalidArgument(
+            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; use Execute"
+        )
+    return GenerateSpec(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        messages=chat_messages(list(request.messages)),
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        sampling=sampling_params(request.sampling_params, "sampling_params"),
+        skip_special_tokens=(
+            request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        ),
+    )
+
+
+def generate_chunk(chunk: GenerateChunk) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        logprobs=[token_logprobs(i) for i in chunk.logprobs],
+        finish_reason=finish_reason(chunk.finish_reason),
+        prompt_tokens=chunk.prompt_tokens,
+        completion_tokens=chunk.completion_tokens,
+        request_id=chunk.request_id,
+        num_cached_prompt_tokens=chunk.num_cached_prompt_tokens,
+    )

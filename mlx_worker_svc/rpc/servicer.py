@@ -1,0 +1,263 @@
+"""The gRPC servicer: one thin method per RPC.
+
+Each method converts the request (convert.py), calls the worker and converts
+the answer. Errors are mapped in one place, `_status`: a WorkerError keeps its
+own status code; anything else is a bug and becomes INTERNAL with its text.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented, WorkerError
+from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.rpc import convert
+from mlx_worker_svc.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# Status messages travel in a header; gRPC refuses headers past 8 KiB, and a
+# message may quote the caller's input (a path, say), so keep them short.
+_MAX_MESSAGE = 2000
+
+
+def _short(message: str) -> str:
+    if len(message) <= _MAX_MESSAGE:
+        return message
+    return message[: _MAX_MESSAGE - 30] + f"... ({len(message)} characters)"
+
+
+def _status(
+    context: grpc.ServicerContext, exc: BaseException, method: str, req_id: str = ""
+) -> NoReturn:
+    fields = {"rpc": method, "req_id": req_id} if req_id else {"rpc": method}
+    if isinstance(exc, WorkerError):
+        message = _short(exc.message)
+        log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})
+        context.abort(exc.code, message)
+    log.exception(
+        "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
+    )
+    context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
+
+
+def _unary(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            _status(context, exc, fn.__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class WorkerServicer(pb_grpc.WorkerServiceServicer):
+    """Maps WorkerService RPCs onto a `Worker`."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        on_shutdown: Callable[[float, bool], None],
+        *,
+        max_message_bytes: int = 0,
+    ) -> None:
+        self._worker = worker
+        self._on_shutdown = on_shutdown
+        self._max_message_bytes = max_message_bytes
+
+    @_unary
+    def InitDevice(
+        self, request: pb.InitDeviceRequest, context: grpc.ServicerContext
+    ) -> pb.InitDeviceResponse:
+        args = DeviceArgs(
+            kind=convert.device_kind(request.device),
+            rank=request.rank,
+            local_rank=request.local_rank,
+            world_size=request.world_size,
+            distributed_init_method=request.distributed_init_method,
+        )
+        info = self._worker.init_device(args)
+        return pb.InitDeviceResponse(
+            device=convert.device_info(info), state=convert.state(self._worker.state)
+        )
+
+    @_unary
+    def LoadModel(
+        self, request: pb.LoadModelRequest, context: grpc.ServicerContext
+    ) -> pb.LoadModelResponse:
+        loaded, epoch = self._worker.load_model(convert.load_spec(request))
+        return pb.LoadModelResponse(
+            model=convert.model_info(loaded.info),
+            worker_epoch=epoch,
+            load_seconds=loaded.load_seconds,
+            state=convert.state(self._worker.state),
+        )
+
+    @_unary
+    def DetermineMemory(
+        self, request: pb.DetermineMemoryRequest, context: grpc.ServicerContext
+    ) -> pb.DetermineMemoryResponse:
+        profile = self._worker.determine_memory(
+            request.memory_utilization, request.max_num_batched_tokens, request.block_size
+        )
+        return convert.memory_profile(profile, self._worker.state)
+
+    @_unary
+    def InitCache(
+        self, request: pb.InitCacheRequest, context: grpc.ServicerContext
+    ) -> pb.InitCacheResponse:
+        config = self._worker.init_cache(
+            request.num_blocks,
+            request.block_size,
+            prefix_caching=(
+                request.enable_prefix_caching if request.HasField("enable_prefix_caching") else None
+            ),
+            memory_limit_bytes=request.memory_limit_bytes,
+        )
+        return convert.cache_config(config, self._worker.state)
+
+    @_unary
+    def WarmUp(self, request: pb.WarmUpRequest, context: grpc.ServicerContext) -> pb.WarmUpResponse:
+        shapes, seconds = self._worker.warm_up(
+            list(request.batch_sizes), list(request.prefill_lengths)
+        )
+        return pb.WarmUpResponse(
+            shapes_run=shapes, seconds=seconds, state=convert.state(self._worker.state)
+        )
+
+    @_unary
+    def Execute(
+        self, request: pb.ExecuteRequest, context: grpc.ServicerContext
+    ) -> pb.ExecuteResponse:
+        received = time.perf_counter_ns()
+        result = self._worker.execute(convert.step_plan(request), received_ns=received)
+        return convert.step_result(result)
+
+    @_unary
+    def CheckHealth(
+        self, request: pb.CheckHealthRequest, context: grpc.ServicerContext
+    ) -> pb.CheckHealthResponse:
+        return convert.health(self._worker.health(request.deep))
+
+    @_unary
+    def Shutdown(
+        self, request: pb.ShutdownRequest, context: grpc.ServicerContext
+    ) -> pb.ShutdownResponse:
+        report = self._worker.health(deep=False)
+        self._on_shutdown(max(request.grace_seconds, 0.0), request.abort)
+        return pb.ShutdownResponse(
+            state=convert.state(self._worker.state),
+            num_in_flight=report.num_running_requests,
+        )
+
+    @_unary
+    def GetInfo(
+        self, request: pb.GetInfoRequest, context: grpc.ServicerContext
+    ) -> pb.GetInfoResponse:
+        worker = self._worker
+        response = pb.GetInfoResponse(
+            state=convert.state(worker.state),
+            worker_epoch=worker.epoch,
+            kv=convert.kv_usage(worker.kv_usage()),
+            worker_version=version("mlx-worker-svc"),
+            limits=pb.WorkerLimits(
+                max_running_requests=worker.limits.max_running_requests,
+                max_queued_steps=worker.limits.max_queued_steps,
+                max_message_bytes=self._max_message_bytes,
+            ),
+        )
+        if worker.device is not None:
+            response.device.CopyFrom(convert.device_info(worker.device))
+        info, chat_template = worker.model_info
+        if info is not None:
+            response.model.CopyFrom(convert.model_info(info))
+            response.chat_template = chat_template
+        response.memory.CopyFrom(convert.memory_usage(worker.memory_usage()))
+        return response
+
+    @_unary
+    def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.ServicerContext
+    ) -> pb.TokenizeResponse:
+        if request.text and request.messages:
+            raise InvalidArgument("Tokenize takes text or messages, not both")
+        if request.messages:
+            add_prompt = (
+                request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            )
+            ids, text = self._worker.tokenize_chat(
+                convert.chat_messages(list(request.messages)), add_prompt
+            )
+            return pb.TokenizeResponse(token_ids=ids, text=text)
+        ids = self._worker.tokenize_text(request.text, request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids, text=request.text)
+
+    @_unary
+    def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        text = self._worker.detokenize(list(request.token_ids), request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        try:
+            chunks, cancel = self._worker.generate(convert.generate_spec(request))
+        except Exception as exc:
+            _status(context, exc, "Generate", request.request_id)
+        context.add_callback(cancel)
+        try:
+            for chunk in chunks:
+                yield convert.generate_chunk(chunk)
+        except Exception as exc:
+            _status(context, exc, "Generate", request.request_id)
+
+    @_unary
+    def Sleep(self, request: pb.SleepRequest, context: grpc.ServicerContext) -> pb.SleepResponse:
+        return convert.sleep_report(self._worker.sleep(request.level))
+
+    @_unary
+    def WakeUp(self, request: pb.WakeUpRequest, context: grpc.ServicerContext) -> pb.WakeUpResponse:
+        state, epoch, seconds = self._worker.wake_up()
+        return pb.WakeUpResponse(
+            state=convert.state(state), worker_epoch=epoch, wake_seconds=seconds
+        )
+
+    @_unary
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(freed_blocks=self._worker.reset_prefix_cache())
+
+    @_unary
+    def AddLora(
+        self, request: pb.AddLoraRequest, context: grpc.ServicerContext
+    ) -> pb.AddLoraResponse:
+        raise Unimplemented(
+            "AddLora is not implemented yet; LoadModel.adapter_path applies one adapter at load"
+        )
+
+    @_unary
+    def RemoveLora(
+        self, request: pb.RemoveLoraRequest, context: grpc.ServicerContext
+    ) -> pb.RemoveLoraResponse:
+        raise Unimplemented("RemoveLora is not implemented yet")
+
+    @_unary
+    def ListLoras(
+        self, request: pb.ListLorasRequest, context: grpc.ServicerContext
+    ) -> pb.ListLorasResponse:
+        raise Unimplemented("ListLoras is not implemented yet")

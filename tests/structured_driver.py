@@ -35,11 +35,14 @@ def run_requests(
     decode_steps: int = 0,
     bitmask: BitmaskFn | None = None,
     preempt_at: tuple[int, int] | None = None,
+    end_on_none: bool = False,
 ) -> list[Finished]:
     """Runs `requests` together to their end; returns each one's tokens and finish reason.
 
-    `preempt_at` = (step, index): that request is preempted in that step and
-    resumed in the next.
+    `bitmask` gives the mask of each sampling request's next token; with
+    `end_on_none`, None means its grammar is complete: the scheduler finishes
+    it (finished_req_ids) and records GRAMMAR_COMPLETE. `preempt_at` =
+    (step, index): that request is preempted in that step and resumed in the next.
     """
     ids = [f"r{i}" for i in range(len(requests))]
     prompts = {rid: p for rid, (p, _) in zip(ids, requests, strict=True)}
@@ -56,16 +59,20 @@ def run_requests(
         if preempt_at is not None and step == preempt_at[0] and ids[preempt_at[1]] in live:
             preempted = ids[preempt_at[1]]
         new_ids = {r.req_id for r in new}
-        scheduled, masks = {}, {}
+        scheduled, masks, done = {}, {}, []
         for rid in sorted(live - {preempted}):
             remaining = len(prompts[rid]) + len(results[rid].tokens) - computed[rid]
             scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
-            if bitmask is not None and computed[rid] + scheduled[rid] == len(prompts[rid]) + len(
-                results[rid].tokens
-            ):
-                data = bitmask(rid, results[rid].tokens)
-                if data is not None:
-                    masks[rid] = data
+            if bitmask is None or scheduled[rid] != remaining:
+                continue
+            data = bitmask(rid, results[rid].tokens)
+            if data is not None:
+                masks[rid] = data
+            elif end_on_none:
+                done.append(rid)
+                del scheduled[rid]
+                results[rid].reason = pb.FINISH_REASON_GRAMMAR_COMPLETE
+        live -= set(done)
         cached = [
             pb.CachedRequest(
                 req_id=rid,
@@ -75,6 +82,8 @@ def run_requests(
             for rid in sorted(live - {preempted})
             if rid not in new_ids
         ]
+        if not scheduled and not done:
+            break
         response = stub.Execute(
             pb.ExecuteRequest(
                 step_id=step,
@@ -83,6 +92,7 @@ def run_requests(
                 cached_requests=cached,
                 num_scheduled_tokens=scheduled,
                 preempted_req_ids=[preempted] if preempted else [],
+                finished_req_ids=done,
                 num_decode_steps=decode_steps,
                 grammar_bitmask=masks,
             )

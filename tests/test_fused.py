@@ -199,7 +199,9 @@ def test_the_worker_decodes_through_fused_layers_and_its_own_step_with_mlx_lm_to
         assert loaded is not None
         model = loaded.model  # the runner fused it at InitCache
         assert type(model.model.layers[0].self_attn.q_proj) is fused.FusedProjection
-        assert getattr(model, decode_step._ATTRIBUTE, None) is not None  # engine/rewrite/decode_step.py
+        assert (
+            getattr(model, decode_step._ATTRIBUTE, None) is not None
+        )  # engine/rewrite/decode_step.py
         params = greedy(12, ignore_eos=True)
         alone = [drive(stub, epoch, [p], max_tokens=12, params=params)[0] for p in prompts]
         together = drive(stub, epoch, prompts, max_tokens=12, params=params)

@@ -265,3 +265,53 @@ def test_ignore_eos_is_refused_with_a_spec(tiny_stub: Stub) -> None:
         tiny_stub.Execute(step)
     assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.ignore_eos cannot be combined" in details_of(caught.value)
+
+
+def test_a_continuation_elsewhere_keeps_the_grammar(tiny_stub: Stub) -> None:
+    epoch = _epoch(tiny_stub)
+    prompt = _prompts(1, seed=8)[0]
+    spec: dict[str, Any] = {"json_schema": SCHEMA_TEXTS[6], "disable_any_whitespace": True}
+    [whole] = run_requests(tiny_stub, epoch, [(prompt, constrained(MAX_TOKENS, **spec))])
+    [head] = run_requests(tiny_stub, epoch, [(prompt, constrained(5, **spec))])
+    assert head.tokens == whole.tokens[:5]
+    # As a fleet continues a request after a failover: prompt + output so far.
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(
+                req_id="rest",
+                prompt_token_ids=prompt + head.tokens,
+                sampling_params=constrained(MAX_TOKENS, **spec),
+                num_generated_tokens=len(head.tokens),
+            )
+        ],
+        num_scheduled_tokens={"rest": len(prompt) + len(head.tokens)},
+        num_decode_steps=64,
+    )
+    [rest] = tiny_stub.Execute(step).outputs
+    assert rest.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+    assert head.tokens + list(rest.sampled_token_ids) == whole.tokens
+
+
+@pytest.mark.parametrize(
+    ("generated", "named"), [(4, "must leave at least one"), (2, "not a start its")]
+)
+def test_a_bad_continuation_is_refused(tiny_stub: Stub, generated: int, named: str) -> None:
+    params = constrained(8, regex="[0-9]+")
+    step = pb.ExecuteRequest(
+        worker_epoch=_epoch(tiny_stub),
+        new_requests=[
+            pb.NewRequest(
+                req_id="c",
+                prompt_token_ids=[1000, 1001, 1002, 1003],
+                sampling_params=params,
+                num_generated_tokens=generated,
+            )
+        ],
+        num_scheduled_tokens={"c": 4},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        tiny_stub.Execute(step)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "new_requests[0] (req_id 'c').num_generated_tokens" in details_of(caught.value)
+    assert named in details_of(caught.value)

@@ -188,6 +188,8 @@ class NewRequest:
     req_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # The last tokens of the prompt that are output generated elsewhere (a continuation).
+    num_generated_tokens: int = 0
 
 
 @dataclass(frozen=True)

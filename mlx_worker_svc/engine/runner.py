@@ -151,13 +151,15 @@ class ModelRunner(Prefill):
 
     # ------------------------------------------------------------- mutation
     def _new_sequence(
-        self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams
+        self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams, generated: int = 0
     ) -> Sequence:
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
         seq = Sequence.start(key, prompt, params, sampler, max_context=self.limits.max_context)
         if params.structured_outputs is not None:  # compiled already: a copy from the cache
             seq.grammar = self.grammars.grammar(
-                params.structured_outputs, "sampling_params.structured_outputs"
+                params.structured_outputs,
+                "sampling_params.structured_outputs",
+                start=len(prompt) - generated,
             )
         return seq
 
@@ -250,7 +252,7 @@ class ModelRunner(Prefill):
         for key in work.preempted:
             self._preempt(key)
         for new in work.new:
-            self.seqs[new.key] = self._new_sequence(new.key, new.prompt, new.params)
+            self.seqs[new.key] = self._new_sequence(new.key, new.prompt, new.params, new.generated)
         for key, tokens, resumed in work.appends:
             seq = self.seqs[key]
             seq.tokens.extend(tokens)

@@ -98,6 +98,8 @@ class NewSequence:
     key: RequestKey
     prompt: tuple[int, ...]
     params: SamplingParams
+    # Trailing prompt tokens its grammar consumes first (NewRequest.num_generated_tokens).
+    generated: int = 0
 
 
 @dataclass

@@ -122,9 +122,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def grammar(self, spec: StructuredOutputs, where: str) -> Grammar:
-        """A fresh matcher for one request (a copy of the cached one)."""
-        return Grammar(self.compile(spec, where).deep_copy())
+    def grammar(self, spec: StructuredOutputs, where: str, *, start: int) -> Grammar:
+        """A fresh matcher for one request whose output begins at token `start`."""
+        return Grammar(self.compile(spec, where).deep_copy(), start)
 
 
 def _grammar_text(spec: StructuredOutputs, where: str) -> str:
@@ -146,19 +146,25 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
 
 
 class Grammar:
-    """One request's grammar state: the matcher and how many output tokens it consumed."""
+    """One request's grammar state: the matcher and how many output tokens it consumed.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    The output starts at token `start` of the sequence: the prompt's end, or
+    earlier for a continuation (NewRequest.num_generated_tokens).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, start: int) -> None:
         self.matcher = matcher
+        self.start = start
         self.consumed = 0
 
-    def sync(self, tokens: Sequence[int], prompt_len: int) -> None:
-        """Brings the matcher to the state after the request's output `tokens[prompt_len:]`.
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Brings the matcher to the state after the request's output `tokens[start:]`.
 
         Normally a no-op: `advance` consumed them. After a rolled-back step it
-        rolls back; after tokens the scheduler appended, it consumes them.
+        rolls back; after a continuation's or the scheduler's appended tokens,
+        it consumes them.
         """
-        output = len(tokens) - prompt_len
+        output = len(tokens) - self.start
         if self.consumed > output:
             if self.matcher.rollback(self.consumed - output):
                 self.consumed = output
@@ -166,7 +172,7 @@ class Grammar:
                 self.matcher.reset()
                 self.consumed = 0
         if self.consumed < output:
-            self.matcher.consume_tokens(list(tokens[prompt_len + self.consumed :]))
+            self.matcher.consume_tokens(list(tokens[self.start + self.consumed :]))
             self.consumed = output
         if self.matcher.is_error():
             raise Internal(f"the request's grammar failed: {self.matcher.get_error()}")
@@ -237,7 +243,7 @@ def step_mask(
         if data is not None:
             words[i] = np.frombuffer(data, dtype="<i4")
         if row.grammar is not None:
-            row.grammar.sync(row.tokens, row.prompt_len)
+            row.grammar.sync(row.tokens)
             pairs.append((row.grammar.matcher, i))
     if pairs:
         llguidance.numpy.fill_next_token_bitmask_par(compiler.executor, pairs, words)
@@ -274,14 +280,21 @@ def plan_structured(
     """
     for i, new in enumerate(plan.new_requests):
         spec = new.sampling.structured_outputs
-        if spec is not None:
-            where = f"new_requests[{i}] (req_id {new.req_id!r}).sampling_params.structured_outputs"
-            compiler.compile(spec, where)
+        if spec is None:
+            continue
+        where = f"new_requests[{i}] (req_id {new.req_id!r})"
+        matcher = compiler.compile(spec, f"{where}.sampling_params.structured_outputs")
+        generated = new.prompt_token_ids[len(new.prompt_token_ids) - new.num_generated_tokens :]
+        if generated and not Grammar(matcher.deep_copy(), 0).accepts(generated):
+            raise InvalidArgument(
+                f"{where}.num_generated_tokens: the last {len(generated)} prompt tokens are "
+                "not a start its structured_outputs allows"
+            )
     for i, cached in enumerate(plan.cached_requests):
         seq = seqs.get((Origin.EXECUTE, cached.req_id))
         if seq is None or seq.grammar is None or not cached.new_token_ids:
             continue
-        seq.grammar.sync(seq.tokens, seq.prompt_len)
+        seq.grammar.sync(seq.tokens)
         if not seq.grammar.accepts(cached.new_token_ids):
             raise InvalidArgument(
                 f"cached_requests[{i}] (req_id {cached.req_id!r}).new_token_ids: the "

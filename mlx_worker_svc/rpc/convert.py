@@ -244,6 +244,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
             sampling=sampling_params(
                 r.sampling_params, f"new_requests[{i}] (req_id {r.req_id!r}).sampling_params"
             ),
+            num_generated_tokens=r.num_generated_tokens,
         )
         for i, r in enumerate(request.new_requests)
     )

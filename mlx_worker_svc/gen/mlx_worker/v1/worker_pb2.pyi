@@ -364,14 +364,16 @@ class StructuredChoice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "sampling_params")
+    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "num_generated_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    num_generated_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("req_id", "num_computed_tokens", "new_token_ids", "resumed_from_preemption")

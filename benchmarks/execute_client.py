@@ -72,10 +72,12 @@ def run_execute(
     chunk: int | None = None,
     call: ExecuteCall | None = None,
     decode_steps: int = 1,
+    params: list[pb.SamplingParams] | None = None,
 ) -> ExecuteRun:
     """Runs `prompts` together to completion, one Execute step at a time.
 
-    `call` replaces the gRPC stub (e.g. `in_process_call`) to split the round trip's cost.
+    `call` replaces the gRPC stub (e.g. `in_process_call`) to split the round trip's cost;
+    `params` gives each prompt its own sampling parameters (default: `greedy(max_tokens)`).
     """
     execute: ExecuteCall = call or worker.stub.Execute
     ids = [worker.new_id("bench") for _ in prompts]
@@ -84,9 +86,10 @@ def run_execute(
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     cached_prompt = dict.fromkeys(ids, 0)
     live = list(ids)
+    sampling = params or [greedy(max_tokens)] * len(prompts)
     new = [
-        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=greedy(max_tokens))
-        for rid, p in zip(ids, prompts, strict=True)
+        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=s)
+        for rid, p, s in zip(ids, prompts, sampling, strict=True)
     ]
     run = ExecuteRun(timeline=Timeline())
     step_id = 0

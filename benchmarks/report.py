@@ -127,6 +127,34 @@ def markdown(results: dict[str, Any]) -> str:
                     else f"{_num(run['speedup_vs_1_worker'])}x vs 1 worker",
                 )
             )
+    if "h" in s:
+        h = s["h"]
+        target = f">= {h['target_ratio']}x"
+        for steps in (1, 8):
+            run = h[f"decode_steps_{steps}"]
+            rows.append(
+                (
+                    f"(h) structured outputs, {steps} decode step{'s' if steps > 1 else ''} "
+                    "a call (tiny)",
+                    f"decode tok/s, {h['batch']} rows x {h['tokens_per_request']} tokens, "
+                    f"all under JSON schemas vs free; mask {_num(run['mask_ms_per_step'], 3)} "
+                    "ms a step",
+                    _num(run["constrained_tok_s"], 1),
+                    _num(run["free_tok_s"], 1),
+                    _ratio(run["ratio_constrained_vs_free"], target),
+                )
+            )
+        c = h["compile"]
+        rows.append(
+            (
+                "(h) grammar compile",
+                f"ms per JSON schema ({c['schemas']}): cold median (max {_num(c['cold_ms_max'])})"
+                f" vs cached; tokenizer conversion {_num(c['tokenizer_conversion_ms'], 0)} ms once",
+                _num(c["cold_ms_median"], 2),
+                _num(c["cached_ms_median"], 4),
+                "",
+            )
+        )
     head = "| Section | Measure | Worker | Baseline | Ratio (target) |\n|---|---|---|---|---|\n"
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 

@@ -30,8 +30,9 @@ from benchmarks.fleet import section_g
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
+from benchmarks.structured import section_h
 
-ALL_SECTIONS = "abcdefg"
+ALL_SECTIONS = "abcdefgh"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-requests", type=int, help="(g) concurrent requests (default 32)")
     p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
     p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
+    p.add_argument("--structured-batch", type=int, help="(h) constrained rows (default 16)")
+    p.add_argument("--structured-tokens", type=int, help="(h) tokens per row (default 64)")
+    p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -75,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 32,
         "fleet_tokens": 256,
         "fleet_workers": "1,2",
+        "structured_batch": 16,
+        "structured_tokens": 64,
+        "structured_repeats": 3,
     }
     quick = {
         "tokens": 8,
@@ -92,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 4,
         "fleet_tokens": 8,
         "fleet_workers": "1,2",
+        "structured_batch": 4,
+        "structured_tokens": 8,
+        "structured_repeats": 1,
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -127,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     wanted = set(args.sections)
     with temp_dir() as tmp:
-        if wanted & {"c", "d", "g"}:
+        if wanted & {"c", "d", "g", "h"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
         if wanted & {"c", "d"}:
             model, tokenizer = load(str(tiny))
@@ -140,6 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     n = args.seeds_tokens
                     sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
             del model, tokenizer
+        if "h" in wanted:
+            sections["h"] = timed("h", seconds, lambda: _structured(args, tiny))
         if wanted & {"a", "b", "e", "f"}:
             model, tokenizer = load(str(main_model))
         if wanted & {"a", "b", "e"}:
@@ -191,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "a_b_e_f": str(main_model),
             "c_d": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run_seconds": round(time.perf_counter() - started, 1),
@@ -198,6 +211,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sections": sections,
         "notes": notes,
     }
+
+
+def _structured(args: argparse.Namespace, tiny: Path) -> dict[str, Any]:
+    from mlx_lm import load
+
+    _, tokenizer = load(str(tiny))
+    rows = distinct_prompts(tokenizer, args.structured_batch, 8)
+    with live_worker(tiny) as worker:
+        return section_h(worker, rows, args.structured_tokens, args.structured_repeats, tiny)
 
 
 def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
@@ -223,6 +245,13 @@ def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
             f"(g) runs worker and fleet processes on the tiny model: {g['requests']} concurrent "
             f"requests x {g['tokens_per_request']} tokens through FleetService.Generate; every "
             f"process shares the machine's {g['cpu_count']} CPUs."
+        )
+    if "h" in sections:
+        h = sections["h"]
+        notes.append(
+            f"(h) decodes {h['batch']} rows x {h['tokens_per_request']} tokens on the tiny model, "
+            "every row under its own JSON schema against the same rows free; best of "
+            f"{h['repeats']} interleaved runs each."
         )
     if "d" in sections:
         d = sections["d"]

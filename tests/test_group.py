@@ -261,6 +261,20 @@ def test_seeded_sampling_gives_a_single_workers_tokens(group: Group, single: Sin
     )
 
 
+def test_structured_outputs_give_a_single_workers_tokens(group: Group, single: Single) -> None:
+    # Every rank compiles and advances its own copy of the grammar, deterministically.
+    prompts = distinct_prompts(4, 6, seed=12)
+    spec = pb.StructuredOutputs(regex="[a-z]{2,8}(-[0-9]{1,3}){1,3}")
+    params = pb.SamplingParams(temperature=0.8, seed=5, max_tokens=64, structured_outputs=spec)
+    expected = single.tokens(prompts, params)
+    got = drive(group.stub, _epoch(group.stub), prompts, max_tokens=64, params=params)
+    assert got == expected
+    for tokens in got:
+        ask = pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=True)
+        text = group.stub.Detokenize(ask).text
+        assert re.fullmatch("[a-z]{2,8}(-[0-9]{1,3}){1,3}", text), text
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_generate_gives_a_single_workers_tokens(group: Group, single: Single, batch: int) -> None:
     prompts = distinct_prompts(batch, 7, seed=20 + batch)

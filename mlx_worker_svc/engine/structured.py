@@ -78,22 +78,28 @@ class GrammarCompiler:
         self._eos = sorted(eos_ids)
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._ll: llguidance.LLTokenizer | None = None
+        self._ll: dict[bool, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
         self.stats = GrammarStats()
         # One executor fills the constrained rows of a step in parallel.
         self.executor = llguidance.LLExecutor()
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the tokenizer, built on first use (about a second)."""
+    def _tokenizer(self, json: bool) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer, built on first use (about a second).
+
+        JSON grammars get llguidance's JSON "slices" (token-trie partitions that
+        make their masks about twice as fast to fill); other grammars the general ones.
+        """
         with self._lock:
-            if self._ll is None:
+            if not self._ll:
                 start = time.perf_counter_ns()
-                self._ll = llguidance.hf.from_tokenizer(
+                general = llguidance.hf.from_tokenizer(
                     self._hf._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
                 )
+                self._ll[False] = general
+                self._ll[True] = general.with_slices(llguidance.LLTokenizer.json_slices())
                 self.stats.tokenizer_ns = time.perf_counter_ns() - start
-            return self._ll
+            return self._ll[json]
 
     def compile(self, spec: StructuredOutputs, where: str) -> llguidance.LLMatcher:
         """The compiled (never advanced) matcher of `spec`; raises InvalidArgument."""
@@ -103,7 +109,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.stats.hits += 1
                 return cached
-        tokenizer = self._tokenizer()
+        tokenizer = self._tokenizer(spec.kind in ("json_schema", "json_object"))
         start = time.perf_counter_ns()
         field_name = f"{where}.{spec.kind}"
         grammar = _grammar_text(spec, field_name)

@@ -40,7 +40,7 @@ from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, token_ids
-from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_request
+from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_body, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
 
@@ -154,11 +154,7 @@ class Gateway:
     async def _complete(self, request: Request, kind: Kind) -> Response:
         start = time.monotonic()
         route = request.url.path
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"We could not parse the JSON body of your request: {exc}") from exc
-        parsed = parse_request(kind, body)
+        parsed = parse_request(kind, parse_body(await request.body()))
         reply = Reply(parsed, self._model_for(parsed))
         stream = cast(Stream, self.fleet.generate(parsed.generate))
         try:

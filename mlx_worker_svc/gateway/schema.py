@@ -7,11 +7,13 @@ fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids) are honoured too, since the workers take vLLM's parameters.
 Like OpenAI, an argument the endpoint does not know is a 400, and one it knows
 but cannot honour (tools, n > 1, echo) is a 400 that says so, never silently
-ignored.
+ignored. A body that is not JSON in UTF-8 (RFC 8259), nests past the parser's
+depth or holds a lone surrogate escape is a 400 too (`parse_body`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -130,6 +132,30 @@ def _json_type(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     names |= {list: "an array", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request body's JSON value; raises `ApiError` (400) for anything else.
+
+    JSON between systems is UTF-8 (RFC 8259), so other encodings are refused,
+    and so is a string with a lone surrogate escape ("\\ud800"), which is no
+    Unicode character and could reach neither the fleet nor an error message.
+    """
+    cannot = "We could not parse the JSON body of your request"
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"{cannot}: it is not UTF-8 text ({exc})") from exc
+    except ValueError as exc:
+        raise ApiError(400, f"{cannot}: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, f"{cannot}: it nests too deeply") from exc
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        why = "a string holds a lone surrogate escape (\\ud800 to \\udfff without its pair)"
+        raise ApiError(400, f"{cannot}: {why}") from exc
+    return body
 
 
 def parse_request(kind: Kind, body: Any) -> ParsedRequest:

@@ -23,7 +23,7 @@ import openai
 import pytest
 from driver import ServeProcess, bring_up, wait_until_idle
 from openai.types.chat import ChatCompletionMessageParam
-from test_fleet import Proc
+from processes import Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc

@@ -10,6 +10,7 @@ on the same port. Every process is reaped, even when a test fails.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys

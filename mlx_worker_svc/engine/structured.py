@@ -81,8 +81,14 @@ class GrammarCompiler:
         self._ll: dict[bool, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
         self.stats = GrammarStats()
-        # One executor fills the constrained rows of a step in parallel.
-        self.executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        """Fills the constrained rows of a step in parallel (made on first use)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def _tokenizer(self, json: bool) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer, built on first use (about a second).

@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_worker_svc.core.domain import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
-from mlx_worker_svc.engine.group import sharding
+from mlx_worker_svc.engine.model import sharding
 
 # A model without a declared context length gets this one.
 DEFAULT_CONTEXT_LENGTH = 4096

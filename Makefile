@@ -59,10 +59,11 @@ serve: $(STAMP) ## serve the worker on the embedded model, lifecycle done
 demo: $(STAMP) ## start a worker, stream one chat answer through Generate, stop it
 	$(PY) -m mlx_worker_svc.cli.demo
 
-lint: $(STAMP) ## ruff (lint + format check) and mypy
+lint: $(STAMP) ## ruff (lint + format check), mypy and the import contracts (pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy mlx_worker_svc tests benchmarks protos/generate.py
+	$(VENV)/bin/lint-imports --no-cache
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

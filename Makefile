@@ -20,14 +20,14 @@ BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	touch $(STAMP)
 
 $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
-install: $(STAMP) ## create .venv with the package and its dev tools
+install: $(STAMP) ## create .venv with the package, its dev tools and the bench extra
 
 proto: $(STAMP) ## regenerate mlx_worker_svc/gen from protos/
 	$(PY) protos/generate.py

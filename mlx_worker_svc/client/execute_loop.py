@@ -27,6 +27,8 @@ class LoopResult:
     tokens: list[list[int]]
     # Prompt tokens each request took from the worker's prefix cache.
     cached_prompt_tokens: list[int]
+    # Every RequestOutput each request got, step by step.
+    outputs: list[list[pb.RequestOutput]]
     steps: int
 
 
@@ -34,14 +36,16 @@ def run_prompts(
     execute: ExecuteCall,
     epoch: int,
     prompts: Sequence[Sequence[int]],
-    params: pb.SamplingParams,
+    params: pb.SamplingParams | Sequence[pb.SamplingParams],
     *,
     req_ids: Sequence[str] | None = None,
     chunk: int | None = None,
     decode_steps: int = 0,
     decode_steps_with_prefill: bool = True,
 ) -> LoopResult:
-    """Runs `prompts` (with `params` each) to completion, one Execute call a step.
+    """Runs `prompts` to completion, one Execute call a step.
+
+    `params` is every request's sampling, or one per prompt.
 
     `chunk` caps the prompt tokens a request computes per step (None: all at once).
     `decode_steps` is each call's `num_decode_steps`; with
@@ -51,14 +55,18 @@ def run_prompts(
     ids = list(req_ids) if req_ids is not None else [f"req-{i}" for i in range(len(prompts))]
     if len(ids) != len(prompts):
         raise ValueError(f"{len(ids)} request ids for {len(prompts)} prompts")
+    sampling = [params] * len(ids) if isinstance(params, pb.SamplingParams) else list(params)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
     length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
     computed = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     cached_prompt = dict.fromkeys(ids, 0)
+    messages: dict[str, list[pb.RequestOutput]] = {rid: [] for rid in ids}
     live = set(ids)
     new = [
-        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=params)
-        for rid, p in zip(ids, prompts, strict=True)
+        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=sp)
+        for rid, p, sp in zip(ids, prompts, sampling, strict=True)
     ]
     step = 0
     while live:
@@ -84,6 +92,7 @@ def run_prompts(
         new = []
         step += 1
         for out in response.outputs:
+            messages[out.req_id].append(out)
             outputs[out.req_id].extend(out.sampled_token_ids)
             computed[out.req_id] = out.num_computed_tokens
             cached_prompt[out.req_id] += out.num_cached_prompt_tokens
@@ -92,5 +101,6 @@ def run_prompts(
     return LoopResult(
         tokens=[outputs[rid] for rid in ids],
         cached_prompt_tokens=[cached_prompt[rid] for rid in ids],
+        outputs=[messages[rid] for rid in ids],
         steps=step,
     )

@@ -1,9 +1,10 @@
 """The README's Layout tree names every module of the package, and only those.
 
-The tree is the code block under "## Layout": one entry a line, nested by two
-spaces, a folder ending in "/", a module in ".py", a description after it.
-`__init__.py` files and the generated code (`gen/`) are left out of it. The
-package root holds only `__init__.py`, `__main__.py` and folders.
+The tree is the code block under "## Layout": a line may open a folder (a name
+ending in "/", nested by its indentation) and name modules (".py") of the folder
+it is in; a line that opens no folder continues the last one; "#" starts a
+comment. `__init__.py` files and the generated code (`gen/`) are left out of it.
+The package root holds only `__init__.py`, `__main__.py` and folders.
 """
 
 from __future__ import annotations
@@ -13,27 +14,32 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "mlx_worker_svc"
-_ENTRY = re.compile(r"^(?P<indent> *)(?P<name>[\w./]+(?:/|\.py))(?:\s|$)")
+_NAME = re.compile(r"[\w.]+(?:/|\.py)")
 
 
 def readme_tree(text: str) -> set[str]:
-    """The modules the Layout block names, as paths from the repository root."""
+    """The folders and modules the Layout block names, as paths from the repository root."""
     section = text.split("\n## Layout\n", 1)[1]
     block = section.split("```", 2)[1]
     named: set[str] = set()
     stack: list[tuple[int, str]] = []  # (indent, folder path)
-    for line in block.splitlines()[1:]:
-        entry = _ENTRY.match(line)
-        if entry is None:
+    for raw in block.splitlines()[1:]:
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
             continue
-        indent, name = len(entry["indent"]), entry["name"]
+        indent = len(line) - len(line.lstrip())
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        path = "/".join([folder for _, folder in stack] + [name.rstrip("/")])
-        if name.endswith("/"):
-            stack.append((indent, name.rstrip("/")))
-        if path.startswith(PACKAGE + "/") or name.endswith("/"):
-            named.add(path if name.endswith(".py") else path + "/")
+        tokens = line.split()
+        if tokens[0].endswith("/"):
+            parent = stack[-1][1] + "/" if stack else ""
+            stack.append((indent, parent + tokens[0].rstrip("/")))
+            named.add(stack[-1][1] + "/")
+            tokens = tokens[1:]
+        # Otherwise a continuation: deeper than its folder, which stays on the stack.
+        for name in tokens:
+            assert _NAME.fullmatch(name), f"not a module name in the Layout: {name!r}"
+            named.add(f"{stack[-1][1]}/{name}")
     return {p for p in named if p.startswith(PACKAGE + "/") and p != PACKAGE + "/"}
 
 
@@ -59,8 +65,20 @@ def test_the_readme_layout_names_every_module_and_no_other() -> None:
 
 
 def test_the_parser_nests_entries_by_their_indentation() -> None:
-    text = "\n## Layout\n```\nmlx_worker_svc/\n  core/  shared\n    domain.py  types\n```\n"
-    assert readme_tree(text) == {"mlx_worker_svc/core/", "mlx_worker_svc/core/domain.py"}
+    text = (
+        "\n## Layout\n```\nmlx_worker_svc/  __main__.py  # the root\n"
+        "  core/  domain.py\n         errors.py\n    sub/  a.py\n  cli/  main.py\n```\n"
+    )
+    assert readme_tree(text) == {
+        "mlx_worker_svc/__main__.py",
+        "mlx_worker_svc/core/",
+        "mlx_worker_svc/core/domain.py",
+        "mlx_worker_svc/core/errors.py",
+        "mlx_worker_svc/core/sub/",
+        "mlx_worker_svc/core/sub/a.py",
+        "mlx_worker_svc/cli/",
+        "mlx_worker_svc/cli/main.py",
+    }
 
 
 def test_the_package_root_holds_only_init_main_and_folders() -> None:

@@ -3,9 +3,10 @@
 Every worker is a `mlx-worker serve --auto-init` subprocess on the tiny random llama
 (built with a 2,048-token context so a 512-token prefix fits) and the fleet is a
 `mlx-worker fleet` subprocess, driven over loopback with the generated FleetService
-stub, as an operator would drive it. A module-wide pool of three workers is shared by
-the tests; a test that kills a worker leaves it dead and the next one starts it again
-on the same port. Every process is reaped, even when a test fails.
+stub, as an operator would drive it. A module-wide pool of three workers
+(tests/fleet/conftest.py) is shared by the tests; a test that kills a worker leaves
+it dead and the next one starts it again on the same port. Every process is reaped,
+even when a test fails.
 """
 
 from __future__ import annotations
@@ -15,74 +16,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-import pytest
 from driver import code_of, details_of, greedy, reference_tokens, wait_until_idle
 from grpcurl_cli import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
 from processes import (
     FLEET,
     STREAM_TIMEOUT,
     Fleet,
-    Proc,
     Stream,
     WorkerPool,
     distinct_prompts,
     run_streams,
     token_request,
 )
-from tiny_model import build_tiny_model
 
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-
-
-@pytest.fixture(scope="module")
-def fleet_model(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
-    return build_tiny_model(
-        tmp_path_factory.mktemp("fleet") / "model", smollm_dir, max_position_embeddings=2048
-    )
-
-
-@pytest.fixture(scope="module")
-def pool_all(fleet_model: Path) -> Iterator[WorkerPool]:
-    pool = WorkerPool(fleet_model)
-    try:
-        pool.start()
-        yield pool
-    finally:
-        pool.reap()
-
-
-@pytest.fixture
-def pool(pool_all: WorkerPool) -> WorkerPool:
-    """The module's workers, every one of them alive."""
-    pool_all.heal()
-    return pool_all
-
-
-@pytest.fixture
-def start_fleet() -> Iterator[Callable[..., Fleet]]:
-    """Starts `mlx-worker fleet --worker T ... --port 0 OPTIONS`; waits for every worker up."""
-    procs: list[Proc] = []
-    fleets: list[Fleet] = []
-
-    def start(targets: list[str], *options: str) -> Fleet:
-        workers = [arg for target in targets for arg in ("--worker", target)]
-        procs.append(Proc(["fleet", *workers, "--port", "0", *options]))
-        fleets.append(Fleet(procs[-1], targets))
-        fleets[-1].wait(lambda s: all(w.up for w in s.workers), "every worker up")
-        return fleets[-1]
-
-    yield start
-    for fleet in fleets:
-        fleet.channel.close()
-    for proc in procs:
-        proc.reap()
 
 
 def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:

@@ -12,7 +12,8 @@ from typing import Any
 
 SERVICE = "mlx_worker.v1.WorkerService"
 HEALTH = "grpc.health.v1.Health"
-REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+# Both reflection versions: newer clients ask for v1 first, grpcurl 1.8.6 for v1alpha.
+REFLECTION = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
 GRPCURL_VERSION = "v1.8.6"
 # grpcurl exits with 64 + the gRPC status code when a call fails.
 EXIT_NOT_FOUND = 64 + 5
@@ -113,3 +114,21 @@ class Grpcurl:
         assert done.returncode != 0, f"{method} succeeded: {done.stdout}"
         assert done.stdout == "", done.stdout
         return done.returncode, done.stderr
+
+
+def assert_reflection_v1_answers(grpcurl: Grpcurl, services: list[str]) -> None:
+    """grpc.reflection.v1 is described and, called through grpcurl, lists `services`."""
+    v1 = REFLECTION[0]
+    described = grpcurl.ok("describe", v1)
+    assert (
+        "rpc ServerReflectionInfo ( stream .grpc.reflection.v1.ServerReflectionRequest ) "
+        "returns ( stream .grpc.reflection.v1.ServerReflectionResponse );"
+    ) in described
+    for ask in ({"list_services": ""}, {"file_containing_symbol": SERVICE}):
+        [answer] = parse_stream(grpcurl.ok(f"{v1}/ServerReflectionInfo", body=ask))
+        assert answer["original_request"] == ask
+        if "list_services" in ask:
+            listed = [s["name"] for s in answer["list_services_response"]["service"]]
+            assert listed == services
+        else:
+            assert answer["file_descriptor_response"]["file_descriptor_proto"]

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar, overload
+from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-
-if TYPE_CHECKING:
-    from mlx_worker_svc.client.worker import AsyncWorkerClient, WorkerClient
 
 ReqT = TypeVar("ReqT", bound=Message)
 RespT = TypeVar("RespT", bound=Message)
@@ -192,6 +189,23 @@ IDEMPOTENT_METHODS: frozenset[str] = frozenset(rpc.name for rpc in UNARY if rpc.
 """The calls retried on UNAVAILABLE and DEADLINE_EXCEEDED ("Health.Check" is grpc.health.v1)."""
 
 
+class _AsyncClient(Protocol):
+    """What an `AsyncMethod` needs of its client (`AsyncWorkerClient`)."""
+
+    async def _call(
+        self, rpc: Rpc[ReqT, RespT], request: ReqT | None, timeout: float | None
+    ) -> RespT: ...
+
+
+class _SyncClient(Protocol):
+    """What a `SyncMethod` needs of its client (`WorkerClient`)."""
+
+    @property
+    def _client(self) -> _AsyncClient: ...
+
+    def _run(self, coro: Coroutine[Any, Any, RespT]) -> RespT: ...
+
+
 class AsyncCall(Protocol[ReqT_contra, RespT_co]):
     """An `AsyncWorkerClient` method: the request message (None: the empty one) in."""
 
@@ -218,10 +232,8 @@ class AsyncMethod(Generic[ReqT, RespT]):
     @overload
     def __get__(self, client: None, owner: type) -> Self: ...
     @overload
-    def __get__(self, client: AsyncWorkerClient, owner: type) -> AsyncCall[ReqT, RespT]: ...
-    def __get__(
-        self, client: AsyncWorkerClient | None, owner: type
-    ) -> Self | AsyncCall[ReqT, RespT]:
+    def __get__(self, client: _AsyncClient, owner: type) -> AsyncCall[ReqT, RespT]: ...
+    def __get__(self, client: _AsyncClient | None, owner: type) -> Self | AsyncCall[ReqT, RespT]:
         if client is None:
             return self
         rpc = self._rpc
@@ -243,8 +255,8 @@ class SyncMethod(Generic[ReqT, RespT]):
     @overload
     def __get__(self, client: None, owner: type) -> Self: ...
     @overload
-    def __get__(self, client: WorkerClient, owner: type) -> SyncCall[ReqT, RespT]: ...
-    def __get__(self, client: WorkerClient | None, owner: type) -> Self | SyncCall[ReqT, RespT]:
+    def __get__(self, client: _SyncClient, owner: type) -> SyncCall[ReqT, RespT]: ...
+    def __get__(self, client: _SyncClient | None, owner: type) -> Self | SyncCall[ReqT, RespT]:
         if client is None:
             return self
         rpc = self._rpc

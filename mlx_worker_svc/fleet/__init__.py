@@ -9,19 +9,23 @@ process never loads MLX.
 from mlx_worker_svc.fleet.link import LinkConfig
 from mlx_worker_svc.fleet.scheduler import (
     BadRequest,
+    ContextTooLong,
     FleetConfig,
     FleetError,
     FleetScheduler,
     NoWorkers,
+    OutOfVocabulary,
     Overloaded,
 )
 
 __all__ = [
     "BadRequest",
+    "ContextTooLong",
     "FleetConfig",
     "FleetError",
     "FleetScheduler",
     "LinkConfig",
     "NoWorkers",
+    "OutOfVocabulary",
     "Overloaded",
 ]

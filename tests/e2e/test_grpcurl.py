@@ -25,7 +25,9 @@ from grpcurl_cli import (
     SERVICE,
     Grpcurl,
     Json,
+    assert_reflection_v1_answers,
     grpcurl_binary,
+    parse_stream,
 )
 from tokenizers import Tokenizer
 
@@ -50,7 +52,7 @@ def grpcurl(binary: Path, server: WorkerServer) -> Grpcurl:
 
 
 def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
-    assert grpcurl.ok("list").split() == sorted([HEALTH, REFLECTION, SERVICE])
+    assert grpcurl.ok("list").split() == sorted([HEALTH, *REFLECTION, SERVICE])
     assert grpcurl.ok("list", SERVICE).split() == sorted(
         f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate")
     )
@@ -68,6 +70,11 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     ) in described
     assert described.count(" rpc ") == len(RPCS) + 1
     assert described.count("stream ") == 1
+
+    assert_reflection_v1_answers(grpcurl, sorted([HEALTH, *REFLECTION, SERVICE]))
+    # grpc.health.v1's List (which grpcio-health leaves out): a fresh worker is not SERVING yet.
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, SERVICE: {"status": "NOT_SERVING"}}}
 
     sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
     assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")

@@ -21,7 +21,14 @@ from typing import Any
 
 import grpc
 from driver import code_of, details_of, greedy, reference_tokens, wait_until_idle
-from grpcurl_cli import HEALTH, REFLECTION, Grpcurl, grpcurl_binary, parse_stream
+from grpcurl_cli import (
+    HEALTH,
+    REFLECTION,
+    Grpcurl,
+    assert_reflection_v1_answers,
+    grpcurl_binary,
+    parse_stream,
+)
 from processes import (
     FLEET,
     STREAM_TIMEOUT,
@@ -83,12 +90,15 @@ def test_grpcurl_lists_the_fleet_and_calls_status_and_generate(
 ) -> None:
     fleet = start_fleet(pool.targets)
     grpcurl = Grpcurl(grpcurl_binary(), fleet.port)
-    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, REFLECTION])
+    assert grpcurl.ok("list").split() == sorted([FLEET, HEALTH, *REFLECTION])
+    assert_reflection_v1_answers(grpcurl, sorted([FLEET, HEALTH, *REFLECTION]))
     assert grpcurl.ok("list", FLEET).split() == [f"{FLEET}.Generate", f"{FLEET}.Status"]
     deadline = time.monotonic() + 10
     while grpcurl.health(FLEET) != "SERVING":
         assert time.monotonic() < deadline, "the fleet's health never turned SERVING"
         time.sleep(0.1)
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, FLEET: {"status": "SERVING"}}}
 
     [status] = parse_stream(grpcurl.ok(f"{FLEET}/Status", body={}))
     assert [w["target"] for w in status["workers"]] == pool.targets

@@ -6,7 +6,7 @@ Imports client, core, grpc and the generated code, and rpc's edge modules
 process never loads MLX.
 """
 
-from mlx_worker_svc.fleet.link import LinkConfig
+from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.scheduler import (
     BadRequest,
     ContextTooLong,

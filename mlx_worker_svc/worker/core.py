@@ -35,6 +35,7 @@ from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.worker.engine_loop import EngineLoop
 from mlx_worker_svc.worker.generation import StreamTable
+from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
 
 S = WorkerState
@@ -87,6 +88,7 @@ class WorkerCore:
             on_tick=self._replica.ping,
         )
         self._replica.channel.on_failure = self._engine.fail
+        self._lifecycle = LifecycleCalls(self._engine.submit, lambda: (self._state, self._epoch))
         self._watchdog = Watchdog(self._replica.channel)
 
     def _engine_died(self, cause: BaseException) -> None:
@@ -102,6 +104,11 @@ class WorkerCore:
     def queued_steps(self) -> int:
         """Execute steps and Generate starts waiting for the engine thread."""
         return self._engine.queued
+
+    @property
+    def lifecycle(self) -> LifecycleCalls:
+        """The lifecycle call in progress; `claim()` it to bring the worker up alone."""
+        return self._lifecycle
 
     @property
     def engine_dead(self) -> BaseException | None:

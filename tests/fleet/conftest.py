@@ -1,4 +1,4 @@
-"""The fleet tests' fixtures: a pool of worker processes and fleets started over it."""
+"""The fleet tests' workers and fleets: one session-wide pool, fleets per test."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from processes import Fleet, Proc, WorkerPool
 from tiny_model import build_tiny_model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet_model(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The tiny model with a 2,048-token context (a 512-token prefix fits)."""
     return build_tiny_model(
         tmp_path_factory.mktemp("fleet") / "model", smollm_dir, max_position_embeddings=2048
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool_all(fleet_model: Path) -> Iterator[WorkerPool]:
     pool = WorkerPool(fleet_model)
     try:
@@ -29,7 +30,7 @@ def pool_all(fleet_model: Path) -> Iterator[WorkerPool]:
 
 @pytest.fixture
 def pool(pool_all: WorkerPool) -> WorkerPool:
-    """The module's workers, every one of them alive."""
+    """The session's fleet workers, every one of them alive."""
     pool_all.heal()
     return pool_all
 

@@ -80,10 +80,11 @@ class Worker(GenerateMixin):
             wanted = replace(args, world_size=args.world_size or channel.size)
             device = self._replica.device
             if device is not None:
-                if wanted != self._device_args:
+                if self._device_args is not None and wanted != self._device_args:
                     raise FailedPrecondition(
-                        "InitDevice: the device is already initialised with different "
-                        "arguments; restart the worker to change it"
+                        "InitDevice: the device is already initialised, and this call asks "
+                        f"for {wanted.differences(self._device_args)}; repeat the first "
+                        "call's arguments, or restart the worker to change them"
                     )
                 return device
             wanted.check(channel.size, channel.backend)
@@ -107,7 +108,7 @@ class Worker(GenerateMixin):
             self._model_info = loaded.info
             self._chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
             self._runner, self._memory, self._cache_config = None, None, None
-            self._new_epoch()
+            self._new_epoch("restarted or loaded a model")
             self._set_state(S.MODEL_LOADED)
             return loaded, self._epoch
 
@@ -178,16 +179,13 @@ class Worker(GenerateMixin):
             assert profile is not None
             loaded = self._need_model()
             wanted = prefix_caching is None or prefix_caching
-            allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+            block = block_size or profile.block_size
+            limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
             config = CacheConfig(
                 num_blocks=num_blocks,
-                block_size=block_size or profile.block_size,
+                block_size=block,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
-                memory_limit_bytes=min(
-                    memory_limit_bytes
-                    or memory_guard.derived_limit(profile, num_blocks, allowance),
-                    MAX_MEMORY_LIMIT,
-                ),
+                memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
             )
             if self._runner is not None and self._cache_config == config:
                 return config
@@ -246,9 +244,12 @@ class Worker(GenerateMixin):
             self._require("Execute", S.READY)
         runner = self._need_runner("Execute")
         if plan.worker_epoch != self._epoch:
+            why = f"since that epoch the worker {self._epoch_change}"
+            if plan.worker_epoch > self._epoch:
+                why = "newer than the worker's own, so from another worker or process"
             raise FailedPrecondition(
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "
-                f"{self._epoch} (it restarted or reloaded): resubmit requests from scratch"
+                f"{self._epoch} ({why}): resubmit requests from scratch"
             )
         leaving = sum((Origin.EXECUTE, r) in runner.seqs for r in plan.finished_req_ids)
         self._admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)
@@ -337,7 +338,7 @@ class Worker(GenerateMixin):
                     )
                 self._runner = None
                 self._awake_state = self._state
-                self._new_epoch()
+                self._new_epoch(f"slept (Sleep level {level} aborted every request)")
                 self._set_state(S.SLEEPING)
             if level == 2:
                 self._loaded = None

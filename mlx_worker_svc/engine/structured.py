@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llguidance
 import llguidance.hf
@@ -34,12 +34,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.core.domain import Origin, StepPlan, StructuredOutputs
+from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan, StructuredOutputs
 from mlx_worker_svc.core.errors import Internal, InvalidArgument
 
-if TYPE_CHECKING:
-    from mlx_worker_svc.engine.sequence import RequestKey, Work
-    from mlx_worker_svc.engine.sequence import Sequence as Sequence_
+RequestKey = tuple[Origin, str]
 
 # Compiled grammars kept per tokenizer (a schema's matcher is a few hundred KB at most).
 DEFAULT_CACHE_SIZE = 256
@@ -157,6 +155,22 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         raise InvalidArgument(f"{where}: {exc}") from exc
 
 
+class MaskedRow(Protocol):
+    """What the mask reads of an engine request (sequence.Sequence, which imports us)."""
+
+    key: RequestKey
+    tokens: list[int]
+    params: SamplingParams
+    grammar: Grammar | None
+
+
+class PlannedStep(Protocol):
+    """What planning fills in of a validated step (sequence.Work)."""
+
+    scheduled: dict[RequestKey, int]
+    bitmasks: dict[RequestKey, bytes]
+
+
 class Grammar:
     """One request's grammar state: the matcher and how many output tokens it consumed.
 
@@ -236,7 +250,7 @@ class StepMask:
 
 def step_mask(
     compiler: GrammarCompiler,
-    rows: Sequence[Sequence_],
+    rows: Sequence[MaskedRow],
     bitmasks: Mapping[RequestKey, bytes],
 ) -> StepMask | None:
     """The mask of a decode step's rows (None when no row is constrained).
@@ -265,7 +279,7 @@ def step_mask(
     return StepMask(words, constrained, elapsed)
 
 
-def advance(mask: StepMask | None, rows: Sequence[Sequence_], tokens: Sequence[int]) -> set[int]:
+def advance(mask: StepMask | None, rows: Sequence[MaskedRow], tokens: Sequence[int]) -> set[int]:
     """Feeds each grammar row its sampled token; returns the rows whose grammar completed."""
     done: set[int] = set()
     for i in mask.grammar_rows if mask is not None else ():
@@ -278,8 +292,8 @@ def advance(mask: StepMask | None, rows: Sequence[Sequence_], tokens: Sequence[i
 
 def plan_structured(
     plan: StepPlan,
-    work: Work,
-    seqs: Mapping[RequestKey, Sequence_],
+    work: PlannedStep,
+    seqs: Mapping[RequestKey, MaskedRow],
     samples: Callable[[RequestKey], bool],
     compiler: GrammarCompiler,
 ) -> None:

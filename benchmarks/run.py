@@ -30,9 +30,10 @@ from benchmarks.fleet import section_g
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
-from benchmarks.stream import section_h
+from benchmarks.stream import section_i
+from benchmarks.structured import section_h
 
-ALL_SECTIONS = "abcdefgh"
+ALL_SECTIONS = "abcdefghi"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,8 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-requests", type=int, help="(g) concurrent requests (default 32)")
     p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
     p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
-    p.add_argument("--stream-sizes", help="(h) comma-separated batch sizes (default 1,8,32)")
-    p.add_argument("--stream-tokens", type=int, help="(h) tokens per request (default 128)")
+    p.add_argument("--structured-batch", type=int, help="(h) constrained rows (default 16)")
+    p.add_argument("--structured-tokens", type=int, help="(h) tokens per row (default 64)")
+    p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
+    p.add_argument("--stream-sizes", help="(i) comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--stream-tokens", type=int, help="(i) tokens per request (default 128)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 32,
         "fleet_tokens": 256,
         "fleet_workers": "1,2",
+        "structured_batch": 16,
+        "structured_tokens": 64,
+        "structured_repeats": 3,
         "stream_sizes": "1,8,32",
         "stream_tokens": 128,
     }
@@ -97,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 4,
         "fleet_tokens": 8,
         "fleet_workers": "1,2",
+        "structured_batch": 4,
+        "structured_tokens": 8,
+        "structured_repeats": 1,
         "stream_sizes": "1,4",
         "stream_tokens": 16,
     }
@@ -134,10 +144,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     wanted = set(args.sections)
     with temp_dir() as tmp:
-        if wanted & {"c", "d", "g", "h"}:
+        if wanted & {"c", "d", "g", "h", "i"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
-        if wanted & {"c", "d", "h"}:
+        if wanted & {"c", "d", "i"}:
             _tiny_sections(args, tiny, wanted, sections, seconds)
+        if "h" in wanted:
+            sections["h"] = timed("h", seconds, lambda: _structured(args, tiny))
         if wanted & {"a", "b", "e", "f"}:
             model, tokenizer = load(str(main_model))
         if wanted & {"a", "b", "e"}:
@@ -187,8 +199,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_facts(),
         "models": {
             "a_b_e_f": str(main_model),
-            "c_d_h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "c_d_i": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run_seconds": round(time.perf_counter() - started, 1),
@@ -205,17 +218,17 @@ def _tiny_sections(
     sections: dict[str, Any],
     seconds: dict[str, float],
 ) -> None:
-    """Sections (c), (d) and (h), on one worker over the tiny model."""
+    """Sections (c), (d) and (i), on one worker over the tiny model."""
     from mlx_lm import load
 
     model, tokenizer = load(str(tiny))
     prompt = encode(tokenizer, SHORT)
     with live_worker(tiny) as worker:
-        if "h" in wanted:
+        if "i" in wanted:
             sizes = [int(x) for x in args.stream_sizes.split(",")]
             many = distinct_prompts(tokenizer, max(sizes), 16)
-            sections["h"] = timed(
-                "h", seconds, lambda: section_h(worker, many, sizes, args.stream_tokens)
+            sections["i"] = timed(
+                "i", seconds, lambda: section_i(worker, many, sizes, args.stream_tokens)
             )
         if "c" in wanted:
             steps = args.overhead_steps
@@ -223,6 +236,15 @@ def _tiny_sections(
         if "d" in wanted:
             n = args.seeds_tokens
             sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
+
+
+def _structured(args: argparse.Namespace, tiny: Path) -> dict[str, Any]:
+    from mlx_lm import load
+
+    _, tokenizer = load(str(tiny))
+    rows = distinct_prompts(tokenizer, args.structured_batch, 8)
+    with live_worker(tiny) as worker:
+        return section_h(worker, rows, args.structured_tokens, args.structured_repeats, tiny)
 
 
 def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
@@ -248,6 +270,13 @@ def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
             f"(g) runs worker and fleet processes on the tiny model: {g['requests']} concurrent "
             f"requests x {g['tokens_per_request']} tokens through FleetService.Generate; every "
             f"process shares the machine's {g['cpu_count']} CPUs."
+        )
+    if "h" in sections:
+        h = sections["h"]
+        notes.append(
+            f"(h) decodes {h['batch']} rows x {h['tokens_per_request']} tokens on the tiny model, "
+            "every row under its own JSON schema against the same rows free; best of "
+            f"{h['repeats']} interleaved runs each."
         )
     if "d" in sections:
         d = sections["d"]

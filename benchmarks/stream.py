@@ -1,4 +1,4 @@
-"""Section (h): one token a step through ExecuteStream against multi-step Execute.
+"""Section (i): one token a step through ExecuteStream against multi-step Execute.
 
 On the tiny model, at each batch size, the same prompts run three ways: unary
 Execute one decode step a call, unary Execute `decode_steps` (8) a call, and
@@ -17,7 +17,7 @@ from benchmarks.execute_client import run_execute, warm_up
 from benchmarks.execute_stream import run_execute_stream
 
 
-def section_h(
+def section_i(
     worker: Worker,
     prompts: list[list[int]],
     batch_sizes: list[int],

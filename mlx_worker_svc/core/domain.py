@@ -52,6 +52,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     CONTEXT_LENGTH = "context_length"
     ABORTED = "aborted"
+    GRAMMAR_COMPLETE = "grammar_complete"  # the structured-output grammar allows no more
 
 
 class Origin(enum.Enum):
@@ -68,6 +69,42 @@ class Origin(enum.Enum):
     # Enum's own __hash__ is Python code, the identity hash is C (members are
     # singletons, and Enum equality is identity).
     __hash__ = object.__hash__
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark_grammar", "gbnf_grammar")
+_JSON_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must be (proto StructuredOutputs); hashable, a cache key.
+
+    `kind` is one of STRUCTURED_KINDS; `text` holds the schema, regex or
+    grammar (empty for json_object), `choices` the strings of a choice.
+    """
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    disable_any_whitespace: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises InvalidArgument naming `where.<field>` for a spec that cannot be compiled."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidArgument(f"{where}: set one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "choice":
+            if not self.choices:
+                raise InvalidArgument(f"{where}.choice.choices is empty; give at least one")
+            for i, choice in enumerate(self.choices):
+                if not choice:
+                    raise InvalidArgument(f"{where}.choice.choices[{i}] is empty")
+        elif self.kind != "json_object" and not self.text:
+            raise InvalidArgument(f"{where}.{self.kind} is empty")
+        if self.disable_any_whitespace and self.kind not in _JSON_KINDS:
+            raise InvalidArgument(
+                f"{where}.disable_any_whitespace applies to json_schema and json_object only, "
+                f"not {self.kind}"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,6 +124,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self, where: str) -> None:
         """Raises InvalidArgument naming `where.<field>` for an out-of-range value."""
@@ -131,6 +169,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate(f"{where}.structured_outputs")
+            if self.ignore_eos:
+                raise bad(
+                    "ignore_eos",
+                    "cannot be combined with structured_outputs: the grammar decides "
+                    "where the output ends",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +188,8 @@ class NewRequest:
     req_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # The last tokens of the prompt that are output generated elsewhere (a continuation).
+    num_generated_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +213,8 @@ class StepPlan:
     preempted_req_ids: tuple[str, ...] = ()
     # Decode steps in this call (0 and 1: one); see ExecuteRequest.num_decode_steps.
     num_decode_steps: int = 1
+    # req_id -> packed allowed-token mask of its next token; see ExecuteRequest.grammar_bitmask.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

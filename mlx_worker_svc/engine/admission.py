@@ -21,6 +21,7 @@ from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.planning import Limits, plan_step
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
+from mlx_worker_svc.engine.structured import GrammarCompiler, plan_structured
 
 # Longest forward a prefill chunk runs at once, like mlx-lm's prefill_step_size.
 PREFILL_STEP = 2048
@@ -35,11 +36,16 @@ class Admission:
     budget: KVBudget
     prefix: PrefixCache | None
     guard: MemoryGuard
+    grammars: GrammarCompiler
 
     # ------------------------------------------------------------ validation
     def plan(self, plan: StepPlan) -> Work:
         """Validates a scheduler step (raises; changes nothing but the prefix cache)."""
         work = plan_step(plan, self.seqs, self.recently_finished, self.limits)
+        spans = self._spans(work) if plan.grammar_bitmask else {}
+        plan_structured(
+            plan, work, self.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
+        )
         what = f"step {plan.step_id}"
         self.budget.check(self._projected(work).values(), what)
         self.check_memory(work, what)

@@ -147,7 +147,14 @@ def _new_requests(
             )
         check_prompt(new.prompt_token_ids, f"{where}.prompt_token_ids", limits)
         check_sampling(new.sampling, f"{where}.sampling_params", limits)
-        work.new.append(NewSequence(key, new.prompt_token_ids, new.sampling))
+        if new.num_generated_tokens >= len(new.prompt_token_ids):
+            raise InvalidArgument(
+                f"{where}.num_generated_tokens is {new.num_generated_tokens}; it must leave at "
+                f"least one of the {len(new.prompt_token_ids)} prompt tokens"
+            )
+        work.new.append(
+            NewSequence(key, new.prompt_token_ids, new.sampling, new.num_generated_tokens)
+        )
         counts[new.req_id] = (0, len(new.prompt_token_ids))
     return counts
 

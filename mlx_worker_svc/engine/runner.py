@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
+    FinishReason,
     KVUsage,
     MemoryProfile,
     Origin,
@@ -32,6 +33,7 @@ from mlx_worker_svc.core.domain import (
 )
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.engine import structured
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
@@ -82,6 +84,9 @@ class ModelRunner(Prefill):
         self.budget = KVBudget(config.num_blocks, config.block_size)
         self.prefix = PrefixCache(config.block_size) if config.prefix_caching else None
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
+        self.grammars = structured.GrammarCompiler(
+            loaded.tokenizer, vocab_size=loaded.info.vocab_size, eos_ids=sorted(self.eos_ids)
+        )
         self.batch_prefill = batchable(self.model)
         self.seqs: dict[RequestKey, Sequence] = {}
         self.batch: DecodeBatch[RequestKey] = DecodeBatch()
@@ -147,10 +152,17 @@ class ModelRunner(Prefill):
 
     # ------------------------------------------------------------- mutation
     def _new_sequence(
-        self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams
+        self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams, generated: int = 0
     ) -> Sequence:
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
-        return Sequence.start(key, prompt, params, sampler, max_context=self.limits.max_context)
+        seq = Sequence.start(key, prompt, params, sampler, max_context=self.limits.max_context)
+        if params.structured_outputs is not None:  # compiled already: a copy from the cache
+            seq.grammar = self.grammars.grammar(
+                params.structured_outputs,
+                "sampling_params.structured_outputs",
+                start=len(prompt) - generated,
+            )
+        return seq
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
         """Forgets a request and frees its KV (no error if it is unknown).
@@ -241,7 +253,7 @@ class ModelRunner(Prefill):
         for key in work.preempted:
             self._preempt(key)
         for new in work.new:
-            self.seqs[new.key] = self._new_sequence(new.key, new.prompt, new.params)
+            self.seqs[new.key] = self._new_sequence(new.key, new.prompt, new.params, new.generated)
         for key, tokens, resumed in work.appends:
             seq = self.seqs[key]
             seq.tokens.extend(tokens)
@@ -270,7 +282,7 @@ class ModelRunner(Prefill):
             if samples and self.prefix is not None and seq.cache is not None:
                 self.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
         if sampling:
-            self._decode(sampling, outputs)
+            self._decode(sampling, outputs, work.bitmasks)
         for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
             sampling = [key for key in sampling if key in self.seqs]
             if not sampling:
@@ -290,8 +302,17 @@ class ModelRunner(Prefill):
         )
         return StepOutcome(outputs=outputs, timings=timings)
 
-    def _decode(self, keys: list[RequestKey], outputs: dict[RequestKey, RequestOutput]) -> None:
-        """One batched forward for `keys` (their last token each), then sampling."""
+    def _decode(
+        self,
+        keys: list[RequestKey],
+        outputs: dict[RequestKey, RequestOutput],
+        bitmasks: dict[RequestKey, bytes] | None = None,
+    ) -> None:
+        """One batched forward for `keys` (their last token each), then sampling.
+
+        Rows with a grammar or a scheduler's bitmask sample from the masked
+        logits (structured.py); logprobs stay the raw model's.
+        """
         if self._journal is not None:
             self._journal.decoding = True
         wanted = set(keys)
@@ -308,10 +329,13 @@ class ModelRunner(Prefill):
         rows = [self.seqs[key] for key in self.batch.keys]
         logits = self.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
         samplers = [s.sampler for s in rows]
-        greedy = all(s.trivial for s in samplers)
-        chosen = self.batch.choice  # launched with the look-ahead's forward (greedy rows)
+        mask = structured.step_mask(self.grammars, rows, bitmasks or {})
+        greedy = mask is None and all(s.trivial for s in samplers)
+        # Launched with the look-ahead's forward (greedy rows, no mask).
+        chosen = self.batch.choice if mask is None else None
         if chosen is None:
-            chosen = choose_tokens(logits, samplers, [(s.tokens, s.prompt_len) for s in rows])
+            masked = logits if mask is None else mask.apply(logits)
+            chosen = choose_tokens(masked, samplers, [(s.tokens, s.prompt_len) for s in rows])
             mx.async_eval(chosen)  # type: ignore[no-untyped-call]
         # The next forward is queued before the host waits for this step's
         # tokens: the device never idles while the host reads, answers and
@@ -324,6 +348,7 @@ class ModelRunner(Prefill):
         tokens = read_tokens(chosen)
         self.batch.confirm(tokens)
         infos = None if greedy else token_logprobs(logits, samplers, tokens)
+        complete = structured.advance(mask, rows, tokens)
         finished: list[RequestKey] = []
         for i, seq in enumerate(rows):
             token = tokens[i]
@@ -336,9 +361,7 @@ class ModelRunner(Prefill):
             info = infos[i] if infos is not None else None
             if info is not None:
                 output.logprobs.append(info)
-            if not seq.may_finish():
-                continue
-            reason = seq.finish_reason(self.eos_ids, self.limits.max_context)
+            reason = self._finish_reason(seq, grammar_complete=i in complete)
             if reason is not None:
                 output.finish_reason = reason
                 output.num_computed_tokens = seq.num_computed
@@ -346,8 +369,17 @@ class ModelRunner(Prefill):
         self._free_all(finished)
         rows = [self.seqs[key] for key in self.batch.keys]
         if self.look_ahead != "off":
-            greedy = all(s.sampler.trivial for s in rows)
+            greedy = all(s.sampler.trivial and s.grammar is None for s in rows)
             self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
+
+    def _finish_reason(self, seq: Sequence, *, grammar_complete: bool) -> FinishReason | None:
+        """The stopping rule the last token fired; a completed grammar beats a length limit."""
+        if not seq.may_finish() and not grammar_complete:
+            return None
+        reason = seq.finish_reason(self.eos_ids, self.limits.max_context)
+        if grammar_complete and reason in (None, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH):
+            return FinishReason.GRAMMAR_COMPLETE
+        return reason
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""

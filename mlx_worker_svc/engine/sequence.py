@@ -15,6 +15,7 @@ from typing import Any
 
 from mlx_worker_svc.core.domain import FinishReason, Origin, SamplingParams
 from mlx_worker_svc.engine.sampling import RequestSampler
+from mlx_worker_svc.engine.structured import Grammar
 
 RequestKey = tuple[Origin, str]
 
@@ -43,6 +44,8 @@ class Sequence:
     # Its KV was dropped by a failed step: rebuilt from its tokens (and the
     # prefix cache) before it next computes; num_computed is unchanged.
     kv_lost: bool = False
+    # Its structured-outputs grammar (SamplingParams.structured_outputs), if any.
+    grammar: Grammar | None = None
 
     @classmethod
     def start(
@@ -95,6 +98,8 @@ class NewSequence:
     key: RequestKey
     prompt: tuple[int, ...]
     params: SamplingParams
+    # Trailing prompt tokens its grammar consumes first (NewRequest.num_generated_tokens).
+    generated: int = 0
 
 
 @dataclass
@@ -108,6 +113,8 @@ class Work:
     scheduled: dict[RequestKey, int] = field(default_factory=dict)
     # Tokens each sampling request decodes in this step (ExecuteRequest.num_decode_steps).
     decode_steps: int = 1
+    # The scheduler's packed allowed-token masks (ExecuteRequest.grammar_bitmask).
+    bitmasks: dict[RequestKey, bytes] = field(default_factory=dict)
 
     def merge(self, other: Work) -> Work:
         """`other`'s requests beside this step's, at this step's decode steps."""
@@ -118,6 +125,7 @@ class Work:
             appends=self.appends + other.appends,
             scheduled={**self.scheduled, **other.scheduled},
             decode_steps=self.decode_steps,
+            bitmasks={**self.bitmasks, **other.bitmasks},
         )
 
     @property

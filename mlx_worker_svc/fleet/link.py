@@ -295,7 +295,12 @@ class WorkerLink:
             r.computed, r.phase, r.reported_cached = 0, Phase.RUNNING, False
             prompt, params = r.continuation()
             request.new_requests.append(
-                pb.NewRequest(req_id=r.worker_id, prompt_token_ids=prompt, sampling_params=params)
+                pb.NewRequest(
+                    req_id=r.worker_id,
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    num_generated_tokens=len(r.generated),
+                )
             )
             request.num_scheduled_tokens[r.worker_id] = count
             self.running[r.worker_id] = r

@@ -62,7 +62,11 @@ class FleetRequest:
         return self.prompt + self.generated
 
     def continuation(self) -> tuple[list[int], pb.SamplingParams]:
-        """Prompt and sampling parameters that continue this request elsewhere."""
+        """Prompt and sampling parameters that continue this request elsewhere.
+
+        The generated tokens end the prompt; NewRequest.num_generated_tokens
+        (len(generated)) tells a structured-outputs grammar they are output.
+        """
         params = pb.SamplingParams()
         params.CopyFrom(self.params)
         del params.stop[:]

@@ -24,6 +24,7 @@ _FINISH: dict[int, str] = {
     pb.FINISH_REASON_EOS: "stop",
     pb.FINISH_REASON_STOP_TOKEN: "stop",
     pb.FINISH_REASON_STOP_STRING: "stop",
+    pb.FINISH_REASON_GRAMMAR_COMPLETE: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CONTEXT_LENGTH: "length",
     pb.FINISH_REASON_ABORTED: "abort",

@@ -31,6 +31,7 @@ from mlx_worker_svc.core.domain import (
     SleepReport,
     StepPlan,
     StepResult,
+    StructuredOutputs,
     TokenLogprobs,
     WorkerState,
 )
@@ -214,9 +215,27 @@ def sampling_params(message: pb.SamplingParams, where: str) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
+        structured_outputs=(
+            structured_outputs(message.structured_outputs, f"{where}.structured_outputs")
+            if message.HasField("structured_outputs")
+            else None
+        ),
     )
     params.validate(where)
     return params
+
+
+def structured_outputs(message: pb.StructuredOutputs, where: str) -> StructuredOutputs:
+    """The spec of a StructuredOutputs message (checked by SamplingParams.validate)."""
+    kind = message.WhichOneof("kind") or ""
+    if kind == "json_object" and not message.json_object:
+        raise InvalidArgument(f"{where}.json_object must be true when set")
+    return StructuredOutputs(
+        kind=kind,
+        text=getattr(message, kind) if kind not in ("", "choice", "json_object") else "",
+        choices=tuple(message.choice.choices),
+        disable_any_whitespace=message.disable_any_whitespace,
+    )
 
 
 def step_plan(request: pb.ExecuteRequest) -> StepPlan:
@@ -227,6 +246,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
             sampling=sampling_params(
                 r.sampling_params, f"new_requests[{i}] (req_id {clip(r.req_id)!r}).sampling_params"
             ),
+            num_generated_tokens=r.num_generated_tokens,
         )
         for i, r in enumerate(request.new_requests)
     )
@@ -248,6 +268,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
         finished_req_ids=tuple(request.finished_req_ids),
         preempted_req_ids=tuple(request.preempted_req_ids),
         num_decode_steps=request.num_decode_steps,
+        grammar_bitmask=dict(request.grammar_bitmask),
     )
 
 
@@ -305,7 +326,7 @@ def streamed_step(step: StreamedStep) -> pb.ExecuteStreamResponse:
     if step.result is not None:
         response.result.CopyFrom(step_result(step.result))
     elif step.error is not None:
-        response.error.code = step.error.code.value[0]
+        response.error.code = step.error.code.value
         response.error.message = step.error.message
     return response
 

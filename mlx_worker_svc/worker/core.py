@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
@@ -21,6 +21,7 @@ from mlx_worker_svc.core.domain import (
     MemoryProfile,
     ModelInfo,
     Origin,
+    StructuredOutputs,
     WorkerState,
 )
 from mlx_worker_svc.core.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
@@ -191,6 +192,19 @@ class WorkerCore:
             _log_requests(work, outcome)
         self._streams.dispatch(outcome.outputs)
         return outcome
+
+    def _compile_grammars(self, specs: Iterable[tuple[StructuredOutputs | None, str]]) -> None:
+        """Compiles structured-output specs into the runner's cache (raises InvalidArgument).
+
+        Runs on the calling (gRPC) thread, so a long compile never stalls the
+        engine thread; without a runner yet, the engine thread reports the state.
+        """
+        runner = self._runner
+        if runner is None:
+            return
+        for spec, where in specs:
+            if spec is not None:
+                runner.grammars.compile(spec, where)
 
     def _need_model(self) -> loader.LoadedModel:
         if self._loaded is None:

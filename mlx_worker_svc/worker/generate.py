@@ -62,6 +62,9 @@ class GenerateMixin(WorkerCore):
         self._admit_requests("Generate", 1)  # fast path; the job decides
         prompt = self._generate_prompt(spec)
         request_id = spec.request_id or uuid.uuid4().hex
+        self._compile_grammars(
+            [(spec.sampling.structured_outputs, "sampling_params.structured_outputs")]
+        )
 
         def job() -> GenerateStream:
             self._require("Generate", S.READY)

@@ -236,6 +236,14 @@ class Worker(GenerateMixin):
     def execute(self, plan: StepPlan, *, received_ns: int | None = None) -> StepResult:
         """Runs one scheduler step; `received_ns` (perf_counter_ns) starts total_ns."""
         received = received_ns if received_ns is not None else time.perf_counter_ns()
+        # Grammars compile here, on the caller's thread; the engine finds them cached.
+        self._compile_grammars(
+            (
+                r.sampling.structured_outputs,
+                f"new_requests[{i}] (req_id {r.req_id!r}).sampling_params.structured_outputs",
+            )
+            for i, r in enumerate(plan.new_requests)
+        )
         return self._engine.call(lambda: self._execute(plan, received), bounded=True)
 
     def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:

@@ -10,6 +10,7 @@ starts it again on the same port. Every process is reaped, even when a test fail
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -402,6 +403,42 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     results, peak = asyncio.run(main())
     assert results.count("rejected") >= 7 and peak <= 2
     assert results.count("ok") + results.count("rejected") == 10
+
+
+def _digits(max_tokens: int) -> pb.SamplingParams:
+    """A long constrained output (one token a character): 60 digits, each with a comma."""
+    return pb.SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        structured_outputs=pb.StructuredOutputs(regex="([0-9],){60}"),
+    )
+
+
+def test_a_structured_output_spec_passes_through_and_survives_failover(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    count, max_tokens = 12, 160
+    prompts = distinct_prompts(count, 8, seed=11)
+    expected = reference_tokens(pool.model, prompts, max_tokens, _digits(max_tokens))
+    fleet = start_fleet(pool.targets)
+    requests = [
+        pb.GenerateRequest(prompt_token_ids=p, sampling_params=_digits(max_tokens)) for p in prompts
+    ]
+    streams = [Stream(fleet.stub, r) for r in requests]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first_token.wait(timeout=120), "a stream produced no token"
+    pool.kill(0)
+    for stream in streams:
+        stream.join(timeout=STREAM_TIMEOUT + 30)
+        assert not stream.is_alive(), "a Generate stream never ended"
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.error is None, stream.error
+        assert stream.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+        assert stream.tokens == want
+        assert re.fullmatch("([0-9],){60}", text_of(stream.messages))
+    assert by_target(fleet.status())[pool.targets[0]].num_failed_over > 0
 
 
 def test_the_fleet_streams_every_token_as_sampled_through_execute_stream(

@@ -34,7 +34,7 @@ from tiny_model import build_tiny_model
 from mlx_worker_svc.cli.group_launch import free_ports
 from mlx_worker_svc.core.domain import Parallelism
 from mlx_worker_svc.core.errors import InvalidArgument
-from mlx_worker_svc.engine.group import sharding
+from mlx_worker_svc.engine.model import sharding
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import WorkerServer
@@ -259,6 +259,20 @@ def test_seeded_sampling_gives_a_single_workers_tokens(group: Group, single: Sin
     assert drive(group.stub, _epoch(group.stub), prompts, max_tokens=MAX_TOKENS, params=params) == (
         expected
     )
+
+
+def test_structured_outputs_give_a_single_workers_tokens(group: Group, single: Single) -> None:
+    # Every rank compiles and advances its own copy of the grammar, deterministically.
+    prompts = distinct_prompts(4, 6, seed=12)
+    spec = pb.StructuredOutputs(regex="[a-z]{2,8}(-[0-9]{1,3}){1,3}")
+    params = pb.SamplingParams(temperature=0.8, seed=5, max_tokens=64, structured_outputs=spec)
+    expected = single.tokens(prompts, params)
+    got = drive(group.stub, _epoch(group.stub), prompts, max_tokens=64, params=params)
+    assert got == expected
+    for tokens in got:
+        ask = pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=True)
+        text = group.stub.Detokenize(ask).text
+        assert re.fullmatch("[a-z]{2,8}(-[0-9]{1,3}){1,3}", text), text
 
 
 @pytest.mark.parametrize("batch", [1, 4])

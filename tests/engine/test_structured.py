@@ -1,0 +1,330 @@
+"""Structured outputs enforced by the worker (SamplingParams.structured_outputs).
+
+The tiny random model's free output is noise, the hardest case: every
+constrained answer must still parse and validate, end with
+GRAMMAR_COMPLETE, and leave the free rows of its batch as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+from driver import bring_up, code_of, details_of, live_server, wait_until_idle
+from structured_driver import (
+    CHOICES,
+    REGEXES,
+    SCHEMA_TEXTS,
+    SCHEMAS,
+    Finished,
+    constrained,
+    run_requests,
+)
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.WorkerServiceStub
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def shared_stub(tiny_dir: Path) -> Iterator[Stub]:
+    """One worker for the tests that only get refusals (a refused step changes nothing)."""
+    with live_server() as (_, stub):
+        bring_up(stub, tiny_dir)
+        yield stub
+
+
+def _epoch(stub: Stub) -> int:
+    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(rng.randrange(3, 12))] for _ in range(count)]
+
+
+def _text(stub: Stub, tokens: list[int]) -> str:
+    request = pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=True)
+    return str(stub.Detokenize(request).text)
+
+
+def _completed(stub: Stub, results: list[Finished]) -> list[str]:
+    for r in results:
+        assert r.reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.reason, _text(stub, r.tokens))
+    return [_text(stub, r.tokens) for r in results]
+
+
+def test_200_requests_over_20_schemas_all_validate(tiny_stub: Stub) -> None:
+    prompts = _prompts(200, seed=1)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        # Greedy and seeded sampling. Compact JSON: free whitespace lets noise pad
+        # forever (a legitimate LENGTH).
+        sampled = i % 2 == 1
+        params = constrained(
+            MAX_TOKENS,
+            temperature=1.0 if sampled else 0.0,
+            seed=i if sampled else None,
+            json_schema=SCHEMA_TEXTS[i % len(SCHEMAS)],
+            disable_any_whitespace=True,
+        )
+        requests.append((prompt, params))
+    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    for i, text in enumerate(texts):
+        jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
+    assert len(set(texts)) > 40  # the noise really varies the answers
+    assert wait_until_idle(tiny_stub, 10).kv.used_blocks == 0
+
+
+def test_regex_and_choice_outputs_match(tiny_stub: Stub) -> None:
+    prompts = _prompts(40, seed=2)
+    requests = [
+        (p, constrained(MAX_TOKENS, regex=REGEXES[i % len(REGEXES)])) for i, p in enumerate(prompts)
+    ]
+    requests += [
+        (p, constrained(MAX_TOKENS, choice=pb.StructuredChoice(choices=CHOICES[i % len(CHOICES)])))
+        for i, p in enumerate(prompts)
+    ]
+    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    for i, text in enumerate(texts[:40]):
+        assert re.fullmatch(REGEXES[i % len(REGEXES)], text), text
+    for i, text in enumerate(texts[40:]):
+        assert text in CHOICES[i % len(CHOICES)]
+
+
+def test_json_object_gives_an_object_or_a_prefix_of_one(tiny_stub: Stub) -> None:
+    # Any object: the noise picks free keys and strings, so some run out of tokens.
+    requests = [
+        (p, constrained(48, json_object=True, disable_any_whitespace=True, seed=i, temperature=1))
+        for i, p in enumerate(_prompts(8, seed=7))
+    ]
+    for r in run_requests(tiny_stub, _epoch(tiny_stub), requests):
+        text = _text(tiny_stub, r.tokens)
+        assert text.startswith("{")
+        if r.reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert r.reason == pb.FINISH_REASON_LENGTH
+
+
+def test_grammars_in_lark_and_gbnf(tiny_stub: Stub) -> None:
+    prompts = _prompts(6, seed=3)
+    lark = 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]{1,3}/'
+    gbnf = 'root ::= "[" item ("," item)? "]"\nitem ::= [a-c] [a-c]?'
+    requests = [(p, constrained(MAX_TOKENS, lark_grammar=lark)) for p in prompts[:3]]
+    requests += [(p, constrained(MAX_TOKENS, gbnf_grammar=gbnf)) for p in prompts[3:]]
+    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    for text in texts[:3]:
+        assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3}){0,2}\)", text), text
+    for text in texts[3:]:
+        assert re.fullmatch(r"\[[a-c]{1,2}(,[a-c]{1,2})?\]", text), text
+
+
+def test_free_rows_keep_their_tokens_beside_constrained_rows(tiny_stub: Stub) -> None:
+    epoch = _epoch(tiny_stub)
+    prompts = _prompts(16, seed=4)
+    free = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = run_requests(tiny_stub, epoch, [(p, free) for p in prompts[::2]])
+    mixed_requests = [
+        (
+            p,
+            free
+            if i % 2 == 0
+            else constrained(64, json_schema=SCHEMA_TEXTS[i], disable_any_whitespace=True),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    mixed = run_requests(tiny_stub, epoch, mixed_requests)
+    assert [r.tokens for r in mixed[::2]] == [r.tokens for r in alone]
+    for i, r in enumerate(mixed[1::2]):
+        jsonschema.validate(json.loads(_text(tiny_stub, r.tokens)), SCHEMAS[2 * i + 1])
+
+
+@pytest.mark.parametrize(
+    ("how", "options"),
+    [
+        ("chunked prefill", {"chunk": 3}),
+        ("multi-step decode", {"decode_steps": 8}),
+        ("preemption and resume", {"preempt_at": (4, 1)}),
+    ],
+)
+def test_same_tokens_through_chunks_multi_step_and_preemption(
+    tiny_stub: Stub, how: str, options: dict[str, object]
+) -> None:
+    epoch = _epoch(tiny_stub)
+    prompts = _prompts(4, seed=5)
+    requests = [
+        (
+            p,
+            constrained(
+                MAX_TOKENS,
+                json_schema=SCHEMA_TEXTS[i + 4],
+                seed=i,
+                temperature=0.8,
+                disable_any_whitespace=True,
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    plain = run_requests(tiny_stub, epoch, requests)
+    other = run_requests(tiny_stub, epoch, requests, **options)  # type: ignore[arg-type]
+    assert [r.tokens for r in other] == [r.tokens for r in plain], how
+    for i, text in enumerate(_completed(tiny_stub, other)):
+        jsonschema.validate(json.loads(text), SCHEMAS[i + 4])
+
+
+def test_max_tokens_first_ends_with_length_and_logprobs_are_raw(tiny_stub: Stub) -> None:
+    epoch = _epoch(tiny_stub)
+    prompt = _prompts(1, seed=6)[0]
+    short = constrained(3, json_schema=SCHEMA_TEXTS[1], disable_any_whitespace=True)
+    short.logprobs = 0
+    [cut] = run_requests(tiny_stub, epoch, [(prompt, short)])
+    assert cut.reason == pb.FINISH_REASON_LENGTH and len(cut.tokens) == 3
+    assert _text(tiny_stub, cut.tokens).startswith('{"name":"')
+    free = pb.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, ignore_eos=True)
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(req_id="c", prompt_token_ids=prompt, sampling_params=short),
+            pb.NewRequest(req_id="f", prompt_token_ids=prompt, sampling_params=free),
+        ],
+        num_scheduled_tokens={"c": len(prompt), "f": len(prompt)},
+    )
+    c, f = tiny_stub.Execute(step).outputs
+    # The constrained row's logprob is the raw model's: below the free argmax's.
+    assert c.sampled_token_ids != f.sampled_token_ids
+    assert c.logprobs[0].logprob < f.logprobs[0].logprob and c.logprobs[0].rank > 1
+
+
+def test_generate_honours_the_spec(tiny_stub: Stub) -> None:
+    request = pb.GenerateRequest(
+        prompt="Give me JSON",
+        sampling_params=constrained(
+            MAX_TOKENS, json_schema=SCHEMA_TEXTS[5], disable_any_whitespace=True
+        ),
+    )
+    messages = list(tiny_stub.Generate(request))
+    assert messages[-1].finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+    jsonschema.validate(json.loads("".join(m.text for m in messages)), SCHEMAS[5])
+
+
+BAD_SPECS = [
+    ({"json_schema": "{not json"}, "structured_outputs.json_schema"),
+    ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "uniqueItems"),
+    ({"json_schema": '{"type": "string", "minLength": 3, "maxLength": 2}'}, "minLength"),
+    ({"json_schema": '{"type": "strnig"}'}, "strnig"),
+    ({"regex": "a["}, "structured_outputs.regex"),
+    ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
+    ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),
+    ({"choice": pb.StructuredChoice()}, "structured_outputs.choice.choices is empty"),
+    ({"json_object": False}, "structured_outputs.json_object must be true"),
+    ({}, "structured_outputs: set one of"),
+    ({"regex": "a+", "disable_any_whitespace": True}, "disable_any_whitespace"),
+]
+
+
+@pytest.mark.parametrize(("spec", "named"), BAD_SPECS, ids=[n for _, n in BAD_SPECS])
+def test_a_bad_spec_rejects_the_whole_step(
+    shared_stub: Stub, spec: dict[str, Any], named: str
+) -> None:
+    tiny_stub = shared_stub
+    epoch = _epoch(tiny_stub)
+    good = constrained(8, regex="[a-z]+")
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(req_id="good", prompt_token_ids=[1, 2], sampling_params=good),
+            pb.NewRequest(
+                req_id="bad", prompt_token_ids=[1, 2], sampling_params=constrained(8, **spec)
+            ),
+        ],
+        num_scheduled_tokens={"good": 2, "bad": 2},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        tiny_stub.Execute(step)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "new_requests[1]" in details_of(caught.value) and named in details_of(caught.value)
+    assert wait_until_idle(tiny_stub, 10).num_running_requests == 0
+    with pytest.raises(grpc.RpcError) as generate:
+        list(
+            tiny_stub.Generate(
+                pb.GenerateRequest(prompt="x", sampling_params=constrained(8, **spec))
+            )
+        )
+    assert code_of(generate.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in details_of(generate.value)
+
+
+def test_ignore_eos_is_refused_with_a_spec(shared_stub: Stub) -> None:
+    tiny_stub = shared_stub
+    params = constrained(8, regex="[a-z]+")
+    params.ignore_eos = True
+    step = pb.ExecuteRequest(
+        worker_epoch=_epoch(tiny_stub),
+        new_requests=[pb.NewRequest(req_id="a", prompt_token_ids=[1], sampling_params=params)],
+        num_scheduled_tokens={"a": 1},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        tiny_stub.Execute(step)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.ignore_eos cannot be combined" in details_of(caught.value)
+
+
+def test_a_continuation_elsewhere_keeps_the_grammar(tiny_stub: Stub) -> None:
+    epoch = _epoch(tiny_stub)
+    prompt = _prompts(1, seed=8)[0]
+    spec: dict[str, Any] = {"json_schema": SCHEMA_TEXTS[6], "disable_any_whitespace": True}
+    [whole] = run_requests(tiny_stub, epoch, [(prompt, constrained(MAX_TOKENS, **spec))])
+    [head] = run_requests(tiny_stub, epoch, [(prompt, constrained(5, **spec))])
+    assert head.tokens == whole.tokens[:5]
+    # As a fleet continues a request after a failover: prompt + output so far.
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(
+                req_id="rest",
+                prompt_token_ids=prompt + head.tokens,
+                sampling_params=constrained(MAX_TOKENS, **spec),
+                num_generated_tokens=len(head.tokens),
+            )
+        ],
+        num_scheduled_tokens={"rest": len(prompt) + len(head.tokens)},
+        num_decode_steps=64,
+    )
+    [rest] = tiny_stub.Execute(step).outputs
+    assert rest.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+    assert head.tokens + list(rest.sampled_token_ids) == whole.tokens
+
+
+@pytest.mark.parametrize(
+    ("generated", "named"), [(4, "must leave at least one"), (2, "not a start its")]
+)
+def test_a_bad_continuation_is_refused(shared_stub: Stub, generated: int, named: str) -> None:
+    tiny_stub = shared_stub
+    params = constrained(8, regex="[0-9]+")
+    step = pb.ExecuteRequest(
+        worker_epoch=_epoch(tiny_stub),
+        new_requests=[
+            pb.NewRequest(
+                req_id="c",
+                prompt_token_ids=[1000, 1001, 1002, 1003],
+                sampling_params=params,
+                num_generated_tokens=generated,
+            )
+        ],
+        num_scheduled_tokens={"c": 4},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        tiny_stub.Execute(step)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "new_requests[0] (req_id 'c').num_generated_tokens" in details_of(caught.value)
+    assert named in details_of(caught.value)

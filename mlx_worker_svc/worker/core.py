@@ -138,7 +138,7 @@ class WorkerCore:
 
     def _admit_requests(self, call: str, new: int, leaving: int = 0) -> None:
         """Refuses `new` requests that would take the worker past its running limit."""
-        live = len(self._runner.seqs) if self._runner is not None else 0
+        live = len(self._runner.state.seqs) if self._runner is not None else 0
         limit = self.limits.max_running_requests
         if new and live - leaving + new > limit:
             raise ResourceExhausted(
@@ -147,9 +147,9 @@ class WorkerCore:
             )
 
     def _require_idle(self, call: str) -> None:
-        if self._runner is not None and self._runner.seqs:
+        if self._runner is not None and self._runner.state.seqs:
             raise FailedPrecondition(
-                f"{call}: {len(self._runner.seqs)} requests are live; finish them first"
+                f"{call}: {len(self._runner.state.seqs)} requests are live; finish them first"
             )
 
     def _run(self, runner: ModelRunner, work: Work) -> StepOutcome:

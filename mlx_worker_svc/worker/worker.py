@@ -215,7 +215,7 @@ class Worker(GenerateMixin):
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "
                 f"{self._epoch} (it restarted or reloaded): resubmit requests from scratch"
             )
-        leaving = sum((Origin.EXECUTE, r) in runner.seqs for r in plan.finished_req_ids)
+        leaving = sum((Origin.EXECUTE, r) in runner.state.seqs for r in plan.finished_req_ids)
         self._admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)
         work = runner.plan(plan)
         if self._streams:
@@ -294,7 +294,7 @@ class Worker(GenerateMixin):
             before = memory_guard.usage(0).active_bytes
             if self._state is not S.SLEEPING:
                 self._require("Sleep", S.READY)
-                aborted = len(self._runner.seqs) if self._runner else 0
+                aborted = len(self._runner.state.seqs) if self._runner else 0
                 for request_id in self._streams.ids():
                     self._end_stream(
                         request_id, Aborted(f"the worker went to sleep (level {level})")

@@ -41,6 +41,7 @@ from mlx_worker_svc.core.domain import (
     MemoryProfile,
     Origin,
     SamplingParams,
+    StepPlan,
 )
 from mlx_worker_svc.core.errors import Internal, WorkerError
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, PING, GroupChannel, Watchdog
@@ -240,8 +241,9 @@ class Replica:
         memory.release()
 
     def _evict_prefix(self, blocks: int) -> None:
-        if self.runner is not None and self.runner.prefix is not None:
-            self.runner.prefix.evict(blocks)
+        prefix = self.runner.state.prefix if self.runner is not None else None
+        if prefix is not None:
+            prefix.evict(blocks)
             mx.clear_cache()
 
     def apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -302,7 +304,7 @@ class MirroredRunner(ModelRunner):
         return outcome
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
-        known = key in self.seqs
+        known = key in self.state.seqs
         with self._local() as outside:
             super().free(key, keep_prefix=keep_prefix)
         if outside and known:
@@ -324,13 +326,25 @@ class MirroredRunner(ModelRunner):
         self._send("reset_prefix_cache")
         return freed
 
-    def _evict_bytes(self, wanted: int) -> int:
-        before = len(self.prefix) if self.prefix is not None else 0
-        freed = super()._evict_bytes(wanted)
-        evicted = before - (len(self.prefix) if self.prefix is not None else 0)
-        if evicted and not self._inside:
-            self._send("evict_prefix", evicted)
-        return freed
+    def plan(self, plan: StepPlan) -> Work:
+        with self._evictions_sent():
+            return super().plan(plan)
+
+    def check_memory(self, work: Work, what: str) -> None:
+        with self._evictions_sent():
+            super().check_memory(work, what)
+
+    @contextmanager
+    def _evictions_sent(self) -> Iterator[None]:
+        """Sends the prefix blocks a memory check evicted (refused or not) to every rank."""
+        prefix = self.state.prefix
+        before = len(prefix) if prefix is not None else 0
+        try:
+            yield
+        finally:
+            evicted = before - (len(prefix) if prefix is not None else 0)
+            if evicted and not self._inside:
+                self._send("evict_prefix", evicted)
 
 
 def follow(channel: GroupChannel) -> int:

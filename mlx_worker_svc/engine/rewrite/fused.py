@@ -152,7 +152,9 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     rows = [int(layer["weight"].shape[0]) for layer in layers]
     fused = copy.copy(layers[0])  # same class and settings (group size, bits, mode)
     fused.update(concatenated)
-    transposed.adopt(fused)  # its own view of the concatenated weight (engine/rewrite/transposed.py)
+    transposed.adopt(
+        fused
+    )  # its own view of the concatenated weight (engine/rewrite/transposed.py)
     bounds, start = [], 0
     for count in rows:
         bounds.append((start, start + count))

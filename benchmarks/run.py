@@ -117,10 +117,11 @@ def timed(name: str, seconds: dict[str, float], fn: Callable[[], dict[str, Any]]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
 
+    from mlx_worker_svc.cli import envs
     from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
     started = time.perf_counter()
-    embedded = ensure_default_model(show_progress=False)
+    embedded = ensure_default_model(envs.cache_root(), show_progress=False)
     main_model = Path(args.model) if args.model else embedded
     sections: dict[str, Any] = {}
     seconds: dict[str, float] = {}

@@ -90,7 +90,7 @@ class StepJournal:
         lost = set(self.marks.touched)
         if self.marks.decoding:
             lost.update(state.batch.keys)
-            state.batch = DecodeBatch()
+            state.batch = DecodeBatch(aligned=state.batch.aligned)
         for key in lost:
             seq = state.seqs.get(key)
             if seq is not None:

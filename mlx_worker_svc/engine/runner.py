@@ -14,7 +14,6 @@ views (`kv_usage`, `count`), which copy what they read.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +33,12 @@ from mlx_worker_svc.core.domain import (
 )
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.engine.admission import Admission
-from mlx_worker_svc.engine.cache.batch import batchable
+from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.model.loader import LoadedModel
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
@@ -51,13 +51,6 @@ from mlx_worker_svc.engine.sampling import (
 )
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState
-
-# Look-ahead (batch.DecodeBatch): "speculate" queues the next decode forward on
-# the sampled tokens before the host reads them; "after" starts it once the
-# step is done (the engine before the GPU work); "off" never. For A/B runs of
-# the GPU benchmark; the default is the fastest.
-LOOK_AHEAD_MODES = ("speculate", "after", "off")
-LOOK_AHEAD = os.environ.get("MLX_WORKER_LOOKAHEAD", "speculate")
 
 # How many finished request ids are remembered, so that a scheduler naming a
 # request the worker already finished (EOS) in finished_req_ids is not an error.
@@ -73,27 +66,37 @@ class StepOutcome:
 class ModelRunner:
     """Runs validated steps over one loaded model."""
 
-    def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: CacheConfig,
+        profile: MemoryProfile,
+        options: EngineOptions,
+    ) -> None:
         self.model = loaded.model
-        fused.install(self.model)  # decode steps: sibling projections as one product (CUDA)
+        self.options = options
+        cuda = bool(mx.cuda.is_available())
+        if options.fused(cuda):
+            fused.install(self.model)  # decode steps: sibling projections as one product
         transposed.install(self.model)  # linear layers keep their weight's transposed view
         decode_step.install(self.model)  # a llama's decode step without mlx-lm's views
-        dequant.install(self.model)  # large decode batches of a quantized model
+        dequant.install(self.model, options.dequant_rows(cuda))  # large quantized decode batches
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
             prefix=PrefixCache(config.block_size) if config.prefix_caching else None,
+            batch=DecodeBatch(aligned=options.aligned_decode),
         )
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.admission = Admission(
-            self.state, self.limits, self.guard, batch_prefill=batchable(self.model)
+            self.state,
+            self.limits,
+            self.guard,
+            batch_prefill=batchable(self.model, aligned=options.aligned_decode),
         )
         self.prefill = Prefill(self.state, self.model, self.admission)
-        if LOOK_AHEAD not in LOOK_AHEAD_MODES:
-            raise ValueError(f"MLX_WORKER_LOOKAHEAD={LOOK_AHEAD!r}: use one of {LOOK_AHEAD_MODES}")
-        self.look_ahead = LOOK_AHEAD
 
     # ------------------------------------------------------------ admission
     def plan(self, plan: StepPlan) -> Work:
@@ -331,7 +334,7 @@ class ModelRunner:
         # A row whose next token is surely its last would leave the batch and take
         # the look-ahead's work with it: then `prefetch` starts the next forward
         # for the rows that stay, once they are known.
-        if self.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
+        if self.options.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
             self.state.batch.speculate(self.model, chosen, greedy=greedy)
         tokens = read_tokens(chosen)
         self.state.batch.confirm(tokens)
@@ -357,7 +360,7 @@ class ModelRunner:
                 finished.append(seq.key)
         self._free_all(finished)
         rows = [self.state.seqs[key] for key in self.state.batch.keys]
-        if self.look_ahead != "off":
+        if self.options.look_ahead != "off":
             greedy = all(s.sampler.trivial for s in rows)
             self.state.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
 

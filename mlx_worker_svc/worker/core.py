@@ -31,6 +31,7 @@ from mlx_worker_svc.engine.group.replica import Replica
 from mlx_worker_svc.engine.memory import device as device_mod
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.worker.engine_loop import EngineLoop
@@ -52,6 +53,7 @@ class WorkerCore:
         limits: AdmissionLimits | None = None,
         metrics: WorkerMetrics | None = None,
         group: GroupChannel | None = None,
+        options: EngineOptions | None = None,
     ) -> None:
         self._on_state = on_state or (lambda _state: None)
         self._on_death = on_death or (lambda _cause: None)
@@ -62,7 +64,7 @@ class WorkerCore:
         self._state = S.NEW
         self._started = time.monotonic()
         self._device_args: DeviceArgs | None = None
-        self._replica = Replica(group)
+        self._replica = Replica(group, options or EngineOptions())
         self._load_spec: LoadSpec | None = None
         self._loaded: loader.LoadedModel | None = None
         self._epoch = 0

@@ -7,38 +7,27 @@ For a decode forward of many rows it is faster to dequantize each weight
 (a transient copy in the scales' dtype, one matrix at a time, freed once
 used) and run an ordinary matrix product.
 
-`install` registers a loaded model's affine-quantized layers; a
-`rows(model, n)` block with n at or above `MIN_ROWS`, open around the
+`install(model, min_rows)` registers a loaded model's affine-quantized
+layers; a `rows(model, n)` block with n at or above `min_rows`, open around the
 forward's construction, switches them to classes that do so, and back when
 it closes. With fewer rows (single streams, small batches) and in every
 prefill they are MLX's own classes, untouched: a single stream computes
 exactly what mlx-lm computes and pays nothing per layer for the switch (the
 class changes once per forward, not a check in every layer). A model without
-quantized layers is left as it is. On by default with MLX's CUDA backend only;
-`MLX_WORKER_DEQUANT_MIN_BATCH` sets the threshold anywhere (0: never). The
-switch is the model's, not a thread's: only the engine thread builds forwards.
+quantized layers, or `min_rows` 0, is left as it is. The threshold is an
+engine option (`EngineOptions.dequant_min_batch`: by default 32 rows with
+MLX's CUDA backend, never elsewhere). The switch is the model's, not a
+thread's: only the engine thread builds forwards.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-
-
-def _default_min_rows() -> int:
-    # Measured on CUDA only. On Apple silicon MLX's quantized kernels handle many
-    # rows well, and a transient full-precision copy of every weight each step
-    # would cost more bandwidth than it saves: off unless asked for.
-    return 32 if mx.cuda.is_available() else 0
-
-
-# Decode batches of at least this many rows use dequantized weights; 0 turns it off.
-MIN_ROWS = int(os.environ.get("MLX_WORKER_DEQUANT_MIN_BATCH", _default_min_rows()))
 
 _ATTRIBUTE = "_mlx_worker_dequant"
 
@@ -73,8 +62,9 @@ _SWITCHED = {nn.QuantizedLinear: _DequantizedLinear, nn.QuantizedEmbedding: _Deq
 class _Layers:
     """One model's affine-quantized layers and which classes they have now."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], min_rows: int) -> None:
         self.layers = [(layer, type(layer)) for layer in layers]
+        self.min_rows = min_rows  # forwards of at least this many rows switch
         self.dequantized = False
 
     def switch(self, dequantized: bool) -> None:
@@ -85,11 +75,18 @@ class _Layers:
         self.dequantized = dequantized
 
 
-def install(model: nn.Module) -> int:
-    """Registers the model's affine-quantized layers for `rows`; returns how many."""
+def install(model: nn.Module, min_rows: int) -> int:
+    """Registers the model's affine-quantized layers for `rows`; returns how many.
+
+    Forwards of at least `min_rows` rows switch them (0: never, and nothing is
+    registered). Installing again only sets the threshold.
+    """
     known: _Layers | None = getattr(model, _ATTRIBUTE, None)
     if known is not None:
+        known.min_rows = min_rows
         return len(known.layers)
+    if min_rows <= 0:
+        return 0
     layers = [
         module
         for _, module in model.named_modules()
@@ -97,7 +94,7 @@ def install(model: nn.Module) -> int:
     ]
     if layers:
         # A plain attribute (not a child module): parameters and saving ignore it.
-        object.__setattr__(model, _ATTRIBUTE, _Layers(layers))
+        object.__setattr__(model, _ATTRIBUTE, _Layers(layers, min_rows))
     return len(layers)
 
 
@@ -109,7 +106,7 @@ def rows(model: nn.Module, count: int) -> Iterator[None]:
         yield
         return
     previous = layers.dequantized
-    layers.switch(0 < MIN_ROWS <= count)
+    layers.switch(0 < layers.min_rows <= count)
     try:
         yield
     finally:

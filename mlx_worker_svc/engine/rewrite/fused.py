@@ -16,11 +16,11 @@ touching its code:
   concatenated along the output rows, once. Each original layer keeps its
   own rows of them as a view: no parameter is held twice.
 - Each layer is wrapped. For a forward of one row, and for a decode step (one
-  token per row) of a plain group with `BATCHED` on, the group's first
-  projection multiplies by the concatenated weights and hands its siblings
-  their columns of the product (keyed by the identity of the input array).
-  Otherwise (prompts; decode batches of quantized groups, which switch to
-  dequantized weights at 32 rows, `engine/rewrite/dequant.py`) every layer runs as it
+  token per row) of a plain group, the group's first projection multiplies by
+  the concatenated weights and hands its siblings their columns of the
+  product (keyed by the identity of the input array). Otherwise (prompts;
+  decode batches of quantized groups, which switch to dequantized weights
+  for large batches, `engine/rewrite/dequant.py`) every layer runs as it
   did, on its own rows of the concatenated weights.
 
 Two layers fewer per attention group, one fewer per MLP: in a 16-layer model,
@@ -37,13 +37,12 @@ of 8 to 128 rows gave mlx-lm's tokens exactly for 128 steps
 (`--anatomy --fuse`), and the launch of a step at 32 and 128 rows got about
 a fifth shorter (benchmarks/gpu/NOTES.md).
 
-On by default with MLX's CUDA backend only, where it was measured and
-checked. MLX's Metal matrix-vector kernels are tuned by the product's shape,
-so there a concatenated product may round differently from the separate
-ones, and single streams must stay exactly mlx-lm's: off on Apple silicon
-(and on CPUs, where a step is not bound by the host) unless
-`MLX_WORKER_FUSE=1`; `MLX_WORKER_FUSE=0` turns it off anywhere, and
-`MLX_WORKER_FUSE_BATCHED=0` keeps decode batches on the separate products.
+Whether a runner installs it is an engine option (`EngineOptions.fuse`): on
+by default with MLX's CUDA backend only, where it was measured and checked.
+MLX's Metal matrix-vector kernels are tuned by the product's shape, so there
+a concatenated product may round differently from the separate ones, and
+single streams must stay exactly mlx-lm's: off on Apple silicon (and on
+CPUs, where a step is not bound by the host) unless asked for.
 Like `engine/rewrite/dequant.py`, this assumes one thread builds the model's
 forwards (the engine thread); another thread's forward would still compute
 the right values (parts are keyed by their input), only without the saving.
@@ -52,24 +51,12 @@ the right values (parts are keyed by their input), only without the saving.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
 from mlx_worker_svc.engine.rewrite import transposed
-
-
-def _default_enabled() -> bool:
-    # Measured and checked bit for bit on CUDA only (see above).
-    return bool(mx.cuda.is_available())
-
-
-_SETTING = os.environ.get("MLX_WORKER_FUSE")
-ENABLED = _default_enabled() if _SETTING in (None, "") else _SETTING != "0"
-# Decode steps of several rows through the fused products of plain groups (see above).
-BATCHED = os.environ.get("MLX_WORKER_FUSE_BATCHED", "1") != "0"
 
 # Sibling layers that project one input, in the order mlx-lm's models call them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -159,7 +146,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     for count in rows:
         bounds.append((start, start + count))
         start += count
-    group = _Group(fused, bounds, batched=BATCHED and kind[0] == "linear")
+    group = _Group(fused, bounds, batched=kind[0] == "linear")
     for index, (name, layer, (first, last)) in enumerate(zip(names, layers, bounds, strict=True)):
         views = {key: value[first:last] for key, value in concatenated.items()}
         mx.eval(views)  # the layer's rows of the concatenated arrays: shared, not copied
@@ -170,7 +157,5 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
 
 def install(model: nn.Module) -> int:
     """Fuses the model's sibling projections (see above); returns how many groups."""
-    if not ENABLED:
-        return 0
     # A module without all of a group's names gets None for the missing ones: not fusable.
     return sum(_fuse(module, names) for _, module in model.named_modules() for names in GROUPS)

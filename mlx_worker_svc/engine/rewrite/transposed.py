@@ -14,20 +14,16 @@ results are the unchanged model's bit for bit (`tests/test_transposed.py`).
 If a weight is replaced (`model.update`, a reload), the view is made anew
 from the new one on the next call. Parameters, their names and saving are
 untouched; the view is a plain attribute, sharing the weight's memory.
-
-On by default on every backend; `MLX_WORKER_TRANSPOSED=0` turns it off (for
-A/B runs of the GPU benchmark).
+Always installed: it computes exactly what the unchanged model computes, so
+there is nothing to choose.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-
-ENABLED = os.environ.get("MLX_WORKER_TRANSPOSED", "1") != "0"
 
 
 class _View:
@@ -72,7 +68,7 @@ _SWITCHED: dict[type, type] = {nn.Linear: TransposedLinear, nn.Embedding: Transp
 def adopt(layer: Any) -> bool:
     """Switches one plain `nn.Linear` or `nn.Embedding` (with a view of its own)."""
     switched = _SWITCHED.get(type(layer))
-    if not ENABLED or (switched is None and type(layer) not in _SWITCHED.values()):
+    if switched is None and type(layer) not in _SWITCHED.values():
         return False
     if switched is not None:
         layer.__class__ = switched

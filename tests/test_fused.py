@@ -183,7 +183,7 @@ def test_the_worker_decodes_through_fused_layers_and_its_own_step_with_mlx_lm_to
     # On here whatever the backend (the default is on with CUDA only).
     with live_server(ServerConfig(port=0, engine=EngineOptions(fuse=True))) as (server, stub):
         epoch = bring_up(stub, tiny_dir)
-        loaded = server.worker._loaded
+        loaded = server.worker.core.loaded
         assert loaded is not None
         model = loaded.model  # the runner fused it at InitCache
         assert type(model.model.layers[0].self_attn.q_proj) is fused.FusedProjection

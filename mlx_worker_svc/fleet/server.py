@@ -1,10 +1,11 @@
-"""`mlx_worker.v1.FleetService` over gRPC (asyncio), with health and reflection.
+"""`mlx_worker.v1.FleetService` over gRPC (asyncio), with health and reflection (v1, v1alpha).
 
 The servicer is thin: Generate streams `FleetScheduler.generate`, Status
 returns `FleetScheduler.status`. Fleet errors map to their status codes
 (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE with no worker up,
-INVALID_ARGUMENT for a malformed request); a worker's error on a request keeps
-the worker's code and message.
+INVALID_ARGUMENT for a malformed request, or for request bytes that do not
+parse: rpc/decoding.py); a worker's error on a request keeps the worker's code
+and message.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.fleet.scheduler import FleetError, FleetScheduler
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.rpc.decoding import AsyncDecodeInterceptor
+from mlx_worker_svc.rpc.health_service import AsyncHealthServicer
 from mlx_worker_svc.rpc.metrics import AsyncRpcMetricsInterceptor
+from mlx_worker_svc.rpc.reflection import enable_reflection
 from mlx_worker_svc.rpc.security import (
     AsyncTokenInterceptor,
     SecurityConfig,
@@ -80,6 +82,7 @@ async def serve_fleet(
     ]
     if check is not None:
         interceptors.append(AsyncTokenInterceptor(check))
+    interceptors.append(AsyncDecodeInterceptor())
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -91,15 +94,10 @@ async def serve_fleet(
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(  # type: ignore[no-untyped-call]
         FleetServicer(fleet), server
     )
-    checker = HealthServicer()
+    checker = AsyncHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
+    enable_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
     )
     address = f"{host}:{port}"
     try:
@@ -123,7 +121,7 @@ async def serve_fleet(
 server_tasks: set[asyncio.Task[None]] = set()
 
 
-async def _track_health(fleet: FleetScheduler, checker: HealthServicer) -> None:
+async def _track_health(fleet: FleetScheduler, checker: AsyncHealthServicer) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:

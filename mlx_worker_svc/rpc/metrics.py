@@ -172,10 +172,18 @@ def _counted(rpcs: RpcMetrics, method: str, context: Any) -> Iterator[None]:
     rpcs.record(method, _final_code(context, None))
 
 
-def _rebuild(handler: Handler, wrap: Callable[[Any, bool], Any]) -> Handler:
-    """`handler` with its behaviour wrapped (`wrap(behaviour, response_streaming)`)."""
+def rebuild_handler(
+    handler: Handler,
+    wrap: Callable[[Any, bool], Any],
+    *,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> Handler:
+    """`handler` with its behaviour wrapped (`wrap(behaviour, response_streaming)`).
+
+    `request_deserializer`, given, replaces the handler's own (decoding.py).
+    """
     codec = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": request_deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:
@@ -216,7 +224,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
             return stream if streaming else unary
 
-        return _rebuild(handler, wrap)
+        return rebuild_handler(handler, wrap)
 
 
 class AsyncRpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
@@ -253,7 +261,7 @@ class AsyncRpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[ty
 
             return call
 
-        return _rebuild(handler, wrap)
+        return rebuild_handler(handler, wrap)
 
 
 class MetricsEndpoint:

@@ -1,4 +1,4 @@
-"""The gRPC server: WorkerService, health, reflection and the one drain path.
+"""The gRPC server: WorkerService, health, reflection (v1 and v1alpha) and the one drain path.
 
 `WorkerServer` registers the servicer, the standard `grpc.health.v1` service
 and server reflection in one place. SIGTERM and the Shutdown RPC share
@@ -11,6 +11,7 @@ message sizes follow from it. If the engine thread dies, health turns
 NOT_SERVING, every call ends with INTERNAL, and the server stops within
 `death_exit_seconds` so a supervisor can restart the process; rank 0 of a
 worker group (`group`) does the same, with UNAVAILABLE, when the group breaks.
+Request bytes that do not parse are refused with INVALID_ARGUMENT (decoding.py).
 `ServerConfig.metrics_port` serves the worker's Prometheus metrics
 (worker_metrics.py) over HTTP until the server stops.
 """
@@ -26,8 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.core.domain import WorkerState
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
@@ -35,7 +35,10 @@ from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits,
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.rpc.decoding import DecodeInterceptor
+from mlx_worker_svc.rpc.health_service import HealthServicer
 from mlx_worker_svc.rpc.metrics import MetricsEndpoint, RpcMetricsInterceptor
+from mlx_worker_svc.rpc.reflection import enable_reflection
 from mlx_worker_svc.rpc.security import (
     SecurityConfig,
     TokenInterceptor,
@@ -90,7 +93,7 @@ class WorkerServer:
         self, config: ServerConfig, worker: Worker | None = None, group: GroupChannel | None = None
     ) -> None:
         self.config = config
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._health = HealthServicer(experimental_non_blocking=True)
         self.worker = worker or Worker(
             on_state=self._on_state,
             on_death=self._on_engine_death,
@@ -110,6 +113,7 @@ class WorkerServer:
         check = token_check(config.security)
         if check is not None:
             interceptors.append(TokenInterceptor(check))
+        interceptors.append(DecodeInterceptor())
         threads = config.limits.threads
         self._server = grpc.server(
             interceptors=interceptors,
@@ -132,12 +136,8 @@ class WorkerServer:
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        enable_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
             self._server,
         )
         self._stopped = threading.Event()

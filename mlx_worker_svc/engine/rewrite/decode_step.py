@@ -15,7 +15,7 @@ mlx-lm llama model whose projections `engine/rewrite/fused.py` fused, calling th
 same primitives on the same values in the same order as the model's own
 forward: its rope, its cache's `update_and_fetch` and mask, mlx-lm's
 attention, MLX's normalisation and `swiglu`. The logits equal the model's bit
-for bit (`tests/test_decode_step.py`, on the CPU, for every cache kind the
+for bit (`tests/engine/rewrite/test_decode_step.py`, on the CPU, for every cache kind the
 worker uses; the GPU benchmark's parity check on CUDA).
 
 `logits(model, tokens, cache)` runs a decode step of `tokens` (`[B]`)

@@ -29,7 +29,7 @@ are the same rows times the same vectors. Where the kernel computes each
 output of a matrix-vector product on its own, whatever the number of
 outputs, single-row results match the unfused model's bit for bit: checked
 for float32, bfloat16, float16 and 4-bit on MLX's CPU backend by
-`tests/test_fused.py`, and on CUDA for bf16 and 4-bit on a Llama-3.2-1B shape
+`tests/engine/rewrite/test_fused.py`, and on CUDA for bf16 and 4-bit on a Llama-3.2-1B shape
 by `benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
 parity check. A matrix product of several rows by a wider weight could pick
 another kernel and round differently; on CUDA (cuBLAS) bf16 decode batches
@@ -139,9 +139,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     rows = [int(layer["weight"].shape[0]) for layer in layers]
     fused = copy.copy(layers[0])  # same class and settings (group size, bits, mode)
     fused.update(concatenated)
-    transposed.adopt(
-        fused
-    )  # its own view of the concatenated weight (engine/rewrite/transposed.py)
+    transposed.adopt(fused)  # its own view of the concatenated weight
     bounds, start = [], 0
     for count in rows:
         bounds.append((start, start + count))

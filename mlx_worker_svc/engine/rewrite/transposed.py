@@ -10,7 +10,7 @@ step of one sequence on a GPU is bound by exactly that host work (see
 (and a plain embedding, for tied heads) to subclasses that keep the view,
 made once, with the weight it was made from: the product is the same
 operation on the same arrays (same buffer, shape and strides), so the
-results are the unchanged model's bit for bit (`tests/test_transposed.py`).
+results are the unchanged model's bit for bit (`tests/engine/rewrite/test_transposed.py`).
 If a weight is replaced (`model.update`, a reload), the view is made anew
 from the new one on the next call. Parameters, their names and saving are
 untouched; the view is a plain attribute, sharing the weight's memory.

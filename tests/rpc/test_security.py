@@ -20,19 +20,19 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
+from certificates import Pki, make_pki, tls
 from driver import code_of, details_of
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_grpcurl import grpcurl_binary
+from grpcurl_cli import grpcurl_binary
 
 from mlx_worker_svc.client.worker import (
     ClientConfig,
@@ -95,82 +95,9 @@ service Health {
 """
 
 
-# ------------------------------------------------------------- certificates
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: str
-    server_cert: str
-    server_key: str
-    client_cert: str
-    client_key: str
-    other_ca: str  # unrelated to everything above
-    other_client_cert: str  # signed by other_ca
-    other_client_key: str
-
-    def read(self, name: str) -> bytes:
-        return Path(getattr(self, name)).read_bytes()
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    done = subprocess.run(
-        ["/usr/bin/openssl", *args], cwd=cwd, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, f"openssl {' '.join(args)}: {done.stderr}"
-
-
-def _make_ca(directory: Path, name: str) -> None:
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=directory,
-    )  # fmt: skip
-
-
-def _make_leaf(directory: Path, name: str, ca: str, extensions: str) -> None:
-    (directory / f"{name}.ext").write_text(extensions)
-    _openssl(
-        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
-        cwd=directory,
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
-        cwd=directory,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    _make_leaf(
-        d,
-        "server",
-        "ca",
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
-    )
-    _make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    _make_leaf(d, "other-client", "other-ca", "extendedKeyUsage=clientAuth\n")
-    return Pki(
-        ca=str(d / "ca.pem"),
-        server_cert=str(d / "server.pem"),
-        server_key=str(d / "server.key"),
-        client_cert=str(d / "client.pem"),
-        client_key=str(d / "client.key"),
-        other_ca=str(d / "other-ca.pem"),
-        other_client_cert=str(d / "other-client.pem"),
-        other_client_key=str(d / "other-client.key"),
-    )
-
-
-def _tls(pki: Pki, **fields: Any) -> SecurityConfig:
-    return SecurityConfig(tls_cert=pki.server_cert, tls_key=pki.server_key, **fields)
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 # ---------------------------------------------------------------- servers
@@ -282,7 +209,7 @@ def _reflection_refused(channel: grpc.Channel, metadata: tuple[tuple[str, str], 
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
-    with worker_server(_tls(pki)) as server:
+    with worker_server(tls(pki)) as server:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             assert _health_code(channel) == UNAVAILABLE
         with secure_channel(server.port, pki.read("ca")) as channel:
@@ -290,7 +217,7 @@ def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
 
 
 def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
-    with worker_server(_tls(pki)) as server:
+    with worker_server(tls(pki)) as server:
         with secure_channel(server.port, pki.read("other_ca")) as channel:
             assert _health_code(channel) == UNAVAILABLE
         # The certificate names both 127.0.0.1 and localhost.
@@ -300,7 +227,7 @@ def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
 
 
 def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
-    with worker_server(_tls(pki, tls_client_ca=pki.ca)) as server:
+    with worker_server(tls(pki, tls_client_ca=pki.ca)) as server:
         ca = pki.read("ca")
         with secure_channel(server.port, ca) as channel:  # no client certificate
             assert _health_code(channel) == UNAVAILABLE
@@ -422,7 +349,7 @@ def test_token_check_compares_every_token() -> None:
 
 
 def test_everything_at_once_through_the_sdk(pki: Pki, served: Counter[str]) -> None:
-    security = _tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,))
+    security = tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,))
     with worker_server(security, host="0.0.0.0") as server:  # safe: TLS and a token
         target = f"127.0.0.1:{server.port}"
         credentials = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
@@ -440,7 +367,7 @@ def test_everything_at_once_through_the_sdk(pki: Pki, served: Counter[str]) -> N
 
 def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: Path) -> None:
     """The README's grpcurl lines, as written there."""
-    security = _tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,), allow_health_without_token=True)
+    security = tls(pki, tls_client_ca=pki.ca, tokens=(TOKEN,), allow_health_without_token=True)
     with worker_server(security) as server:
         base = [str(grpcurl_binary()), "-cacert", pki.ca, "-cert", pki.client_cert]
         base += ["-key", pki.client_key]
@@ -482,7 +409,7 @@ def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: P
 
 def test_fleet_with_a_token_and_tls_toward_a_secured_worker(pki: Pki) -> None:
     """The fleet refuses its own RPCs without its token, and reaches an mTLS+token worker."""
-    worker_security = _tls(pki, tls_client_ca=pki.ca, tokens=(OTHER_TOKEN,))
+    worker_security = tls(pki, tls_client_ca=pki.ca, tokens=(OTHER_TOKEN,))
     with worker_server(worker_security) as worker:
         target = f"127.0.0.1:{worker.port}"
         asyncio.run(_fleet_scenario(pki, target))
@@ -508,7 +435,7 @@ async def _fleet_scenario(pki: Pki, target: str) -> None:
     await wrong.start()
     await fleet.start()
     server, port = await serve_fleet(
-        fleet, "127.0.0.1", 0, _tls(pki, tokens=(TOKEN,), allow_health_without_token=True)
+        fleet, "127.0.0.1", 0, tls(pki, tokens=(TOKEN,), allow_health_without_token=True)
     )
     try:
         channel_creds = grpc.ssl_channel_credentials(pki.read("ca"))
@@ -566,7 +493,7 @@ def test_bind_rule(pki: Pki) -> None:
             check_bind(host, SecurityConfig())
         check_bind(host, SecurityConfig(insecure=True))
         check_bind(host, SecurityConfig(tokens=(TOKEN,)))
-        check_bind(host, _tls(pki))
+        check_bind(host, tls(pki))
     unsafe = WorkerServer(ServerConfig(host="0.0.0.0", port=0))
     with pytest.raises(UnsafeBind):
         unsafe.start()

@@ -26,9 +26,9 @@ import grpc
 import pytest
 from driver import bring_up, code_of, details_of, drive, greedy, live_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpcurl_cli import SERVICE, Grpcurl, grpcurl_binary
 from mlx_lm.models import llama
-from test_fleet import Fleet, Proc, Stream, distinct_prompts, run_streams, token_request
-from test_grpcurl import SERVICE, Grpcurl, grpcurl_binary
+from processes import Fleet, Proc, Stream, distinct_prompts, run_streams, token_request
 from tiny_model import build_tiny_model
 
 from mlx_worker_svc.cli.group_launch import free_ports

@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 import pytest
 from driver import bring_up, code_of, greedy
+from processes import Fleet, Proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_fleet import Fleet, Proc
 
 from mlx_worker_svc.core.limits import AdmissionLimits
 from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter

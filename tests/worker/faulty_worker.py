@@ -1,6 +1,6 @@
 """`mlx-worker serve` whose engine thread dies after a number of Generate steps.
 
-Usage: python tests/faulty_worker.py STEPS serve ARGS... The engine-death test
+Usage: python tests/worker/faulty_worker.py STEPS serve ARGS... The engine-death test
 runs it as a real process, to see the process itself exit.
 """
 

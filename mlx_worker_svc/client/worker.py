@@ -24,8 +24,9 @@ Retries
     server restarting) and DEADLINE_EXCEEDED, up to `retries` more times with
     exponential backoff (`backoff` doubling up to `max_backoff`) and jitter.
     They are the lifecycle calls (InitDevice, LoadModel, DetermineMemory,
-    InitCache, WarmUp: the worker makes a repeat with the same arguments a
-    no-op), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
+    InitCache, WarmUp: a repeat with the same arguments joins the worker's call
+    in progress, or gets the result of the one just done, instead of queueing
+    more work), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
     ListLoras, the grpc.health.v1 Check), WakeUp (a no-op when awake) and
     ResetPrefixCache. Execute, Generate, Sleep, Shutdown, AddLora and
     RemoveLora change state in ways a blind repeat could double (a step run

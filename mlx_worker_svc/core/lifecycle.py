@@ -23,6 +23,16 @@ NEXT_CALL = {
     S.SLEEPING: "WakeUp",
 }
 EXECUTABLE = (S.READY, S.SERVING)
+PROFILE_TOKENS = {DeviceKind.CPU: 32, DeviceKind.GPU: 2048}
+"""DetermineMemory's profiling size when the call leaves max_num_batched_tokens 0,
+by device: a CPU computes a 2,048-token forward of a small model in tens of
+seconds, a GPU in well under one (the memory model extrapolates to larger steps)."""
+
+
+def default_profile_tokens(kind: DeviceKind | None, max_context: int) -> int:
+    """The device's profiling size (CPU before InitDevice), at most `max_context` (if > 0)."""
+    tokens = PROFILE_TOKENS[DeviceKind.GPU if kind is DeviceKind.GPU else DeviceKind.CPU]
+    return min(tokens, max_context) if max_context > 0 else tokens
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The reference fleet scheduler: drives workers through Execute, nothing else."""
 
-from mlx_worker_svc.fleet.link import LinkConfig
+from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.scheduler import (
     BadRequest,
     ContextTooLong,

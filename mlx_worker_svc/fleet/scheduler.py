@@ -27,7 +27,8 @@ import grpc
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
-from mlx_worker_svc.fleet.link import LinkConfig, WorkerLink
+from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2

@@ -308,6 +308,7 @@ def health(report: HealthReport) -> pb.CheckHealthResponse:
         deep_check_ns=report.deep_check_ns,
         uptime_seconds=report.uptime_seconds,
         memory=memory_usage(report.memory),
+        bringing_up=report.bringing_up,
     )
 
 

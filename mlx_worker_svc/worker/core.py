@@ -39,6 +39,7 @@ from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.worker.engine_loop import EngineLoop
 from mlx_worker_svc.worker.generation import StreamTable
+from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
 from mlx_worker_svc.worker.scheduling import GenerateScheduler
 
@@ -96,6 +97,7 @@ class WorkerCore:
             on_tick=self.replica.ping,
         )
         self.replica.channel.on_failure = self.engine.fail
+        self._lifecycle = LifecycleCalls(self.engine.submit, lambda: (self._state, self._epoch))
         self.watchdog = Watchdog(self.replica.channel)
 
     def _engine_died(self, cause: BaseException) -> None:
@@ -106,6 +108,11 @@ class WorkerCore:
             self.streams.close(request_id, error or Internal(self.last_error))
         self.set_state(S.STOPPED)
         self._on_death(cause)
+
+    @property
+    def lifecycle(self) -> LifecycleCalls:
+        """The lifecycle call in progress; `claim()` it to bring the worker up alone."""
+        return self._lifecycle
 
     # ------------------------------------------------------------- state
     @property

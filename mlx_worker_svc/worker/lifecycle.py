@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
@@ -25,7 +26,7 @@ from mlx_worker_svc.core.domain import (
     WorkerState,
 )
 from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
@@ -33,8 +34,9 @@ from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MEMORY_UTILIZATION = 0.9
+GaveUp = Callable[[], bool] | None
+"""Tells a lifecycle call whether its caller left (lifecycle_calls.py)."""
 
 
 # Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
@@ -52,13 +54,20 @@ def _check_block_size(block: int, where: str) -> None:
 
 
 class Lifecycle:
-    """The lifecycle calls over one worker core."""
+    """The lifecycle calls over one worker core.
+
+    The five calls of the way up run one at a time through the core's
+    `LifecycleCalls` (lifecycle_calls.py): a repeat while one runs shares its
+    result, any other is refused with ABORTED. Each takes `gave_up`, which says
+    whether its caller has left, so an abandoned call leaves nothing queued on
+    the engine thread.
+    """
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
 
     # --------------------------------------------------------- lifecycle
-    def init_device(self, args: DeviceArgs) -> DeviceInfo:
+    def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
         core = self.core
 
         def job() -> DeviceInfo:
@@ -79,9 +88,11 @@ class Lifecycle:
             core.set_state(S.DEVICE_READY)
             return device
 
-        return core.engine.call(job)
+        return core.lifecycle.run("InitDevice", asdict(args), job, gave_up=gave_up)
 
-    def load_model(self, spec: LoadSpec) -> tuple[loader.LoadedModel, int]:
+    def load_model(
+        self, spec: LoadSpec, *, gave_up: GaveUp = None
+    ) -> tuple[loader.LoadedModel, int]:
         core = self.core
 
         def job() -> tuple[loader.LoadedModel, int]:
@@ -98,16 +109,25 @@ class Lifecycle:
             core.set_state(S.MODEL_LOADED)
             return loaded, core.epoch
 
-        return core.engine.call(job)
+        return core.lifecycle.run("LoadModel", asdict(spec), job, gave_up=gave_up)
 
     def determine_memory(
-        self, memory_utilization: float, max_num_batched_tokens: int, block_size: int
+        self,
+        memory_utilization: float,
+        max_num_batched_tokens: int,
+        block_size: int,
+        *,
+        gave_up: GaveUp = None,
     ) -> MemoryProfile:
+        """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
         core = self.core
         util = memory_utilization or DEFAULT_MEMORY_UTILIZATION
         if not 0 < util <= 1:
             raise InvalidArgument(f"memory_utilization must be in (0, 1], got {util}")
-        tokens = max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        device, info = core.replica.device, core.model_info
+        tokens = max_num_batched_tokens or default_profile_tokens(
+            device.kind if device else None, info.max_context_length if info else 0
+        )
         block = block_size or DEFAULT_BLOCK_SIZE
         _check_block_size(block, "DetermineMemory.block_size")
 
@@ -129,7 +149,13 @@ class Lifecycle:
                 core.set_state(S.MEMORY_PROFILED)
             return core.memory
 
-        return core.engine.call(job)
+        # float32 on the wire: 0.9 sent by a client and the default 0.9 are one call.
+        args = {
+            "memory_utilization": round(util, 6),
+            "max_num_batched_tokens": tokens,
+            "block_size": block,
+        }
+        return core.lifecycle.run("DetermineMemory", args, job, gave_up=gave_up)
 
     def init_cache(
         self,
@@ -138,6 +164,7 @@ class Lifecycle:
         *,
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
+        gave_up: GaveUp = None,
     ) -> CacheConfig:
         core = self.core
         if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
@@ -171,9 +198,17 @@ class Lifecycle:
                 core.set_state(S.READY)
             return config
 
-        return core.engine.call(job)
+        args = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "enable_prefix_caching": prefix_caching,
+            "memory_limit_bytes": memory_limit_bytes,
+        }
+        return core.lifecycle.run("InitCache", args, job, gave_up=gave_up)
 
-    def warm_up(self, batch_sizes: list[int], prefill_lengths: list[int]) -> tuple[int, float]:
+    def warm_up(
+        self, batch_sizes: list[int], prefill_lengths: list[int], *, gave_up: GaveUp = None
+    ) -> tuple[int, float]:
         core = self.core
         sizes = batch_sizes or [1]
         lengths = prefill_lengths or [16]
@@ -196,7 +231,8 @@ class Lifecycle:
             core.set_state(S.SERVING)
             return shapes, time.perf_counter() - start
 
-        return core.engine.call(job)
+        args = {"batch_sizes": tuple(sizes), "prefill_lengths": tuple(lengths)}
+        return core.lifecycle.run("WarmUp", args, job, gave_up=gave_up)
 
     # ------------------------------------------------------ sleep, wake up
     def sleep(self, level: int) -> SleepReport:
@@ -261,15 +297,23 @@ class Lifecycle:
 
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:
-        """Stops accepting new work; running requests may finish."""
+        """Stops accepting new work; running requests may finish.
+
+        Lifecycle calls are refused from now on and their waiters woken. One
+        that is running (a load or a profile, which cannot be interrupted) is
+        not waited for: the state turns DRAINING when it ends.
+        """
         core = self.core
 
         def job() -> None:
             if core.state is not S.STOPPED:
                 core.set_state(S.DRAINING)
 
+        core.lifecycle.close()
         if core.engine.dead is None:
-            core.engine.call(job)
+            done = core.engine.submit(job)
+            if not core.lifecycle.busy:
+                done.result()
 
     def wait_generate_idle(self, timeout: float) -> bool:
         """Waits until no Generate stream is open; returns whether it got there."""
@@ -277,7 +321,11 @@ class Lifecycle:
         return core.streams.wait_empty(timeout)
 
     def close(self) -> None:
-        """Aborts what is left, frees the model and caches, stops the engine."""
+        """Aborts what is left, frees the model and caches, stops the engine.
+
+        Behind a lifecycle call still running it does not wait: there is nothing
+        to drain, and the process may exit while the engine thread finishes it.
+        """
         core = self.core
 
         def job() -> None:
@@ -291,6 +339,10 @@ class Lifecycle:
             core.set_state(S.STOPPED)
 
         core.watchdog.stop()
+        if core.lifecycle.busy:
+            core.engine.submit(job)
+            core.engine.stop(timeout=0)
+            return
         if core.state is not S.STOPPED and core.engine.dead is None:
             with contextlib.suppress(Unavailable):
                 core.engine.call(job)

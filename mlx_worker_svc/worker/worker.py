@@ -2,7 +2,8 @@
 
 `Worker` is what the RPC layer calls. It builds a `WorkerCore` (the shared
 state, the engine thread and Generate scheduling) and the parts that take
-it: `Lifecycle` (InitDevice..WarmUp, Sleep, WakeUp, drain, close) and
+it: `Lifecycle` (InitDevice..WarmUp, Sleep, WakeUp, drain, close; its way-up
+calls one at a time through the core's `LifecycleCalls`) and
 `GenerateCalls` (Tokenize, Detokenize, Generate); it runs Execute steps and
 answers the queries itself. Invariants: every state change and every MLX
 call runs on the engine thread, one at a time; the queries (CheckHealth,
@@ -42,7 +43,8 @@ from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
-from mlx_worker_svc.worker.lifecycle import Lifecycle
+from mlx_worker_svc.worker.lifecycle import GaveUp, Lifecycle
+from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
 
 S = WorkerState
@@ -69,7 +71,7 @@ class Worker:
             group=group,
             options=options,
         )
-        self.lifecycle = Lifecycle(self.core)
+        self.states = Lifecycle(self.core)
         self.text = GenerateCalls(self.core)
 
     # ------------------------------------------------------------- facts
@@ -104,18 +106,31 @@ class Worker:
         """Why the engine thread died, or None while it runs."""
         return self.core.engine.dead
 
-    # --------------------------------------------------- lifecycle calls
-    def init_device(self, args: DeviceArgs) -> DeviceInfo:
-        return self.lifecycle.init_device(args)
+    @property
+    def lifecycle(self) -> LifecycleCalls:
+        """The lifecycle call in progress; `claim()` it to bring the worker up alone."""
+        return self.core.lifecycle
 
-    def load_model(self, spec: LoadSpec) -> tuple[loader.LoadedModel, int]:
-        return self.lifecycle.load_model(spec)
+    # --------------------------------------------------- lifecycle calls
+    def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
+        return self.states.init_device(args, gave_up=gave_up)
+
+    def load_model(
+        self, spec: LoadSpec, *, gave_up: GaveUp = None
+    ) -> tuple[loader.LoadedModel, int]:
+        return self.states.load_model(spec, gave_up=gave_up)
 
     def determine_memory(
-        self, memory_utilization: float, max_num_batched_tokens: int, block_size: int
+        self,
+        memory_utilization: float,
+        max_num_batched_tokens: int,
+        block_size: int,
+        *,
+        gave_up: GaveUp = None,
     ) -> MemoryProfile:
-        return self.lifecycle.determine_memory(
-            memory_utilization, max_num_batched_tokens, block_size
+        """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
+        return self.states.determine_memory(
+            memory_utilization, max_num_batched_tokens, block_size, gave_up=gave_up
         )
 
     def init_cache(
@@ -125,34 +140,38 @@ class Worker:
         *,
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
+        gave_up: GaveUp = None,
     ) -> CacheConfig:
-        return self.lifecycle.init_cache(
+        return self.states.init_cache(
             num_blocks,
             block_size,
             prefix_caching=prefix_caching,
             memory_limit_bytes=memory_limit_bytes,
+            gave_up=gave_up,
         )
 
-    def warm_up(self, batch_sizes: list[int], prefill_lengths: list[int]) -> tuple[int, float]:
-        return self.lifecycle.warm_up(batch_sizes, prefill_lengths)
+    def warm_up(
+        self, batch_sizes: list[int], prefill_lengths: list[int], *, gave_up: GaveUp = None
+    ) -> tuple[int, float]:
+        return self.states.warm_up(batch_sizes, prefill_lengths, gave_up=gave_up)
 
     def sleep(self, level: int) -> SleepReport:
-        return self.lifecycle.sleep(level)
+        return self.states.sleep(level)
 
     def wake_up(self) -> tuple[WorkerState, int, float]:
-        return self.lifecycle.wake_up()
+        return self.states.wake_up()
 
     def reset_prefix_cache(self) -> int:
-        return self.lifecycle.reset_prefix_cache()
+        return self.states.reset_prefix_cache()
 
     def begin_drain(self) -> None:
-        self.lifecycle.begin_drain()
+        self.states.begin_drain()
 
     def wait_generate_idle(self, timeout: float) -> bool:
-        return self.lifecycle.wait_generate_idle(timeout)
+        return self.states.wait_generate_idle(timeout)
 
     def close(self) -> None:
-        self.lifecycle.close()
+        self.states.close()
 
     # -------------------------------------------------------- text calls
     def tokenize_text(self, value: str, add_special_tokens: bool) -> list[int]:
@@ -218,6 +237,7 @@ class Worker:
             deep_check_ns=deep_ns,
             uptime_seconds=time.monotonic() - core.started,
             memory=self.memory_usage(),
+            bringing_up=core.lifecycle.bringing_up,
         )
 
     def kv_nbytes(self, req_id: str) -> int:

@@ -8,7 +8,7 @@ call that must come first, so a scheduler can recover without guessing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mlx_worker_svc.core.domain import DeviceKind, WorkerState
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -47,6 +47,17 @@ class DeviceArgs:
     distributed_init_method: str = ""
     """"" or the group's mx.distributed backend ("ring", "jaccl", "mpi")."""
 
+    def differences(self, held: DeviceArgs) -> str:
+        """The InitDevice fields in which these args differ from `held`, with both values."""
+        changed = []
+        for f in fields(self):
+            asked, had = getattr(self, f.name), getattr(held, f.name)
+            if asked != had:
+                name = "device" if f.name == "kind" else f.name
+                shown = [_shown(v) for v in (asked, had)]
+                changed.append(f"{name} {shown[0]} (initialised with {shown[1]})")
+        return ", ".join(changed)
+
     def check(self, world_size: int, backend: str) -> None:
         """Raises unless these args describe the worker as started."""
         if self.rank or self.local_rank:
@@ -74,6 +85,12 @@ class DeviceArgs:
                     else "this worker is a single process (no mx.distributed backend)"
                 )
             )
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, DeviceKind):  # the proto's DeviceKind names
+        return "DEVICE_KIND_" + ("UNSPECIFIED" if value is DeviceKind.AUTO else value.name)
+    return repr(value)
 
 
 def require(state: WorkerState, call: str, minimum: WorkerState) -> None:

@@ -27,6 +27,7 @@ import grpc
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
@@ -215,14 +216,16 @@ class FleetScheduler:
             admitted=started,
         )
         self.metrics.prompt_tokens.inc(len(prompt))
-        log.info("request admitted", extra={"req_id": r.request_id, "prompt_tokens": len(prompt)})
+        log.info(
+            "request admitted", extra={"req_id": clip(r.request_id), "prompt_tokens": len(prompt)}
+        )
         self._route(r)
         return r
 
     def _ended(self, req_id: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""
         self.metrics.ended(outcome, time.monotonic() - since)
-        extra = {"req_id": req_id, "outcome": outcome, **fields}
+        extra = {"req_id": clip(req_id), "outcome": outcome, **fields}
         if outcome == "cancelled":
             log.info("request cancelled", extra=extra)
         elif outcome in _FINISHED:
@@ -287,7 +290,7 @@ class FleetScheduler:
             return
         link = self._pick(r, up)
         self._where[r] = link
-        log.debug("request routed", extra={"req_id": r.request_id, "worker": link.target})
+        log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
         link.assign(r, front=front)
 
     def _pick(self, r: FleetRequest, up: list[WorkerLink]) -> WorkerLink:
@@ -312,7 +315,7 @@ class FleetScheduler:
         for r in reversed(lost):
             if r.phase is Phase.DONE or r.cancelled:
                 continue
-            extra = {"req_id": r.request_id, "generated_tokens": len(r.generated)}
+            extra = {"req_id": clip(r.request_id), "generated_tokens": len(r.generated)}
             log.info("request moves to another worker", extra=extra)
             self._route(r, front=True)
 

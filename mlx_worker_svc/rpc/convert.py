@@ -35,6 +35,7 @@ from mlx_worker_svc.core.domain import (
     WorkerState,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _STATES = {
@@ -223,7 +224,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
             req_id=r.req_id,
             prompt_token_ids=tuple(r.prompt_token_ids),
             sampling=sampling_params(
-                r.sampling_params, f"new_requests[{i}] (req_id {r.req_id!r}).sampling_params"
+                r.sampling_params, f"new_requests[{i}] (req_id {clip(r.req_id)!r}).sampling_params"
             ),
         )
         for i, r in enumerate(request.new_requests)

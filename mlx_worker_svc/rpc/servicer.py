@@ -18,6 +18,7 @@ import grpc
 
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert
@@ -41,7 +42,7 @@ def _short(message: str) -> str:
 def _status(
     context: grpc.ServicerContext, exc: BaseException, method: str, req_id: str = ""
 ) -> NoReturn:
-    fields = {"rpc": method, "req_id": req_id} if req_id else {"rpc": method}
+    fields = {"rpc": method, "req_id": clip(req_id)} if req_id else {"rpc": method}
     if isinstance(exc, WorkerError):
         message = _short(exc.message)
         log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})

@@ -29,6 +29,7 @@ from mlx_worker_svc.core.domain import (
 from mlx_worker_svc.core.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs, require
 from mlx_worker_svc.core.limits import AdmissionLimits
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, GroupChannel, Watchdog
 from mlx_worker_svc.engine.group.replica import Replica
 from mlx_worker_svc.engine.memory import device as device_mod
@@ -73,6 +74,8 @@ class WorkerCore:
         self.load_spec: LoadSpec | None = None
         self.loaded: loader.LoadedModel | None = None
         self._epoch = 0
+        self.epoch_change = ""
+        """What the worker did since the epoch before this one (for the stale-epoch error)."""
         self.memory: MemoryProfile | None = None
         self.cache_config: CacheConfig | None = None
         self.runner: ModelRunner | None = None
@@ -123,9 +126,13 @@ class WorkerCore:
     def epoch(self) -> int:
         return self._epoch
 
-    def new_epoch(self) -> None:
-        """A new epoch: no step of the old one can continue (KV or model changed)."""
+    def new_epoch(self, why: str) -> None:
+        """A new epoch: no step of the old one can continue (KV or model changed).
+
+        `why` completes "since that epoch, the worker ..." in the stale-epoch error.
+        """
         self._epoch = max(time.time_ns(), self._epoch + 1)
+        self.epoch_change = why
 
     def set_state(self, state: WorkerState) -> None:
         if state is not self._state:
@@ -140,9 +147,13 @@ class WorkerCore:
         live = len(self.runner.state.seqs) if self.runner is not None else 0
         limit = self.limits.max_running_requests
         if new and live - leaving + new > limit:
+            beside = f"{live} live" + (f", {leaving} leaving" if leaving else "")
+            plural = "s" if new != 1 else ""
             raise ResourceExhausted(
-                f"{call}: {live} requests are live and the limit is {limit}: retry later, "
-                "send the work to another worker, or raise --max-running-requests"
+                f"{call} would start {new} new request{plural} beside {beside}: "
+                f"{live - leaving + new} in all, over the limit of {limit} live requests "
+                f"(--max-running-requests); send at most {max(limit - live + leaving, 0)} now, "
+                "retry later or use another worker"
             )
 
     def require_idle(self, call: str) -> None:
@@ -203,13 +214,13 @@ def _log_requests(work: Work, outcome: StepOutcome) -> None:
     """
     for new in work.new:
         log.debug(
-            "request admitted", extra={"req_id": new.key[1], "prompt_tokens": len(new.prompt)}
+            "request admitted", extra={"req_id": clip(new.key[1]), "prompt_tokens": len(new.prompt)}
         )
     for key in work.preempted:
-        log.debug("request preempted", extra={"req_id": key[1]})
+        log.debug("request preempted", extra={"req_id": clip(key[1])})
     for key in work.finished:
-        log.debug("request freed by the scheduler", extra={"req_id": key[1]})
+        log.debug("request freed by the scheduler", extra={"req_id": clip(key[1])})
     for (origin, req_id), output in outcome.outputs.items():
         if origin is Origin.EXECUTE and output.finish_reason is not None:
-            extra = {"req_id": req_id, "finish_reason": output.finish_reason.value}
+            extra = {"req_id": clip(req_id), "finish_reason": output.finish_reason.value}
             log.debug("request finished", extra=extra)

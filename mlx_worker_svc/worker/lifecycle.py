@@ -76,10 +76,11 @@ class Lifecycle:
             wanted = replace(args, world_size=args.world_size or channel.size)
             device = core.replica.device
             if device is not None:
-                if wanted != core.device_args:
+                if core.device_args is not None and wanted != core.device_args:
                     raise FailedPrecondition(
-                        "InitDevice: the device is already initialised with different "
-                        "arguments; restart the worker to change it"
+                        "InitDevice: the device is already initialised, and this call asks "
+                        f"for {wanted.differences(core.device_args)}; repeat the first "
+                        "call's arguments, or restart the worker to change them"
                     )
                 return device
             wanted.check(channel.size, channel.backend)
@@ -105,7 +106,7 @@ class Lifecycle:
             core.model_info = loaded.info
             core.chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
             core.runner, core.memory, core.cache_config = None, None, None
-            core.new_epoch()
+            core.new_epoch("restarted or loaded a model")
             core.set_state(S.MODEL_LOADED)
             return loaded, core.epoch
 
@@ -178,16 +179,13 @@ class Lifecycle:
             assert profile is not None
             loaded = core.need_model()
             wanted = prefix_caching is None or prefix_caching
-            allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+            block = block_size or profile.block_size
+            limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
             config = CacheConfig(
                 num_blocks=num_blocks,
-                block_size=block_size or profile.block_size,
+                block_size=block,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
-                memory_limit_bytes=min(
-                    memory_limit_bytes
-                    or memory_guard.derived_limit(profile, num_blocks, allowance),
-                    MAX_MEMORY_LIMIT,
-                ),
+                memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
             )
             if core.runner is not None and core.cache_config == config:
                 return config
@@ -254,7 +252,7 @@ class Lifecycle:
                     )
                 core.runner = None
                 core.awake_state = core.state
-                core.new_epoch()
+                core.new_epoch(f"slept (Sleep level {level} aborted every request)")
                 core.set_state(S.SLEEPING)
             if level == 2:
                 core.loaded = None

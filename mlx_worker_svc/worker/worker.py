@@ -203,9 +203,12 @@ class Worker:
             core.require("Execute", S.READY)
         runner = core.need_runner("Execute")
         if plan.worker_epoch != core.epoch:
+            why = f"since that epoch the worker {core.epoch_change}"
+            if plan.worker_epoch > core.epoch:
+                why = "newer than the worker's own, so from another worker or process"
             raise FailedPrecondition(
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "
-                f"{core.epoch} (it restarted or reloaded): resubmit requests from scratch"
+                f"{core.epoch} ({why}): resubmit requests from scratch"
             )
         leaving = sum((Origin.EXECUTE, r) in runner.state.seqs for r in plan.finished_req_ids)
         core.admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)

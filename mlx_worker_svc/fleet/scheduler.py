@@ -42,7 +42,7 @@ _FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
 
 
 class FleetError(WorkerError):
-    """A request the fleet cannot take; `code` is the gRPC status for callers."""
+    """A request the fleet cannot take; `code` is the status callers get."""
 
 
 class Overloaded(FleetError, ResourceExhausted):

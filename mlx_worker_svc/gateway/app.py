@@ -44,6 +44,7 @@ from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, 
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_body, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
+from mlx_worker_svc.rpc.status import grpc_code
 
 T = TypeVar("T")
 Stream = AsyncGenerator[pb.GenerateResponse, None]
@@ -286,7 +287,7 @@ def _api_error(exc: WorkerError | ClientError | ApiError) -> ApiError:
         return exc
     if isinstance(exc, ClientError):
         return from_grpc(exc.code, exc.details)
-    return from_grpc(exc.code, exc.message)
+    return from_grpc(grpc_code(exc.code), exc.message)
 
 
 def _no_such_model(name: str) -> ApiError:

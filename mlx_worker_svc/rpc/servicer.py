@@ -22,6 +22,7 @@ from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert
+from mlx_worker_svc.rpc.status import grpc_code
 from mlx_worker_svc.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def _status(
     if isinstance(exc, WorkerError):
         message = _short(exc.message)
         log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})
-        context.abort(exc.code, message)
+        context.abort(grpc_code(exc.code), message)
     log.exception(
         "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
     )

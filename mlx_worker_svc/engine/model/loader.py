@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_worker_svc.core.domain import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.engine.group import sharding
+from mlx_worker_svc.engine.model import sharding
 
 log = logging.getLogger(__name__)
 # A model without a declared context length gets this one.

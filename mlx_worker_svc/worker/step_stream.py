@@ -55,8 +55,10 @@ class StepStream:
         submit: Submit,
         execute: Callable[[StepPlan, int], StepResult],
         free: Callable[[list[str]], None],
+        prepare: Callable[[StepPlan], None] = lambda _plan: None,
     ) -> None:
         self._submit = submit
+        self._prepare = prepare
         self._execute = execute
         self._free = free
         self._created: set[str] = set()
@@ -65,7 +67,17 @@ class StepStream:
         self._close_queued = False
 
     def submit(self, plan: StepPlan, received_ns: int) -> Future[StreamedStep]:
-        """Queues a step behind the stream's earlier ones (and any other engine work)."""
+        """Queues a step behind the stream's earlier ones (and any other engine work).
+
+        `prepare` runs first, on the caller's thread (grammars compile there); an
+        error it raises is the step's own.
+        """
+        try:
+            self._prepare(plan)
+        except WorkerError as exc:
+            done: Future[StreamedStep] = Future()
+            done.set_result(StreamedStep(plan.step_id, error=exc))
+            return done
         future: Future[StreamedStep] = self._submit(lambda: self._run(plan, received_ns))
         return future
 

@@ -72,6 +72,7 @@ class WorkerLink:
         self.num_blocks = 0
         self.block_size = 16
         self.max_context = 0
+        self.vocab_size = 0
         self.max_seqs = config.max_num_seqs
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
@@ -194,7 +195,7 @@ class WorkerLink:
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
-        self.max_context = info.model.max_context_length
+        self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size
         # Never past what the worker admits (it would refuse the step).
         admitted = info.limits.max_running_requests or self.config.max_num_seqs
         self.max_seqs = min(self.config.max_num_seqs, admitted)

@@ -55,6 +55,28 @@ class BadRequest(FleetError, InvalidArgument):
     """The request is malformed."""
 
 
+class ContextTooLong(BadRequest):
+    """The prompt (with room for `max_tokens`, when asked) does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
+        asked = f" and max_tokens is {max_tokens}" if max_tokens is not None else ""
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens{asked}; "
+            f"the model's context length is {context_length} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+
+
+class OutOfVocabulary(BadRequest):
+    """A token id of the request (`field` names where) is not in the model's vocabulary."""
+
+    def __init__(self, field: str, token: int, vocab_size: int) -> None:
+        super().__init__(f"{field}: token {token} is out of the vocabulary (size {vocab_size})")
+        self.field, self.token, self.vocab_size = field, token, vocab_size
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -128,11 +150,21 @@ class FleetScheduler:
         return [link for link in self.links if link.up]
 
     # ---------------------------------------------------------- generate
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Runs one request on the fleet; yields the worker's Generate messages."""
+    async def generate(
+        self, request: pb.GenerateRequest, *, reserve_max_tokens: bool = False
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Runs one request on the fleet; yields the worker's Generate messages.
+
+        A prompt longer than the context (`ContextTooLong`) or a token id out
+        of the vocabulary (`OutOfVocabulary`) is refused before it is routed.
+        With `reserve_max_tokens` (OpenAI's rule) the prompt must also leave
+        room for `max_tokens` more, or for one token when that is unset;
+        without it an answer stops at the end of the context, as the worker's
+        Generate does.
+        """
         started = time.monotonic()
         try:
-            r = await self._admit(request, started)
+            r = await self._admit(request, started, reserve_max_tokens)
         except (WorkerError, ClientError) as exc:
             self._ended(request.request_id, error_outcome(exc.code), started, error=str(exc))
             raise
@@ -152,7 +184,9 @@ class FleetScheduler:
                 self._ended(r.request_id, "cancelled", r.admitted)
             self._where.pop(r, None)
 
-    async def _admit(self, request: pb.GenerateRequest, started: float) -> FleetRequest:
+    async def _admit(
+        self, request: pb.GenerateRequest, started: float, reserve_max_tokens: bool
+    ) -> FleetRequest:
         """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
         if self._queued() >= self.config.queue_capacity:
             self.num_rejected += 1
@@ -163,11 +197,12 @@ class FleetScheduler:
         # The slot is taken before the prompt is tokenized (an await), so
         # requests arriving meanwhile see it and the bound holds.
         self._admitting += 1
+        params = request.sampling_params
         try:
             prompt = await self._prompt(request)
+            await self._fit_model(prompt, params, reserve_max_tokens)
         finally:
             self._admitting -= 1
-        params = request.sampling_params
         r = FleetRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -211,6 +246,24 @@ class FleetScheduler:
         else:
             ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
         return list((await link.client.tokenize(ask)).token_ids)
+
+    async def _fit_model(self, prompt: list[int], params: pb.SamplingParams, reserve: bool) -> None:
+        """Raises what the workers would refuse mid-step, in the request's own terms."""
+        link = await self._some_link()
+        vocab = link.vocab_size
+        named = {
+            "prompt_token_ids": prompt,
+            "sampling_params.logit_bias": list(params.logit_bias),
+            "sampling_params.stop_token_ids": list(params.stop_token_ids),
+        }
+        for name, ids in named.items():
+            if vocab and max(ids, default=0) >= vocab:
+                raise OutOfVocabulary(name, next(t for t in ids if t >= vocab), vocab)
+        limit = link.max_context
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else None
+        need = len(prompt) + ((max_tokens or 1) if reserve else 0)
+        if limit and need > limit:
+            raise ContextTooLong(len(prompt), max_tokens if reserve else None, limit)
 
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""

@@ -4,8 +4,8 @@ Routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` (both with
 and without server-sent events), `/health` and `/metrics`. A completion is one
 `FleetScheduler.generate` call: the request is validated first
 (`schema.parse_request`), the fleet's first message is awaited before any
-header goes out (so a full queue is a 429 and a bad prompt a 400, never a
-broken stream), and from then on every fleet message becomes a chunk.
+header goes out (so a full queue is a 429 and a prompt past the context a 400,
+never a broken stream), and from then on every fleet message becomes a chunk.
 
 When the client goes away, the generate iterator is cancelled, and the fleet
 frees the request on its worker (its KV with it) at the next step: while the
@@ -35,11 +35,12 @@ from starlette.types import Receive
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.fleet import FleetScheduler
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
+from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
-from mlx_worker_svc.gateway.responses import Reply, TokenTexts, token_ids
+from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_body, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
@@ -156,9 +157,9 @@ class Gateway:
         route = request.url.path
         parsed = parse_request(kind, parse_body(await request.body()))
         reply = Reply(parsed, self._model_for(parsed))
-        stream = cast(Stream, self.fleet.generate(parsed.generate))
+        stream = cast(Stream, self.fleet.generate(parsed.generate, reserve_max_tokens=True))
         try:
-            first = await self._until_disconnect(request, _fleet_call(anext(stream)))
+            first = await self._until_disconnect(request, _fleet_call(self._first(parsed, stream)))
         except ClientGone:
             self.metrics.disconnects.labels(route).inc()
             return Response(status_code=CLIENT_CLOSED)
@@ -183,6 +184,12 @@ class Gateway:
         texts = await self._texts(parsed, messages)
         self._count(messages[-1])
         return JSONResponse(reply.complete(messages, texts))
+
+    async def _first(self, parsed: ParsedRequest, stream: Stream) -> pb.GenerateResponse:
+        try:
+            return await anext(stream)
+        except (ContextTooLong, OutOfVocabulary) as exc:
+            raise limit_error(parsed.kind, exc) from exc
 
     async def _until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
         """Awaits `work`; cancels it and raises ClientGone if the client disconnects first."""
@@ -212,10 +219,9 @@ class Gateway:
             async for message in _chain(first, stream):
                 last = message
                 texts = await self._texts(reply.parsed, [message])
-                if message.text or message.logprobs:
-                    yield sse(
-                        reply.chunk(message.text, reply.logprobs(list(message.logprobs), texts))
-                    )
+                logprobs = shown_logprobs(message, texts)
+                if message.text or logprobs:
+                    yield sse(reply.chunk(message.text, reply.logprobs(logprobs, texts)))
                 if message.finish_reason:
                     yield sse(reply.chunk("", None, message.finish_reason))
         except (WorkerError, ClientError, ApiError) as exc:

@@ -5,7 +5,8 @@ one chunk (chat: `chat.completion.chunk` with a `delta`; legacy:
 `text_completion`), and the messages of a whole request become one
 `chat.completion` or `text_completion`. Logprobs need each token's text, which
 only the workers' tokenizer knows: `TokenTexts` asks the fleet once per token
-id and keeps the answer.
+id and keeps the answer. As OpenAI's, the logprobs are those of the text: the
+stop token that ended an answer has none unless the text shows it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _FINISH: dict[int, str] = {
     pb.FINISH_REASON_CONTEXT_LENGTH: "length",
     pb.FINISH_REASON_ABORTED: "abort",
 }
+# Finish reasons whose last token is a stop token, sampled but not part of the text.
+_BY_STOP_TOKEN = frozenset({pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_TOKEN})
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens like this.
 _FLOOR = -9999.0
 
@@ -57,6 +60,22 @@ class TokenTexts:
 def token_ids(logprobs: Iterable[pb.TokenLogprobs]) -> set[int]:
     """Every token a list of logprobs names: the sampled ones and their alternatives."""
     return {t for lp in logprobs for t in (lp.token_id, *(top.token_id for top in lp.top))}
+
+
+def shown_logprobs(message: pb.GenerateResponse, texts: dict[int, str]) -> list[pb.TokenLogprobs]:
+    """The message's logprobs, less the stop token's when it ended the answer outside the text.
+
+    EOS and special stop tokens are not rendered (the fleet skips special
+    tokens), so they have no entry; a plain token of `stop_token_ids` is
+    rendered at the end of the text, so it keeps its entry.
+    """
+    logprobs = list(message.logprobs)
+    if message.finish_reason in _BY_STOP_TOKEN and logprobs and message.token_ids:
+        stop = message.token_ids[-1]
+        shown = texts.get(stop, "")
+        if logprobs[-1].token_id == stop and not (shown and message.text.endswith(shown)):
+            logprobs.pop()
+    return logprobs
 
 
 def _logprob(value: float) -> float:
@@ -153,7 +172,7 @@ class Reply:
     ) -> dict[str, Any]:
         """The whole answer (non-streaming) from every message of the request."""
         text = "".join(m.text for m in messages)
-        logprobs = self.logprobs([lp for m in messages for lp in m.logprobs], texts)
+        logprobs = self.logprobs([lp for m in messages for lp in shown_logprobs(m, texts)], texts)
         last = messages[-1]
         choice: dict[str, Any] = {"index": 0}
         if self.chat:

@@ -6,9 +6,10 @@ logit_bias) and add their own prompt and logprobs shapes. vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids) are honoured too, since the workers take vLLM's parameters.
 Like OpenAI, an argument the endpoint does not know is a 400, and one it knows
-but cannot honour (tools, n > 1, echo) is a 400 that says so, never silently
-ignored. A body that is not JSON in UTF-8 (RFC 8259), nests past the parser's
-depth or holds a lone surrogate escape is a 400 too (`parse_body`).
+but cannot honour (n > 1, echo, a tool call: tools.py) is a 400 that says so,
+never silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
+past the parser's depth or holds a lone surrogate escape is a 400 too
+(`parse_body`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gateway.tools import ToolRequest, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 Kind = Literal["chat", "completion"]
@@ -40,6 +42,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: no logprobs; else how many alternatives per token
+    tools: ToolRequest  # chat's tool fields (legacy completions have none)
 
 
 # Fields both endpoints read; the sets below add each endpoint's own.
@@ -74,14 +77,14 @@ _KNOWN: dict[Kind, set[str]] = {
         "response_format",
         "metadata",
         "store",
+        "tools",
+        "tool_choice",
         "parallel_tool_calls",
     },
     "completion": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
 }
 # Known to OpenAI, not honoured here: a 400 that says why (None/absent is fine).
 _UNSUPPORTED = {
-    "tools": "tool calls are not supported by this server",
-    "tool_choice": "tool calls are not supported by this server",
     "functions": "function calls are not supported by this server",
     "function_call": "function calls are not supported by this server",
     "audio": "audio output is not supported by this server",
@@ -93,8 +96,12 @@ _UNSUPPORTED = {
 class _Fields:
     """Typed reads of a JSON object's fields; every failure names the field."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], where: str = "") -> None:
         self.body = body
+        self.where = where  # the path of a nested object, as errors name it
+
+    def _param(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
 
     def get(self, name: str) -> Any:
         return self.body.get(name)
@@ -104,7 +111,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise invalid(name, f"expected a boolean, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected a boolean, got {_json_type(value)}")
         return value
 
     def number(self, name: str, low: float, high: float) -> float | None:
@@ -112,9 +119,9 @@ class _Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(name, f"expected a number, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected a number, got {_json_type(value)}")
         if not (math.isfinite(value) and low <= value <= high):
-            raise invalid(name, f"{value} is not in [{low:g}, {high:g}]")
+            raise invalid(self._param(name), f"{value} is not in [{low:g}, {high:g}]")
         return float(value)
 
     def integer(self, name: str, low: int, high: int) -> int | None:
@@ -122,9 +129,9 @@ class _Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(name, f"expected an integer, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected an integer, got {_json_type(value)}")
         if not low <= value <= high:
-            raise invalid(name, f"{value} is not in [{low}, {high}]")
+            raise invalid(self._param(name), f"{value} is not in [{low}, {high}]")
         return value
 
 
@@ -181,8 +188,10 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     stream = fields.boolean("stream")
     include_usage = _stream_options(fields, stream)
     request = pb.GenerateRequest(sampling_params=_sampling(kind, fields), request_id=_new_id(kind))
+    tools = ToolRequest()
     if kind == "chat":
         request.messages.extend(_messages(fields.get("messages")))
+        tools = parse_tools(body)
         logprobs = _chat_logprobs(fields)
         response_format = fields.get("response_format")
         if response_format is not None and response_format != {"type": "text"}:
@@ -208,6 +217,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        tools=tools,
     )
 
 
@@ -223,7 +233,7 @@ def _stream_options(fields: _Fields, stream: bool) -> bool:
         raise invalid("stream_options", "only allowed when 'stream' is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", f"expected an object, got {_json_type(options)}")
-    return _Fields(options).boolean("include_usage")
+    return _Fields(options, "stream_options").boolean("include_usage")
 
 
 def _sampling(kind: Kind, fields: _Fields) -> pb.SamplingParams:
@@ -286,10 +296,10 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if not isinstance(value, dict):
         raise invalid("logit_bias", f"expected an object, got {_json_type(value)}")
     bias: dict[int, float] = {}
-    for key, weight in value.items():
+    for key in value:
         if not (isinstance(key, str) and key.isdigit() and int(key) <= _UINT32):
             raise invalid("logit_bias", f"{key!r} is not a token id")
-        number = _Fields({key: weight}).number(key, -100.0, 100.0)
+        number = _Fields(value, "logit_bias").number(key, -100.0, 100.0)
         if number is None:
             raise invalid("logit_bias", f"no bias given for token {key}")
         bias[int(key)] = number

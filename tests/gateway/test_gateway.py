@@ -10,60 +10,21 @@ real SmolLM2 model behind a second gateway and compares it with `mlx_lm.generate
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from driver import ServeProcess, bring_up, wait_until_idle
+from gateway_process import CHAT, KEY, OTHER_KEY, PROMPT, Gateway, chat, complete
 from openai.types.chat import ChatCompletionMessageParam
-from processes import Proc
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import WorkerServer
-
-KEY = "sk-gateway-test-key"
-OTHER_KEY = "sk-second-key"
-CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
-PROMPT = "Once upon a time"
-NO_EOS = {"ignore_eos": True}  # vLLM's extra: exact token counts from the random model
-
-
-class Gateway:
-    """A `mlx-worker gateway` process in front of one worker; ready when /health is 200."""
-
-    def __init__(self, worker_port: int, *options: str) -> None:
-        self.worker_port = worker_port
-        self.proc = Proc(
-            ["gateway", "--worker", f"127.0.0.1:{worker_port}", "--port", "0", *options]
-        )
-        self.port = int(self.proc.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1))
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=60)
-        headers = {"Authorization": f"Bearer {KEY}"}
-        deadline = time.monotonic() + 120
-        while self.http.get("/health", headers=headers).status_code != 200:
-            assert time.monotonic() < deadline, f"no worker came up:\n{self.proc.output}"
-            time.sleep(0.1)
-
-    def client(self, api_key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def metric(self, line: str) -> float:
-        text = self.http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-        match = re.search(rf"^{re.escape(line)} (\S+)$", text, re.MULTILINE)
-        return float(match.group(1)) if match else 0.0
-
-    def close(self) -> None:
-        self.http.close()
-        self.proc.reap()
 
 
 @pytest.fixture(scope="module")
@@ -122,24 +83,6 @@ def test_models_health_and_metrics(gateway: Gateway, client: openai.OpenAI) -> N
     )
     unknown = gateway.http.get("/v2/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
-
-
-def chat(client: openai.OpenAI, **options: Any) -> Any:
-    """A chat completion of CHAT (greedy, EOS ignored unless `options` say otherwise)."""
-    request: dict[str, Any] = {
-        "model": "model",
-        "messages": CHAT,
-        "temperature": 0,
-        "max_tokens": 24,
-    }
-    return client.chat.completions.create(**(request | {"extra_body": NO_EOS} | options))
-
-
-def complete(client: openai.OpenAI, **options: Any) -> Any:
-    """A legacy completion of PROMPT (greedy, EOS ignored)."""
-    request: dict[str, Any] = {"model": "model", "prompt": PROMPT, "temperature": 0}
-    request["extra_body"] = NO_EOS
-    return client.completions.create(**(request | options))
 
 
 def test_chat_is_the_workers_greedy_answer_streamed_or_not(
@@ -270,12 +213,6 @@ def test_bad_parameters_get_openai_errors(
     assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
     assert (error.param, error.type) == (param, "invalid_request_error")
     assert param.split("[", maxsplit=1)[0] in error.message
-
-
-def test_a_prompt_past_the_context_is_a_400_from_the_worker(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="model", prompt=[5] * 600, max_tokens=4)
-    assert "context" in caught.value.message
 
 
 def test_api_keys(gateway: Gateway) -> None:

@@ -1,0 +1,45 @@
+"""The model's limits (context length, vocabulary) as 400s in the API's words, not the fleet's.
+
+The gateway asks the fleet to keep room for `max_tokens` (OpenAI's rule), and
+words the fleet's `ContextTooLong` as OpenAI and vLLM do: "This model's
+maximum context length is N tokens. However, you requested M tokens (P in the
+messages, C in the completion). ...", code `context_length_exceeded`, `param`
+naming the prompt's field (`messages`, or `prompt` for legacy completions).
+Without `max_tokens` (chat) an answer may run to the end of the context, so
+then only the prompt must leave room for one token. A token id out of the
+vocabulary (`OutOfVocabulary`) names the request field that holds it.
+"""
+
+from __future__ import annotations
+
+from mlx_worker_svc.fleet import ContextTooLong, OutOfVocabulary
+from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gateway.schema import Kind
+
+# The fleet's name of a field holding token ids -> the API's.
+_PARAMS = {
+    "prompt_token_ids": "prompt",
+    "sampling_params.logit_bias": "logit_bias",
+    "sampling_params.stop_token_ids": "stop_token_ids",
+}
+
+
+def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary) -> ApiError:
+    """The OpenAI error for a request past the model's context or vocabulary."""
+    if isinstance(exc, OutOfVocabulary):
+        param = _PARAMS.get(exc.field, exc.field)
+        return invalid(param, f"token {exc.token} is out of the vocabulary (size {exc.vocab_size})")
+    where = "messages" if kind == "chat" else "prompt"
+    message = f"This model's maximum context length is {exc.context_length} tokens. However, "
+    if exc.max_tokens is None:
+        message += (
+            f"your {where} resulted in {exc.prompt_tokens} tokens. "
+            f"Please reduce the length of the {where}."
+        )
+    else:
+        message += (
+            f"you requested {exc.prompt_tokens + exc.max_tokens} tokens "
+            f"({exc.prompt_tokens} in the {where}, {exc.max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or completion."
+        )
+    return ApiError(400, message, param=where, code="context_length_exceeded")

@@ -1,0 +1,395 @@
+"""The gateway's parameters as outside clients send them: tool fields, logprobs, context errors.
+
+A `mlx-worker serve --auto-init` process on the tiny random llama behind a
+`mlx-worker gateway` process, driven with the official `openai` package and
+with raw HTTP (httpx), as agent and IDE clients call it. The greedy answer of
+the same chat without the extra fields is the reference: a field accepted as a
+no-op must not change it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from driver import ServeProcess
+from gateway_process import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
+
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
+    proc = ServeProcess(tiny_dir, 1.0)
+    yield proc
+    proc.reap()
+
+
+@pytest.fixture(scope="module")
+def model(worker: ServeProcess) -> pb.GetInfoResponse:
+    return pb_grpc.WorkerServiceStub(worker.channel()).GetInfo(pb.GetInfoRequest(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServeProcess) -> Iterator[Gateway]:
+    gw = Gateway(worker.port)
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with gateway.client() as c:
+        yield c
+
+
+def post(gateway: Gateway, route: str, body: dict[str, Any]) -> httpx.Response:
+    """A raw POST, as a client without an SDK sends it."""
+    return gateway.http.post(route, json=body)
+
+
+def events(response: httpx.Response) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent-events body, [DONE] left out."""
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert lines[-1] == "[DONE]", response.text
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ------------------------------------------------------- tools (item 11)
+NO_TOOL_CALL = [
+    {"tools": []},
+    {"tool_choice": "none"},
+    {"tools": [], "tool_choice": "none"},
+    {"tool_choice": "auto"},
+    {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True},
+    {"parallel_tool_calls": False},
+    # Offered under "none": the answer is text, so the tools are not needed.
+    {"tools": [WEATHER], "tool_choice": "none"},
+]
+
+
+@pytest.mark.parametrize("options", NO_TOOL_CALL)
+def test_tool_fields_that_call_no_tool_are_no_ops(
+    client: openai.OpenAI, gateway: Gateway, options: dict[str, Any]
+) -> None:
+    want = chat(client, max_tokens=8).choices[0].message.content
+    done = chat(client, max_tokens=8, **options)
+    [choice] = done.choices
+    assert (choice.message.content, choice.finish_reason) == (want, "length")
+    assert choice.message.tool_calls is None
+    body = {"model": "model", "messages": CHAT, "temperature": 0, "max_tokens": 8} | NO_EOS
+    raw = post(gateway, "/v1/chat/completions", body | options | {"stream": True})
+    assert raw.status_code == 200, raw.text
+    chunks = events(raw)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        # A tool the model may call ("auto" is the default): that needs tool calling.
+        ({"tools": [WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "tool_choice",
+        ),
+        # Malformed, whatever tool calling does later.
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools[0]"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_tool_fields_that_need_tool_calling_are_a_400_naming_the_field(
+    gateway: Gateway, options: dict[str, Any], param: str
+) -> None:
+    body = {"model": "model", "messages": CHAT, "max_tokens": 4}
+    for stream in (False, True):
+        response = post(gateway, "/v1/chat/completions", body | options | {"stream": stream})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["type"]) == (param, "invalid_request_error")
+        assert f"'{param}'" in error["message"]
+
+
+# --------------------------------------------- what every call sends
+def test_fields_clients_send_on_every_call_are_accepted(
+    client: openai.OpenAI, gateway: Gateway
+) -> None:
+    want = chat(client, max_tokens=8).choices[0].message.content
+    everyday: dict[str, Any] = {
+        "n": 1,
+        "user": "user-1234",
+        "seed": 7,
+        "response_format": {"type": "text"},
+        "logit_bias": {"50": 0},
+        "max_completion_tokens": 8,
+        "store": False,
+        "metadata": {"session": "abc"},
+        "logprobs": False,
+        "stop": [],
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "top_p": 1,
+    }
+    done = chat(client, **everyday)
+    assert done.choices[0].message.content == want
+    stream = chat(client, **everyday, stream=True, stream_options={"include_usage": True})
+    *body, usage = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in body) == want
+    assert usage.usage is not None and usage.usage.completion_tokens == 8
+    legacy = {"n": 1, "user": "u", "seed": 7, "logit_bias": {"50": 0}, "echo": False}
+    legacy |= {"best_of": 1, "suffix": None, "logprobs": None}
+    assert complete(client, max_tokens=6, **legacy).choices[0].text == (
+        complete(client, max_tokens=6).choices[0].text
+    )
+    # A refusal still names the field, nested ones by their path.
+    bad = post(
+        gateway,
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": True} | {"stream_options": {"include_usage": "yes"}},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usage"
+    bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
+
+
+# ------------------------------------------ logprobs and the stop token (item 12)
+def test_logprobs_leave_out_the_stop_token(
+    client: openai.OpenAI, gateway: Gateway, model: pb.GetInfoResponse
+) -> None:
+    # EOS pushed up by logit_bias and held back by min_tokens: 5 tokens of text, then EOS.
+    eos = model.model.eos_token_ids[0]
+    ends: dict[str, Any] = {"logit_bias": {str(eos): 100}, "extra_body": {"min_tokens": 5}}
+    done = chat(client, logprobs=True, top_logprobs=2, **ends)
+    [choice] = done.choices
+    assert choice.finish_reason == "stop"
+    assert done.usage is not None and done.usage.completion_tokens == 6  # EOS is generated
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    tokens = [t.token for t in choice.logprobs.content]
+    assert len(tokens) == 5 and "".join(tokens) == choice.message.content
+
+    chunks = list(chat(client, logprobs=True, stream=True, **ends))
+    streamed = [
+        t.token
+        for c in chunks
+        if c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert streamed == tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    for stream in (False, True):
+        legacy = {"prompt": PROMPT, "temperature": 0, "logprobs": 1, "max_tokens": 16}
+        legacy |= {"logit_bias": {str(eos): 100}, "min_tokens": 5, "stream": stream}
+        response = post(gateway, "/v1/completions", {"model": "model"} | legacy)
+        assert response.status_code == 200, response.text
+        parts = events(response) if stream else [response.json()]
+        text = "".join(p["choices"][0]["text"] for p in parts)
+        lps = [p["choices"][0]["logprobs"] for p in parts if p["choices"][0]["logprobs"]]
+        words = [t for lp in lps for t in lp["tokens"]]
+        assert len(words) == 5 and "".join(words) == text
+        offsets = [o for lp in lps for o in lp["text_offset"]]
+        assert offsets == [len("".join(words[:i])) for i in range(5)]
+        assert parts[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_token_the_text_shows_keeps_its_logprob(
+    client: openai.OpenAI, worker: ServeProcess
+) -> None:
+    # The greedy answer's 6th token, as a stop token: the worker renders it, like any token.
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    request = pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in CHAT],
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    )
+    ids = [t for m in stub.Generate(request, timeout=60) for t in m.token_ids]
+    assert ids[5] not in ids[:5]
+    for stream in (False, True):
+        done = chat(client, logprobs=True, stream=stream, extra_body={"stop_token_ids": [ids[5]]})
+        chunks = list(done) if stream else [done]
+        content = "".join(
+            (c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
+            for c in chunks
+        )
+        tokens = [
+            t.token
+            for c in chunks
+            if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content or []
+        ]
+        assert len(tokens) == 6 and "".join(tokens) == content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------ the context length (item 13)
+def test_a_request_past_the_context_is_a_400_in_the_apis_terms(
+    gateway: Gateway, worker: ServeProcess, model: pb.GetInfoResponse
+) -> None:
+    limit = model.model.max_context_length
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    ask = pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in CHAT])
+    prompt = len(stub.Tokenize(ask, timeout=30).token_ids)
+    start = f"This model's maximum context length is {limit} tokens. However, "
+
+    def refused(route: str, body: dict[str, Any]) -> dict[str, Any]:
+        for stream in (False, True):
+            response = post(gateway, route, {"model": "model", "stream": stream} | body)
+            assert response.status_code == 400, response.text
+            error: dict[str, Any] = response.json()["error"]
+            assert (error["type"], error["code"]) == (
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
+        return error
+
+    over = limit - prompt + 1
+    for name in ("max_tokens", "max_completion_tokens"):
+        error = refused("/v1/chat/completions", {"messages": CHAT, name: over})
+        assert error["param"] == "messages"
+        assert error["message"] == start + (
+            f"you requested {limit + 1} tokens ({prompt} in the messages, {over} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    # Exactly the context fits: the stream starts.
+    body = {"model": "model", "messages": CHAT, "max_tokens": limit - prompt, "stream": True}
+    with gateway.http.stream("POST", "/v1/chat/completions", json=body) as fits:
+        assert fits.status_code == 200
+    # Without max_tokens the answer may run to the end of the context: only the prompt counts.
+    long_chat = [{"role": "user", "content": "sea " * limit}]
+    ask = pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in long_chat])
+    long_prompt = len(stub.Tokenize(ask, timeout=30).token_ids)
+    error = refused("/v1/chat/completions", {"messages": long_chat})
+    assert (error["param"], error["message"]) == (
+        "messages",
+        start + f"your messages resulted in {long_prompt} tokens. "
+        "Please reduce the length of the messages.",
+    )
+
+    # Legacy completions: max_tokens defaults to 16, and it counts.
+    for tokens, max_tokens in ((limit + 88, {"max_tokens": 4}), (limit - 8, {})):
+        wanted = max_tokens.get("max_tokens", 16)
+        error = refused("/v1/completions", {"prompt": [5] * tokens} | max_tokens)
+        assert (error["param"], error["message"]) == (
+            "prompt",
+            start + f"you requested {tokens + wanted} tokens ({tokens} in the prompt, "
+            f"{wanted} in the completion). Please reduce the length of the prompt or completion.",
+        )
+    prompt_text = PROMPT + " sea" * limit
+    error = refused("/v1/completions", {"prompt": prompt_text, "max_tokens": 1})
+    assert error["param"] == "prompt" and "in the prompt, 1 in the completion" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "token"),
+    [
+        # OpenAI's tokenizer ids, as a client ported from it sends them.
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "logit_bias": {"50256": -100}},
+            "logit_bias",
+            50256,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stop_token_ids": [2, 10**6]},
+            "stop_token_ids",
+            10**6,
+        ),
+        ("/v1/completions", {"prompt": [5, 99999, 5]}, "prompt", 99999),
+    ],
+)
+def test_a_token_id_past_the_vocabulary_is_a_400_naming_its_field(
+    gateway: Gateway,
+    model: pb.GetInfoResponse,
+    route: str,
+    body: dict[str, Any],
+    param: str,
+    token: int,
+) -> None:
+    vocab = model.model.vocab_size
+    for stream in (False, True):
+        response = post(gateway, route, {"model": "model", "stream": stream} | body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value")
+        assert error["message"] == (
+            f"Invalid value for '{param}': token {token} is out of the vocabulary (size {vocab})"
+        )
+
+
+def test_the_fleet_refuses_what_the_model_cannot_take_before_routing_it(
+    worker: ServeProcess, model: pb.GetInfoResponse
+) -> None:
+    limit = model.model.max_context_length
+
+    async def first(
+        fleet: FleetScheduler, request: pb.GenerateRequest, reserve: bool
+    ) -> pb.GenerateResponse:
+        stream = fleet.generate(request, reserve_max_tokens=reserve)
+        try:
+            return await anext(stream)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        fleet = FleetScheduler([f"127.0.0.1:{worker.port}"])  # its channels bind to this loop
+        await fleet.start()
+        try:
+            await fleet.wait_ready()
+            too_long = pb.GenerateRequest(prompt_token_ids=[5] * (limit + 1))
+            with pytest.raises(ContextTooLong) as caught:
+                await first(fleet, too_long, False)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(caught.value) == (
+                f"the prompt has {limit + 1} tokens; the model's context length is {limit} tokens"
+            )
+            with pytest.raises(OutOfVocabulary) as vocab:
+                params = pb.SamplingParams(logit_bias={limit: 1.0, 10**6: -1.0})
+                await first(
+                    fleet, pb.GenerateRequest(prompt_token_ids=[5], sampling_params=params), False
+                )
+            assert str(vocab.value) == (
+                "sampling_params.logit_bias: token 1000000 is out of the vocabulary "
+                f"(size {model.model.vocab_size})"
+            )
+            # Without room for max_tokens: the worker's rule stops the answer at the context's
+            # end; OpenAI's rule (reserve_max_tokens) refuses it.
+            params = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            tight = pb.GenerateRequest(prompt_token_ids=[5] * (limit - 4), sampling_params=params)
+            assert (await first(fleet, tight, False)).token_ids
+            with pytest.raises(ContextTooLong) as caught:
+                await first(fleet, tight, True)
+            assert (caught.value.prompt_tokens, caught.value.max_tokens) == (limit - 4, 8)
+            assert "and max_tokens is 8" in str(caught.value)
+        finally:
+            await fleet.stop()
+
+    asyncio.run(run())

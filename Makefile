@@ -20,14 +20,14 @@ BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	touch $(STAMP)
 
 $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
-install: $(STAMP) ## create .venv with the package and its dev tools
+install: $(STAMP) ## create .venv with the package, its dev tools and the bench extra
 
 proto: $(STAMP) ## regenerate mlx_worker_svc/gen from protos/
 	$(PY) protos/generate.py
@@ -59,10 +59,11 @@ serve: $(STAMP) ## serve the worker on the embedded model, lifecycle done
 demo: $(STAMP) ## start a worker, stream one chat answer through Generate, stop it
 	$(PY) -m mlx_worker_svc.cli.demo
 
-lint: $(STAMP) ## ruff (lint + format check) and mypy
+lint: $(STAMP) ## ruff (lint + format check), mypy and the import contracts (pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy mlx_worker_svc tests benchmarks protos/generate.py
+	$(VENV)/bin/lint-imports --no-cache
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

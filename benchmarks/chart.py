@@ -1,23 +1,24 @@
-"""Horizontal bar-chart panels drawn onto a `Canvas` (one PNG per run)."""
+"""Horizontal bar-chart panels, one PNG per run, drawn with matplotlib.
+
+A `Panel` is one question (a speed, a latency) with one `Bar` per measured
+path, the worker's in one colour and its baselines in another, and an
+optional dashed target line. `draw` stacks the panels into one figure.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.png import Canvas, Color
+import matplotlib
 
-WORKER: Color = (52, 101, 164)
-BASELINE: Color = (170, 170, 170)
-TARGET: Color = (204, 0, 0)
+matplotlib.use("Agg")  # files only, no display
 
-_WIDTH = 1100
-_LABEL_W = 420
-_BAR_X = _LABEL_W + 10
-_BAR_MAX = 520
-_ROW = 26
-_TITLE = 34
-_GAP = 22
+import matplotlib.pyplot as plt
+
+WORKER = "#3465a4"
+BASELINE = "#aaaaaa"
+TARGET = "#cc0000"
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Bar:
     label: str
     value: float | None
     text: str
-    color: Color = WORKER
+    color: str = WORKER
 
 
 @dataclass
@@ -36,36 +37,41 @@ class Panel:
     target_label: str = ""
 
 
-def _panel_height(panel: Panel) -> int:
-    return _TITLE + _ROW * len(panel.bars) + _GAP
-
-
 def draw(title: str, subtitle: str, panels: list[Panel], path: Path) -> None:
-    height = 70 + sum(_panel_height(p) for p in panels)
-    canvas = Canvas(_WIDTH, height)
-    canvas.text(12, 12, title, scale=3)
-    canvas.text(12, 44, subtitle, color=(90, 90, 90), scale=2)
-    y = 70
-    for panel in panels:
-        title_w = canvas.text(12, y + 8, panel.title, scale=2)
-        if panel.target is not None:
-            note = f"(dashed: target {panel.target_label})"
-            canvas.text(24 + title_w, y + 8, note, color=TARGET, scale=2)
-        top = y + _TITLE
-        values = [b.value for b in panel.bars if b.value is not None]
-        if panel.target is not None:
-            values.append(panel.target)
-        scale = _BAR_MAX / (max(values) * 1.05) if values and max(values) > 0 else 0.0
+    """Writes `panels` (top to bottom) as one PNG at `path`."""
+    rows = [max(len(p.bars), 1) for p in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(11, 1.2 + 0.32 * sum(rows) + 0.55 * len(panels)),
+        gridspec_kw={"height_ratios": rows},
+        squeeze=False,
+    )
+    fig.suptitle(f"{title}\n{subtitle}", x=0.01, ha="left", fontsize=11)
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        labels = [b.label for b in panel.bars]
+        values = [b.value or 0.0 for b in panel.bars]
+        ax.barh(labels, values, color=[b.color for b in panel.bars], height=0.7)
+        ax.invert_yaxis()  # first bar on top
         for i, bar in enumerate(panel.bars):
-            row = top + i * _ROW
-            canvas.text(_LABEL_W - canvas.text_width(bar.label), row + 5, bar.label)
-            length = int((bar.value or 0.0) * scale)
-            canvas.rect(_BAR_X, row + 2, _BAR_X + max(length, 1), row + _ROW - 4, bar.color)
-            canvas.text(_BAR_X + length + 8, row + 5, bar.text, color=(40, 40, 40))
+            ax.annotate(
+                bar.text,
+                (values[i], i),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        heading = panel.title
         if panel.target is not None:
-            x = _BAR_X + int(panel.target * scale)
-            bottom = top + _ROW * len(panel.bars)
-            for dash in range(top, bottom, 8):
-                canvas.rect(x, dash, x + 2, min(dash + 5, bottom), TARGET)
-        y += _panel_height(panel)
-    canvas.save(path)
+            ax.axvline(panel.target, color=TARGET, linestyle="--", linewidth=1.2)
+            heading += f"  (dashed: target {panel.target_label})"
+        ax.set_title(heading, loc="left", fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        top = max([*values, panel.target or 0.0])
+        ax.set_xlim(0, top * 1.3 if top > 0 else 1)
+        ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

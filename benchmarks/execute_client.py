@@ -1,31 +1,25 @@
-"""A minimal Python scheduler over Execute (like tests/driver.py) that times each step.
+"""The benchmarks' Execute and Generate clients, timing every step.
 
-One Execute call per step; every live request is scheduled in every step
-(decode: one token; prefill: the whole prompt, or `chunk` tokens at a time).
-With `decode_steps` n > 1, calls in which every request decodes run n decode
-steps each (ExecuteRequest.num_decode_steps); prefill calls run one, so TTFT is
-unchanged.
-Each request's computed-token count is taken from the response, never assumed:
-with a prefix-cache hit the worker computes the scheduled tokens beyond the
-cached part, and `num_computed_tokens` counts both.
-The client's wall time is measured around the RPC alone (the request message is
-built before the clock starts), and the worker's own `timings` are kept.
+`run_execute` is the shared scheduler (`mlx_worker_svc.client.execute_loop`, the
+one the tests use) with each call timed: the client's wall time around the RPC
+alone (the request message is built before the clock starts) and the worker's
+own `timings`. With `decode_steps` n > 1, calls in which every request decodes
+run n decode steps each; calls that compute prompt tokens run one, so TTFT is
+unchanged. `run_generate_streams` runs Generate streams, one client thread each.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from benchmarks.common import Worker
 from benchmarks.timeline import Timeline
+from mlx_worker_svc.client.execute_loop import ExecuteCall, run_prompts
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc import convert
-
-ExecuteCall = Callable[[pb.ExecuteRequest], pb.ExecuteResponse]
 
 
 @dataclass
@@ -80,40 +74,9 @@ def run_execute(
     `params` gives each prompt its own sampling parameters (default: `greedy(max_tokens)`).
     """
     execute: ExecuteCall = call or worker.stub.Execute
-    ids = [worker.new_id("bench") for _ in prompts]
-    length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
-    computed = dict.fromkeys(ids, 0)
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    cached_prompt = dict.fromkeys(ids, 0)
-    live = list(ids)
-    sampling = params or [greedy(max_tokens)] * len(prompts)
-    new = [
-        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=s)
-        for rid, p, s in zip(ids, prompts, sampling, strict=True)
-    ]
     run = ExecuteRun(timeline=Timeline())
-    step_id = 0
-    while live:
-        scheduled: dict[str, int] = {}
-        for rid in live:
-            remaining = length[rid] + len(outputs[rid]) - computed[rid]
-            scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
-        fresh = {r.req_id for r in new}
-        cached = [
-            pb.CachedRequest(req_id=rid, num_computed_tokens=computed[rid])
-            for rid in live
-            if rid not in fresh
-        ]
-        request = pb.ExecuteRequest(
-            step_id=step_id,
-            worker_epoch=worker.epoch,
-            new_requests=new,
-            cached_requests=cached,
-            num_scheduled_tokens=scheduled,
-            num_decode_steps=1 if new or any(n > 1 for n in scheduled.values()) else decode_steps,
-        )
-        if step_id == 0:
-            run.timeline = Timeline()
+
+    def timed(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
         start = time.perf_counter_ns()
         response = execute(request)
         wall = time.perf_counter_ns() - start
@@ -123,16 +86,20 @@ def run_execute(
         run.steps.append(
             Step(wall, t.forward_ns, t.total_ns, t.num_tokens, t.decode_batch_size, sampled)
         )
-        new = []
-        step_id += 1
-        for out in response.outputs:
-            outputs[out.req_id].extend(out.sampled_token_ids)
-            computed[out.req_id] = out.num_computed_tokens
-            cached_prompt[out.req_id] += out.num_cached_prompt_tokens
-            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                live.remove(out.req_id)
-    run.tokens = [outputs[rid] for rid in ids]
-    run.cached_prompt_tokens = [cached_prompt[rid] for rid in ids]
+        return response
+
+    result = run_prompts(
+        timed,
+        worker.epoch,
+        prompts,
+        params or greedy(max_tokens),
+        req_ids=[worker.new_id("bench") for _ in prompts],
+        chunk=chunk,
+        decode_steps=decode_steps,
+        decode_steps_with_prefill=False,
+    )
+    run.tokens = result.tokens
+    run.cached_prompt_tokens = result.cached_prompt_tokens
     return run
 
 

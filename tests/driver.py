@@ -13,6 +13,7 @@ from typing import cast
 
 import grpc
 
+from mlx_worker_svc.client.execute_loop import run_prompts
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -72,49 +73,25 @@ def drive(
     before_step: Callable[[pb.ExecuteRequest], None] | None = None,
     decode_steps: int = 0,
 ) -> list[list[int]]:
-    """Runs all prompts together, chunked prefill of `chunk` tokens (None: whole),
-    `decode_steps` decode steps per Execute call (0: one)."""
-    ids = [f"req-{i}" for i in range(len(prompts))]
-    length = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
-    computed = dict.fromkeys(ids, 0)
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    live = set(ids)
-    sampling = params or greedy(max_tokens)
-    step = 0
-    new = [
-        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=sampling)
-        for rid, p in zip(ids, prompts, strict=True)
-    ]
-    while live:
-        scheduled = {}
-        for rid in sorted(live):
-            remaining = length[rid] + len(outputs[rid]) - computed[rid]
-            scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
-        new_ids = {r.req_id for r in new}
-        cached = [
-            pb.CachedRequest(req_id=rid, num_computed_tokens=computed[rid])
-            for rid in sorted(live)
-            if rid not in new_ids
-        ]
-        request = pb.ExecuteRequest(
-            step_id=step,
-            worker_epoch=epoch,
-            new_requests=new,
-            cached_requests=cached,
-            num_scheduled_tokens=scheduled,
-            num_decode_steps=decode_steps,
-        )
+    """Runs all prompts together (`client.execute_loop`), chunked prefill of `chunk`
+    tokens (None: whole), `decode_steps` decode steps per Execute call (0: one);
+    `before_step` sees each request before it is sent."""
+
+    def execute(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
         if before_step is not None:
             before_step(request)
-        response = stub.Execute(request)
-        new = []
-        step += 1
-        for out in response.outputs:
-            outputs[out.req_id].extend(out.sampled_token_ids)
-            computed[out.req_id] = out.num_computed_tokens
-            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                live.discard(out.req_id)
-    return [outputs[rid] for rid in ids]
+        response: pb.ExecuteResponse = stub.Execute(request)
+        return response
+
+    result = run_prompts(
+        execute,
+        epoch,
+        prompts,
+        params or greedy(max_tokens),
+        chunk=chunk,
+        decode_steps=decode_steps,
+    )
+    return result.tokens
 
 
 def mlx_lm_tokens(model: Path | str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

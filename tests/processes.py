@@ -1,12 +1,16 @@
 """Worker and fleet processes for the end-to-end tests, and the requests they stream.
 
-`Proc` runs one `mlx-worker` subprocess and reaps it whatever happens; `WorkerPool`
-keeps `POOL_SIZE` workers that a test may kill and start again on the same port;
-`Fleet` is a `mlx-worker fleet` process with its FleetService stub.
+`Proc` runs one `mlx-worker` subprocess, keeps its output lines with the time each
+arrived, and reaps it whatever happens; `WorkerPool` keeps workers (`serve
+--auto-init`, or bare `serve` for a scheduler to bring up) that a test may kill and
+start again on the same port; `Fleet` is a `mlx-worker fleet` process with its
+FleetService stub; `Stream` reads one Generate stream on its own thread and times
+every message.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import signal
@@ -30,7 +34,6 @@ READY_TIMEOUT = 120.0
 STREAM_TIMEOUT = 240.0
 
 
-# ---------------------------------------------------------------- processes
 class Proc:
     """A `python -m mlx_worker_svc ...` subprocess; a thread keeps its output."""
 
@@ -43,13 +46,16 @@ class Proc:
             text=True,
             env=env,
         )
+        self.started = time.monotonic()
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.monotonic)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line)
 
     @property
@@ -78,6 +84,12 @@ class Proc:
                 pytest.fail(f"{self.args[0]} printed no {pattern!r}:\n{self.output}")
             time.sleep(0.05)
 
+    def seconds_to(self, pattern: str, timeout: float = READY_TIMEOUT) -> float:
+        """Seconds from the start to the first output line matching `pattern` (waits for it)."""
+        self.wait_for(pattern, timeout)
+        index = next(i for i, line in enumerate(self.lines) if re.search(pattern, line))
+        return self.times[index] - self.started
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -95,41 +107,36 @@ class Proc:
 
 
 class WorkerPool:
-    """`POOL_SIZE` worker processes; a dead one can be started again on its port."""
+    """Worker processes; a dead one can be started again on its port.
 
-    def __init__(self, model: Path) -> None:
-        self.model = model
+    `auto_init` workers run `serve --model M --auto-init` and are ready at their
+    `ready:` line; bare ones run plain `serve` and wait for a scheduler to take
+    them through the lifecycle (`fleet --model M`).
+    """
+
+    def __init__(self, model: Path, size: int = POOL_SIZE, *, auto_init: bool = True) -> None:
+        self.model, self.size, self.auto_init = model, size, auto_init
         self.everything: list[Proc] = []  # every process started, to reap
         self.procs: list[Proc] = []
         self.ports: list[int] = []
 
     def start(self) -> None:
         """Starts the workers side by side; returns when all are ready."""
-        starting = [self._spawn(0) for _ in range(POOL_SIZE)]
+        starting = [self._spawn(0) for _ in range(self.size)]
         for proc in starting:
             self.ports.append(self._ready(proc))
             self.procs.append(proc)
 
     def _spawn(self, port: int) -> Proc:
-        proc = Proc(
-            [
-                "serve",
-                "--model",
-                str(self.model),
-                "--auto-init",
-                "--port",
-                str(port),
-                "--grace-seconds",
-                "1",
-            ]
-        )
+        args = ["serve", "--model", str(self.model), "--auto-init"] if self.auto_init else ["serve"]
+        proc = Proc([*args, "--port", str(port), "--grace-seconds", "1"])
         self.everything.append(proc)
         return proc
 
-    @staticmethod
-    def _ready(proc: Proc) -> int:
+    def _ready(self, proc: Proc) -> int:
         port = int(proc.wait_for(r"listening on [\d.]+:(\d+)").group(1))
-        proc.wait_for(r"^ready:")
+        if self.auto_init:
+            proc.wait_for(r"^ready:")
         return port
 
     @property
@@ -139,11 +146,16 @@ class WorkerPool:
     def kill(self, index: int) -> None:
         self.procs[index].kill()
 
+    def respawn(self, index: int) -> Proc:
+        """Starts a new process on the port of `index` (its old one dead); does not wait."""
+        assert not self.procs[index].alive()
+        self.procs[index] = self._spawn(self.ports[index])
+        return self.procs[index]
+
     def restart(self, *indexes: int) -> None:
-        """Starts new worker processes on the ports of `indexes` (their old ones dead)."""
+        """Starts new worker processes on the ports of `indexes` and waits until ready."""
         for index in indexes:
-            assert not self.procs[index].alive()
-            self.procs[index] = self._spawn(self.ports[index])
+            self.respawn(index)
         for index in indexes:
             assert self._ready(self.procs[index]) == self.ports[index]
 
@@ -196,16 +208,19 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.stub, self.request = stub, request
         self.messages: list[pb.GenerateResponse] = []
+        self.began = 0.0
+        self.arrived: list[float] = []  # when each message came (time.monotonic)
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
         self.first_token = threading.Event()
         self.elapsed = 0.0
 
     def run(self) -> None:
-        start = time.monotonic()
+        self.began = start = time.monotonic()
         try:
             for message in self.stub.Generate(self.request, timeout=STREAM_TIMEOUT):
                 self.messages.append(message)
+                self.arrived.append(time.monotonic())
                 self.tokens.extend(message.token_ids)
                 if self.tokens:
                     self.first_token.set()
@@ -214,6 +229,11 @@ class Stream(threading.Thread):
         finally:
             self.elapsed = time.monotonic() - start
             self.first_token.set()
+
+    def longest_wait(self) -> float:
+        """The longest time without a message, from the call's start to its last message."""
+        marks = [self.began, *self.arrived]
+        return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
 
     @property
     def finish_reason(self) -> int:
@@ -230,8 +250,6 @@ def run_streams(stub: Any, requests: list[pb.GenerateRequest]) -> list[Stream]:
     return streams
 
 
-# ---------------------------------------------------------------- fixtures
-# ---------------------------------------------------------------- requests
 def token_request(prompt: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=prompt,
@@ -249,3 +267,7 @@ def distinct_prompts(count: int, length: int, seed: int) -> list[list[int]]:
         if prompt not in prompts:
             prompts.append(prompt)
     return prompts
+
+
+def by_target(status: fleet_pb2.StatusResponse) -> dict[str, fleet_pb2.WorkerStatus]:
+    return {w.target: w for w in status.workers}

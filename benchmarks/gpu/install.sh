@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device side of the GPU benchmark's install (README.md beside this file).
-#   install.sh stage DIR    first call: keep DIR's files in $MLXW/parts (default
+# GPU-machine side of the GPU benchmark's install (README.md beside this file).
+#   install.sh stage DIR    part 1: keep DIR's files in $MLXW/parts (default
 #                           /tmp/mlxw, outside the checkout) and describe the machine
-#   install.sh finish DIR   second call: add DIR's files, unpack everything into
+#   install.sh finish DIR   part 2: add DIR's files, unpack everything into
 #                           $MLXW/site (unpack.py) and check that MLX runs on the GPU
-# $MLXW survives between calls only while the machine stays warm (30 s).
+# Both parts may come in one session (stage .gpupack/call1, then finish .gpupack/call2).
 set -euo pipefail
 MLXW=${MLXW:-/tmp/mlxw}
 export MLXW

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Packs what the GPU machine lacks (it reaches no package registry) into two
-# carry folders of this checkout, one per device call:
+# Packs what a GPU machine without a package index lacks into two folders of
+# this checkout, each small enough for a transfer limited to 64 MiB with the tree:
 #   .gpupack/call1/  part 1 of the unpacked mlx-cuda-13 wheel (tar.xz, split)
 #   .gpupack/call2/  the rest of it, the mlx (cp312) and mlx-lm wheels, and
 #                    grpcio, grpcio-health-checking, grpcio-reflection, protobuf
 #                    at the versions the generated code needs, prometheus-client
 # plus MANIFEST (sha256 of every file) in both. Run it on a machine that reaches
-# PyPI, in the checkout that makes the device calls. `.gpupack/` is ignored through
+# PyPI, in the checkout you copy to the GPU machine. `.gpupack/` is ignored through
 # the repository's info/exclude: the wheels are never committed.
 # Downloads and the tar.xz are cached under $MLX_WORKER_CACHE/gpu-pack (default
 # ~/.cache/mlx-worker-svc/gpu-pack), so a second run (another checkout) is quick.
-# Every package the image already has (transformers, tokenizers, numpy, jinja2,
-# pyyaml, sentencepiece, safetensors, huggingface-hub, the CUDA 13 libraries) is
-# used from the image; see benchmarks/gpu/README.md.
+# The GPU machine must already have Python 3.12, the CUDA 13 libraries, numpy,
+# transformers, tokenizers, jinja2, pyyaml, sentencepiece, safetensors and
+# huggingface-hub; see benchmarks/gpu/README.md.
 set -euo pipefail
 
 MLX_VERSION=${MLX_VERSION:-0.32.4}
@@ -21,9 +21,9 @@ GRPC_VERSION=${GRPC_VERSION:-1.85.3}
 GRPC_PLUGINS_VERSION=${GRPC_PLUGINS_VERSION:-1.85.1}
 PROTOBUF_VERSION=${PROTOBUF_VERSION:-7.36.2}
 PROMETHEUS_VERSION=${PROMETHEUS_VERSION:-0.26.0}
-PYTHON_VERSION=${PYTHON_VERSION:-3.12}   # the GPU image's python3 (KINDS.md)
+PYTHON_VERSION=${PYTHON_VERSION:-3.12}   # the GPU machine's python3
 PART_SIZE=${PART_SIZE:-48m}              # the tar.xz is split into parts of this size
-LIMIT=$((64 * 1024 * 1024))              # the device tool's limit on one call's tree
+LIMIT=$((64 * 1024 * 1024))              # the largest transfer: one part and the tree
 PY=${PYTHON:-python3}
 
 repo=$(git rev-parse --show-toplevel)
@@ -77,8 +77,8 @@ cp "$out/MANIFEST" "$out/call1/MANIFEST"
 cp "$out/MANIFEST" "$out/call2/MANIFEST"
 rm "$out/MANIFEST"
 
-# What each call carries: the tree (tracked + untracked files git does not
-# ignore, as the device tool sends them) plus that call's folder.
+# What each transfer holds: the tree (tracked + untracked files git does not
+# ignore) plus that part's folder.
 tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } |
   xargs -0 -r stat -c %s -- 2>/dev/null | awk '{s += $1} END {print s + 0}')
 echo "== the tree (tracked + untracked, not ignored): $((tree / 1024)) KiB"
@@ -87,7 +87,7 @@ for call in call1 call2; do
   size=$(du -sb "$out/$call" | cut -f1)
   total=$((size + tree))
   awk -v c="$call" -v s="$size" -v t="$total" 'BEGIN {
-    printf "%s: carry .gpupack/%s = %d bytes (%.1f MiB); with the tree %.1f MiB of 64 MiB\n",
+    printf "%s: .gpupack/%s = %d bytes (%.1f MiB); with the tree %.1f MiB of 64 MiB\n",
       c, c, s, s / 1048576, t / 1048576 }'
   ls -l "$out/$call" | tail -n +2 | awk '{printf "    %10d  %s\n", $5, $9}'
   if [ "$total" -gt "$LIMIT" ]; then

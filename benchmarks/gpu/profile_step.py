@@ -43,10 +43,11 @@ from typing import Any
 
 from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, live_worker, temp_dir
-from benchmarks.execute_client import ExecuteCall, in_process_call, run_execute
+from benchmarks.execute_client import in_process_call, run_execute
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import LLAMA_1B, SMOKE, build_models
 from benchmarks.gpu.worker_runs import bench_worker, kv_blocks
+from mlx_worker_svc.client.execute_loop import ExecuteCall
 from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.engine.sampling import greedy

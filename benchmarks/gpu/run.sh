@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device side: runs the GPU benchmark with what install.sh installed.
-#   run.sh [bench_gpu options]    results go to $OUT (the device tool's folder) when set
+# GPU-machine side: runs the GPU benchmark with what install.sh installed.
+#   run.sh [bench_gpu options]    results go to $BENCH_OUT (default benchmarks/results)
 set -euo pipefail
 MLXW=${MLXW:-/tmp/mlxw}
 if [ ! -f "$MLXW/env.sh" ]; then
@@ -10,7 +10,7 @@ fi
 # shellcheck disable=SC1091
 . "$MLXW/env.sh"
 cd "$(dirname "$0")/../.."
-out=${OUT:-benchmarks/results}
+out=${BENCH_OUT:-benchmarks/results}
 mkdir -p "$out"
 set -o pipefail
 PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu.bench_gpu --out "$out" "$@" 2>&1 | tee "$out/bench-gpu.log"

@@ -37,7 +37,7 @@ def check(parts: Path) -> list[str]:
     """Names listed in MANIFEST, all present with the right sha256 (else exits)."""
     manifest = parts / "MANIFEST"
     if not manifest.exists():
-        sys.exit(f"{manifest} is missing: carry .gpupack/call2 (pack.sh makes it)")
+        sys.exit(f"{manifest} is missing: copy .gpupack/call2 (pack.sh makes it)")
     names, missing = [], []
     for line in manifest.read_text().splitlines():
         digest, name = line.split()
@@ -49,8 +49,8 @@ def check(parts: Path) -> list[str]:
             sys.exit(f"{path} is corrupt (sha256 differs from MANIFEST)")
     if missing:
         print(
-            f"missing {missing}: the machine was given back between the calls "
-            "(it stays warm only 30 s); make the first call again",
+            f"missing {missing}: part 1 is not staged in this machine's $MLXW; "
+            "run `install.sh stage .gpupack/call1` again",
             file=sys.stderr,
         )
         sys.exit(3)

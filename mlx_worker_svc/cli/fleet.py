@@ -35,6 +35,10 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
+        probe_interval=args.probe_interval_s,
+        probe_timeout=args.probe_timeout_s,
+        probe_misses=args.probe_misses,
+        lifecycle_timeout=args.lifecycle_timeout_s,
         client=ClientConfig(credentials=credentials, token=token),
     )
     return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
@@ -140,6 +144,52 @@ def _decode_steps(text: str) -> int:
     return steps
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
+    """Health probes and lifecycle deadlines (LinkConfig); README: Fleet, Failover."""
+    from mlx_worker_svc.fleet import LinkConfig
+
+    default = LinkConfig()
+    cmd.add_argument(
+        "--probe-interval-s",
+        type=_positive,
+        metavar="SECONDS",
+        default=default.probe_interval,
+        help="CheckHealth every this many seconds, busy or idle "
+        f"(default {default.probe_interval:g})",
+    )
+    cmd.add_argument(
+        "--probe-timeout-s",
+        type=_positive,
+        metavar="SECONDS",
+        default=default.probe_timeout,
+        help=f"deadline of one probe, never retried (default {default.probe_timeout:g})",
+    )
+    cmd.add_argument(
+        "--probe-misses",
+        type=int,
+        choices=range(1, 101),
+        metavar="N",
+        default=default.probe_misses,
+        help=f"probes missed in a row that make a worker hung (default {default.probe_misses}); "
+        "a hang is found within N x (interval + timeout) seconds, a refused connection at once",
+    )
+    cmd.add_argument(
+        "--lifecycle-timeout-s",
+        type=_positive,
+        metavar="SECONDS",
+        default=default.lifecycle_timeout,
+        help="deadline of each lifecycle call made to a worker that is not up "
+        f"(default {default.lifecycle_timeout:g})",
+    )
+
+
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
@@ -165,6 +215,7 @@ def add_commands(sub: Any) -> None:
             f"{MAX_DECODE_STEPS}, default 1): fewer round trips, tokens streamed in groups of "
             "up to this many",
         )
+        _add_probe_arguments(cmd)
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name in ("fleet", "gateway"):

@@ -114,8 +114,34 @@ def _quiet(stdin: IO[str] | None) -> None:
             stdin.flush()
 
 
+def backend_problem(args: argparse.Namespace) -> str:
+    """Why the group `args` asks for cannot start on this machine ("" if it can).
+
+    NCCL ranks on this machine need a CUDA GPU each; without them MLX fails in
+    every rank after the launch (`Cannot initialize nccl distributed backend`).
+    The ranks of a --hostfile run elsewhere and are not checked here.
+    """
+    backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    if backend != "nccl" or args.hostfile:
+        return ""
+    from mlx_worker_svc.engine.memory.device import cuda_gpu_count
+
+    gpus = cuda_gpu_count()
+    if gpus >= args.world_size:
+        return ""
+    return (
+        f"--backend nccl needs a CUDA GPU for each of the {args.world_size} ranks, and MLX "
+        f"sees {gpus} on this machine (install mlx[cuda13] on an NVIDIA host, or use "
+        "--backend ring)"
+    )
+
+
 def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     """Starts the group, relays its output, returns rank 0's exit status."""
+    problem = backend_problem(args)
+    if problem:
+        print(f"mlx-worker serve: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:
         command = launch_command(args, argv)
     except (FileNotFoundError, OSError) as exc:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from mlx_worker_svc.core.domain import DeviceKind, LoadSpec
+from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
 
 if TYPE_CHECKING:
@@ -139,10 +139,10 @@ def _serve_worker(
     group: GroupChannel | None,
 ) -> int:
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
-    from mlx_worker_svc.core.lifecycle import DeviceArgs
     from mlx_worker_svc.core.limits import context_hint
     from mlx_worker_svc.rpc.security import SecurityError
     from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
+    from mlx_worker_svc.worker.bring_up import BringUp, bring_up
 
     config = ServerConfig(
         host=args.host,
@@ -156,6 +156,9 @@ def _serve_worker(
         metrics_port=args.metrics_port,
     )
     server = WorkerServer(config, group=group)
+    if args.auto_init:
+        # Before the port opens: CheckHealth says bringing_up from its first answer.
+        server.worker.lifecycle.claim()
     _exit_after_engine_death(server, args.death_exit_seconds, group is not None)
     try:
         port = server.start()
@@ -167,34 +170,34 @@ def _serve_worker(
     if server.metrics_port:
         print(f"mlx-worker metrics on {args.metrics_host}:{server.metrics_port}", flush=True)
     if args.auto_init:
-        worker = server.worker
+        plan = BringUp(
+            model=model,
+            device=DeviceKind(args.device),
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            memory_utilization=args.memory_utilization,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            prefix_caching=not args.no_prefix_caching,
+            memory_limit_bytes=args.memory_limit_bytes,
+        )
         try:
-            device = worker.init_device(DeviceArgs(kind=DeviceKind(args.device)))
-            # Keep the facts, not the LoadedModel: a reference here would pin the
-            # weights through Sleep level 2.
-            info = worker.load_model(LoadSpec(model=model, max_model_len=args.max_model_len))[
-                0
-            ].info
-            tokens = args.max_num_batched_tokens or (32 if device.kind is DeviceKind.CPU else 2048)
-            profile = worker.determine_memory(args.memory_utilization, tokens, args.block_size)
-            blocks = args.num_blocks or max(profile.suggested_num_blocks, 1)
-            cache = worker.init_cache(
-                blocks,
-                args.block_size,
-                prefix_caching=not args.no_prefix_caching,
-                memory_limit_bytes=args.memory_limit_bytes,
-            )
-            worker.warm_up([1], [16])
+            up = bring_up(server.worker, plan)
         except Exception as exc:
+            if server.draining:  # SIGTERM or Shutdown during start-up: not a failure
+                logging.info("start-up stopped by the shutdown: %s", exc)
+                server.wait()
+                return 0
             logging.error("auto-init failed: %s", exc)
             server.shutdown(grace_seconds=1.0, abort=True)
             server.wait()
             return 1
         print(
-            f"ready: {info.model_type} from {info.model_path} on {device.name} "
-            f"({device.kind.value}), {blocks} KV blocks of {profile.block_size} tokens, "
-            f"prefix cache {'on' if cache.prefix_caching else 'off'}, "
-            f"memory limit {cache.memory_limit_bytes / 2**30:.1f} GiB",
+            f"ready: {up.model.model_type} from {up.model.model_path} on {up.device.name} "
+            f"({up.device.kind.value}), {up.cache.num_blocks} KV blocks of "
+            f"{up.profile.block_size} tokens, prefix cache "
+            f"{'on' if up.cache.prefix_caching else 'off'}, "
+            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB",
             flush=True,
         )
     server.wait()
@@ -268,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=0,
-        help="profiling size for auto-init (default: 32 on CPU, 2048 on GPU)",
+        help="profiling size for auto-init (default: DetermineMemory's device default, 32 on "
+        "CPU and 2048 on GPU)",
     )
     serve.add_argument("--memory-utilization", type=float, default=0.9)
     serve.add_argument("--block-size", type=int, default=16)

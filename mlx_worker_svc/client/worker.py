@@ -24,8 +24,9 @@ Retries
     server restarting) and DEADLINE_EXCEEDED, up to `retries` more times with
     exponential backoff (`backoff` doubling up to `max_backoff`) and jitter.
     They are the lifecycle calls (InitDevice, LoadModel, DetermineMemory,
-    InitCache, WarmUp: the worker makes a repeat with the same arguments a
-    no-op), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
+    InitCache, WarmUp: a repeat with the same arguments joins the worker's call
+    in progress, or gets the result of the one just done, instead of queueing
+    more work), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
     ListLoras, the grpc.health.v1 Check), WakeUp (a no-op when awake) and
     ResetPrefixCache. Execute, Generate, Sleep, Shutdown, AddLora and
     RemoveLora change state in ways a blind repeat could double (a step run
@@ -53,14 +54,17 @@ from collections.abc import AsyncGenerator, Coroutine, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from mlx_worker_svc.client import rpcs
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+IDEMPOTENT_METHODS = rpcs.IDEMPOTENT_METHODS
 
 __all__ = [
     "IDEMPOTENT_METHODS",
@@ -153,78 +157,6 @@ class ClientError(Exception):
         return (type(self), (self.code, self.details, self.method, self.attempts))
 
 
-@dataclass(frozen=True)
-class _Rpc(Generic[ReqT, RespT]):
-    """One unary RPC: its path, message types and whether it may be retried."""
-
-    name: str
-    path: str
-    request: type[ReqT]
-    response: type[RespT]
-    idempotent: bool
-    long: bool = False  # deadline from execute_timeout
-
-
-def _rpc(
-    name: str, request: type[ReqT], response: type[RespT], idempotent: bool, *, long: bool = False
-) -> _Rpc[ReqT, RespT]:
-    return _Rpc(name, f"/mlx_worker.v1.WorkerService/{name}", request, response, idempotent, long)
-
-
-_INIT_DEVICE = _rpc("InitDevice", pb.InitDeviceRequest, pb.InitDeviceResponse, True)
-_LOAD_MODEL = _rpc("LoadModel", pb.LoadModelRequest, pb.LoadModelResponse, True)
-_DETERMINE_MEMORY = _rpc(
-    "DetermineMemory", pb.DetermineMemoryRequest, pb.DetermineMemoryResponse, True
-)
-_INIT_CACHE = _rpc("InitCache", pb.InitCacheRequest, pb.InitCacheResponse, True)
-_WARM_UP = _rpc("WarmUp", pb.WarmUpRequest, pb.WarmUpResponse, True)
-_EXECUTE = _rpc("Execute", pb.ExecuteRequest, pb.ExecuteResponse, False, long=True)
-_CHECK_HEALTH = _rpc("CheckHealth", pb.CheckHealthRequest, pb.CheckHealthResponse, True)
-_SHUTDOWN = _rpc("Shutdown", pb.ShutdownRequest, pb.ShutdownResponse, False)
-_GET_INFO = _rpc("GetInfo", pb.GetInfoRequest, pb.GetInfoResponse, True)
-_TOKENIZE = _rpc("Tokenize", pb.TokenizeRequest, pb.TokenizeResponse, True)
-_DETOKENIZE = _rpc("Detokenize", pb.DetokenizeRequest, pb.DetokenizeResponse, True)
-_SLEEP = _rpc("Sleep", pb.SleepRequest, pb.SleepResponse, False)
-_WAKE_UP = _rpc("WakeUp", pb.WakeUpRequest, pb.WakeUpResponse, True)
-_RESET_PREFIX_CACHE = _rpc(
-    "ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse, True
-)
-_ADD_LORA = _rpc("AddLora", pb.AddLoraRequest, pb.AddLoraResponse, False)
-_REMOVE_LORA = _rpc("RemoveLora", pb.RemoveLoraRequest, pb.RemoveLoraResponse, False)
-_LIST_LORAS = _rpc("ListLoras", pb.ListLorasRequest, pb.ListLorasResponse, True)
-_HEALTH_CHECK: _Rpc[Any, Any] = _Rpc(
-    "Health.Check",
-    "/grpc.health.v1.Health/Check",
-    health_pb2.HealthCheckRequest,
-    health_pb2.HealthCheckResponse,
-    True,
-)
-_UNARY: tuple[_Rpc[Any, Any], ...] = (
-    _INIT_DEVICE,
-    _LOAD_MODEL,
-    _DETERMINE_MEMORY,
-    _INIT_CACHE,
-    _WARM_UP,
-    _EXECUTE,
-    _CHECK_HEALTH,
-    _SHUTDOWN,
-    _GET_INFO,
-    _TOKENIZE,
-    _DETOKENIZE,
-    _SLEEP,
-    _WAKE_UP,
-    _RESET_PREFIX_CACHE,
-    _ADD_LORA,
-    _REMOVE_LORA,
-    _LIST_LORAS,
-    _HEALTH_CHECK,
-)
-_GENERATE_PATH = "/mlx_worker.v1.WorkerService/Generate"
-
-IDEMPOTENT_METHODS: frozenset[str] = frozenset(rpc.name for rpc in _UNARY if rpc.idempotent)
-"""The calls retried on UNAVAILABLE and DEADLINE_EXCEEDED ("Health.Check" is grpc.health.v1)."""
-
-
 def channel_credentials(
     ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
 ) -> grpc.ChannelCredentials:
@@ -275,10 +207,10 @@ class AsyncWorkerClient:
             rpc.path: self._channel.unary_unary(
                 rpc.path, rpc.request.SerializeToString, rpc.response.FromString
             )
-            for rpc in _UNARY
+            for rpc in rpcs.UNARY
         }
         self._generate_call = self._channel.unary_stream(
-            _GENERATE_PATH, pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
+            rpcs.GENERATE_PATH, pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
         )
 
     @property
@@ -308,7 +240,7 @@ class AsyncWorkerClient:
         await self.close()
 
     async def _call(
-        self, rpc: _Rpc[ReqT, RespT], request: ReqT | None, timeout: float | None
+        self, rpc: rpcs.Rpc[ReqT, RespT], request: ReqT | None, timeout: float | None
     ) -> RespT:
         """One unary RPC with its deadline, the token and (when idempotent) retries."""
         if request is None:
@@ -341,107 +273,24 @@ class AsyncWorkerClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def init_device(
-        self, request: pb.InitDeviceRequest | None = None, *, timeout: float | None = None
-    ) -> pb.InitDeviceResponse:
-        """Picks the device and reports it (retried)."""
-        return await self._call(_INIT_DEVICE, request, timeout)
-
-    async def load_model(
-        self, request: pb.LoadModelRequest, *, timeout: float | None = None
-    ) -> pb.LoadModelResponse:
-        """Loads a model (retried: the same arguments again are a no-op)."""
-        return await self._call(_LOAD_MODEL, request, timeout)
-
-    async def determine_memory(
-        self, request: pb.DetermineMemoryRequest | None = None, *, timeout: float | None = None
-    ) -> pb.DetermineMemoryResponse:
-        """Profiles memory and reports the KV budget (retried)."""
-        return await self._call(_DETERMINE_MEMORY, request, timeout)
-
-    async def init_cache(
-        self, request: pb.InitCacheRequest, *, timeout: float | None = None
-    ) -> pb.InitCacheResponse:
-        """Sets the KV budget (retried)."""
-        return await self._call(_INIT_CACHE, request, timeout)
-
-    async def warm_up(
-        self, request: pb.WarmUpRequest | None = None, *, timeout: float | None = None
-    ) -> pb.WarmUpResponse:
-        """Runs the scheduler's shapes once (retried)."""
-        return await self._call(_WARM_UP, request, timeout)
-
-    async def execute(
-        self, request: pb.ExecuteRequest, *, timeout: float | None = None
-    ) -> pb.ExecuteResponse:
-        """Runs one scheduler step (never retried; deadline `execute_timeout`)."""
-        return await self._call(_EXECUTE, request, timeout)
-
-    async def check_health(
-        self, request: pb.CheckHealthRequest | None = None, *, timeout: float | None = None
-    ) -> pb.CheckHealthResponse:
-        """State, load and the last error (retried)."""
-        return await self._call(_CHECK_HEALTH, request, timeout)
-
-    async def shutdown(
-        self, request: pb.ShutdownRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ShutdownResponse:
-        """Drains (or aborts) in-flight work and stops the worker (never retried)."""
-        return await self._call(_SHUTDOWN, request, timeout)
-
-    async def get_info(
-        self, request: pb.GetInfoRequest | None = None, *, timeout: float | None = None
-    ) -> pb.GetInfoResponse:
-        """Model and worker facts (retried)."""
-        return await self._call(_GET_INFO, request, timeout)
-
-    async def tokenize(
-        self, request: pb.TokenizeRequest, *, timeout: float | None = None
-    ) -> pb.TokenizeResponse:
-        """Text or chat messages to token ids (retried)."""
-        return await self._call(_TOKENIZE, request, timeout)
-
-    async def detokenize(
-        self, request: pb.DetokenizeRequest, *, timeout: float | None = None
-    ) -> pb.DetokenizeResponse:
-        """Token ids to text (retried)."""
-        return await self._call(_DETOKENIZE, request, timeout)
-
-    async def sleep(
-        self, request: pb.SleepRequest | None = None, *, timeout: float | None = None
-    ) -> pb.SleepResponse:
-        """Frees the KV cache (level 1) and the weights (level 2); never retried."""
-        return await self._call(_SLEEP, request, timeout)
-
-    async def wake_up(
-        self, request: pb.WakeUpRequest | None = None, *, timeout: float | None = None
-    ) -> pb.WakeUpResponse:
-        """Restores what Sleep freed (retried: a no-op when awake)."""
-        return await self._call(_WAKE_UP, request, timeout)
-
-    async def reset_prefix_cache(
-        self, request: pb.ResetPrefixCacheRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ResetPrefixCacheResponse:
-        """Drops the prefix cache (retried)."""
-        return await self._call(_RESET_PREFIX_CACHE, request, timeout)
-
-    async def add_lora(
-        self, request: pb.AddLoraRequest, *, timeout: float | None = None
-    ) -> pb.AddLoraResponse:
-        """Loads a LoRA adapter (never retried)."""
-        return await self._call(_ADD_LORA, request, timeout)
-
-    async def remove_lora(
-        self, request: pb.RemoveLoraRequest, *, timeout: float | None = None
-    ) -> pb.RemoveLoraResponse:
-        """Unloads a LoRA adapter (never retried)."""
-        return await self._call(_REMOVE_LORA, request, timeout)
-
-    async def list_loras(
-        self, request: pb.ListLorasRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ListLorasResponse:
-        """Lists loaded LoRA adapters (retried)."""
-        return await self._call(_LIST_LORAS, request, timeout)
+    # One method per unary RPC of WorkerService, from the table above.
+    init_device = rpcs.AsyncMethod(rpcs.INIT_DEVICE)
+    load_model = rpcs.AsyncMethod(rpcs.LOAD_MODEL)
+    determine_memory = rpcs.AsyncMethod(rpcs.DETERMINE_MEMORY)
+    init_cache = rpcs.AsyncMethod(rpcs.INIT_CACHE)
+    warm_up = rpcs.AsyncMethod(rpcs.WARM_UP)
+    execute = rpcs.AsyncMethod(rpcs.EXECUTE)
+    check_health = rpcs.AsyncMethod(rpcs.CHECK_HEALTH)
+    shutdown = rpcs.AsyncMethod(rpcs.SHUTDOWN)
+    get_info = rpcs.AsyncMethod(rpcs.GET_INFO)
+    tokenize = rpcs.AsyncMethod(rpcs.TOKENIZE)
+    detokenize = rpcs.AsyncMethod(rpcs.DETOKENIZE)
+    sleep = rpcs.AsyncMethod(rpcs.SLEEP)
+    wake_up = rpcs.AsyncMethod(rpcs.WAKE_UP)
+    reset_prefix_cache = rpcs.AsyncMethod(rpcs.RESET_PREFIX_CACHE)
+    add_lora = rpcs.AsyncMethod(rpcs.ADD_LORA)
+    remove_lora = rpcs.AsyncMethod(rpcs.REMOVE_LORA)
+    list_loras = rpcs.AsyncMethod(rpcs.LIST_LORAS)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """grpc.health.v1 Check: a `HealthCheckResponse.ServingStatus` value (retried).
@@ -450,7 +299,7 @@ class AsyncWorkerClient:
         while the worker accepts Execute and Generate.
         """
         request = health_pb2.HealthCheckRequest(service=service)
-        return int((await self._call(_HEALTH_CHECK, request, timeout)).status)
+        return int((await self._call(rpcs.HEALTH_CHECK, request, timeout)).status)
 
     async def generate(
         self, request: pb.GenerateRequest, *, timeout: float | None = None
@@ -544,107 +393,24 @@ class WorkerClient:
     ) -> None:
         self.close()
 
-    def init_device(
-        self, request: pb.InitDeviceRequest | None = None, *, timeout: float | None = None
-    ) -> pb.InitDeviceResponse:
-        """See `AsyncWorkerClient.init_device`."""
-        return self._run(self._client.init_device(request, timeout=timeout))
-
-    def load_model(
-        self, request: pb.LoadModelRequest, *, timeout: float | None = None
-    ) -> pb.LoadModelResponse:
-        """See `AsyncWorkerClient.load_model`."""
-        return self._run(self._client.load_model(request, timeout=timeout))
-
-    def determine_memory(
-        self, request: pb.DetermineMemoryRequest | None = None, *, timeout: float | None = None
-    ) -> pb.DetermineMemoryResponse:
-        """See `AsyncWorkerClient.determine_memory`."""
-        return self._run(self._client.determine_memory(request, timeout=timeout))
-
-    def init_cache(
-        self, request: pb.InitCacheRequest, *, timeout: float | None = None
-    ) -> pb.InitCacheResponse:
-        """See `AsyncWorkerClient.init_cache`."""
-        return self._run(self._client.init_cache(request, timeout=timeout))
-
-    def warm_up(
-        self, request: pb.WarmUpRequest | None = None, *, timeout: float | None = None
-    ) -> pb.WarmUpResponse:
-        """See `AsyncWorkerClient.warm_up`."""
-        return self._run(self._client.warm_up(request, timeout=timeout))
-
-    def execute(
-        self, request: pb.ExecuteRequest, *, timeout: float | None = None
-    ) -> pb.ExecuteResponse:
-        """See `AsyncWorkerClient.execute`."""
-        return self._run(self._client.execute(request, timeout=timeout))
-
-    def check_health(
-        self, request: pb.CheckHealthRequest | None = None, *, timeout: float | None = None
-    ) -> pb.CheckHealthResponse:
-        """See `AsyncWorkerClient.check_health`."""
-        return self._run(self._client.check_health(request, timeout=timeout))
-
-    def shutdown(
-        self, request: pb.ShutdownRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ShutdownResponse:
-        """See `AsyncWorkerClient.shutdown`."""
-        return self._run(self._client.shutdown(request, timeout=timeout))
-
-    def get_info(
-        self, request: pb.GetInfoRequest | None = None, *, timeout: float | None = None
-    ) -> pb.GetInfoResponse:
-        """See `AsyncWorkerClient.get_info`."""
-        return self._run(self._client.get_info(request, timeout=timeout))
-
-    def tokenize(
-        self, request: pb.TokenizeRequest, *, timeout: float | None = None
-    ) -> pb.TokenizeResponse:
-        """See `AsyncWorkerClient.tokenize`."""
-        return self._run(self._client.tokenize(request, timeout=timeout))
-
-    def detokenize(
-        self, request: pb.DetokenizeRequest, *, timeout: float | None = None
-    ) -> pb.DetokenizeResponse:
-        """See `AsyncWorkerClient.detokenize`."""
-        return self._run(self._client.detokenize(request, timeout=timeout))
-
-    def sleep(
-        self, request: pb.SleepRequest | None = None, *, timeout: float | None = None
-    ) -> pb.SleepResponse:
-        """See `AsyncWorkerClient.sleep`."""
-        return self._run(self._client.sleep(request, timeout=timeout))
-
-    def wake_up(
-        self, request: pb.WakeUpRequest | None = None, *, timeout: float | None = None
-    ) -> pb.WakeUpResponse:
-        """See `AsyncWorkerClient.wake_up`."""
-        return self._run(self._client.wake_up(request, timeout=timeout))
-
-    def reset_prefix_cache(
-        self, request: pb.ResetPrefixCacheRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ResetPrefixCacheResponse:
-        """See `AsyncWorkerClient.reset_prefix_cache`."""
-        return self._run(self._client.reset_prefix_cache(request, timeout=timeout))
-
-    def add_lora(
-        self, request: pb.AddLoraRequest, *, timeout: float | None = None
-    ) -> pb.AddLoraResponse:
-        """See `AsyncWorkerClient.add_lora`."""
-        return self._run(self._client.add_lora(request, timeout=timeout))
-
-    def remove_lora(
-        self, request: pb.RemoveLoraRequest, *, timeout: float | None = None
-    ) -> pb.RemoveLoraResponse:
-        """See `AsyncWorkerClient.remove_lora`."""
-        return self._run(self._client.remove_lora(request, timeout=timeout))
-
-    def list_loras(
-        self, request: pb.ListLorasRequest | None = None, *, timeout: float | None = None
-    ) -> pb.ListLorasResponse:
-        """See `AsyncWorkerClient.list_loras`."""
-        return self._run(self._client.list_loras(request, timeout=timeout))
+    # The same methods, run on the event-loop thread.
+    init_device = rpcs.SyncMethod(rpcs.INIT_DEVICE)
+    load_model = rpcs.SyncMethod(rpcs.LOAD_MODEL)
+    determine_memory = rpcs.SyncMethod(rpcs.DETERMINE_MEMORY)
+    init_cache = rpcs.SyncMethod(rpcs.INIT_CACHE)
+    warm_up = rpcs.SyncMethod(rpcs.WARM_UP)
+    execute = rpcs.SyncMethod(rpcs.EXECUTE)
+    check_health = rpcs.SyncMethod(rpcs.CHECK_HEALTH)
+    shutdown = rpcs.SyncMethod(rpcs.SHUTDOWN)
+    get_info = rpcs.SyncMethod(rpcs.GET_INFO)
+    tokenize = rpcs.SyncMethod(rpcs.TOKENIZE)
+    detokenize = rpcs.SyncMethod(rpcs.DETOKENIZE)
+    sleep = rpcs.SyncMethod(rpcs.SLEEP)
+    wake_up = rpcs.SyncMethod(rpcs.WAKE_UP)
+    reset_prefix_cache = rpcs.SyncMethod(rpcs.RESET_PREFIX_CACHE)
+    add_lora = rpcs.SyncMethod(rpcs.ADD_LORA)
+    remove_lora = rpcs.SyncMethod(rpcs.REMOVE_LORA)
+    list_loras = rpcs.SyncMethod(rpcs.LIST_LORAS)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """See `AsyncWorkerClient.health`."""

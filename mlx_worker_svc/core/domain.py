@@ -431,3 +431,5 @@ class HealthReport:
     deep_check_ns: int
     uptime_seconds: float
     memory: MemoryUsage
+    bringing_up: bool = False
+    """The worker is taking itself through its lifecycle (serve --auto-init)."""

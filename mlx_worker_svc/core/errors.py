@@ -1,19 +1,34 @@
-"""The worker's error hierarchy: every expected failure carries its gRPC status.
+"""The worker's error hierarchy: every expected failure carries a status `Code`.
 
-Layers below the servicer raise these; the servicer maps them to a status code
-and message in one place. Anything else that escapes is a bug and surfaces as
+Layers below the RPC edge raise these and never import grpc: `Code` names the
+status with gRPC's names and numbers, and `rpc/status.py` maps it to
+`grpc.StatusCode` in one place. The servicer turns a `WorkerError` into that
+status and its message; anything else that escapes is a bug and surfaces as
 INTERNAL with the exception text, never as a silent UNKNOWN.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Code(enum.Enum):
+    """The status of an expected failure: gRPC's code names and numbers."""
+
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
 
 
 class WorkerError(Exception):
-    """Base class: an expected failure with a gRPC status code."""
+    """Base class: an expected failure with a status code."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -23,46 +38,46 @@ class WorkerError(Exception):
 class InvalidArgument(WorkerError):
     """The request is malformed; nothing was changed."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class NotFound(WorkerError):
     """A named thing (model path, request id) does not exist."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class FailedPrecondition(WorkerError):
     """The worker is in the wrong state for this call."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class ResourceExhausted(WorkerError):
     """A budget (KV blocks, memory, admission) would be exceeded."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class Unimplemented(WorkerError):
     """The call or field is defined by the protocol but not built yet."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = Code.UNIMPLEMENTED
 
 
 class Unavailable(WorkerError):
     """The worker is draining or stopped; retry elsewhere."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class Aborted(WorkerError):
     """The request was ended by the worker (shutdown, abort) before finishing."""
 
-    code = grpc.StatusCode.ABORTED
+    code = Code.ABORTED
 
 
 class Internal(WorkerError):
     """A failure inside the engine that is not the caller's fault."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = Code.INTERNAL

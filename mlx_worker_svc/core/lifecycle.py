@@ -8,7 +8,7 @@ call that must come first, so a scheduler can recover without guessing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mlx_worker_svc.core.domain import DeviceKind, WorkerState
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -23,6 +23,16 @@ NEXT_CALL = {
     S.SLEEPING: "WakeUp",
 }
 EXECUTABLE = (S.READY, S.SERVING)
+PROFILE_TOKENS = {DeviceKind.CPU: 32, DeviceKind.GPU: 2048}
+"""DetermineMemory's profiling size when the call leaves max_num_batched_tokens 0,
+by device: a CPU computes a 2,048-token forward of a small model in tens of
+seconds, a GPU in well under one (the memory model extrapolates to larger steps)."""
+
+
+def default_profile_tokens(kind: DeviceKind | None, max_context: int) -> int:
+    """The device's profiling size (CPU before InitDevice), at most `max_context` (if > 0)."""
+    tokens = PROFILE_TOKENS[DeviceKind.GPU if kind is DeviceKind.GPU else DeviceKind.CPU]
+    return min(tokens, max_context) if max_context > 0 else tokens
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,17 @@ class DeviceArgs:
     """0: the worker as it was started (one process, or the group mlx.launch started)."""
     distributed_init_method: str = ""
     """"" or the group's mx.distributed backend ("ring", "jaccl", "mpi")."""
+
+    def differences(self, held: DeviceArgs) -> str:
+        """The InitDevice fields in which these args differ from `held`, with both values."""
+        changed = []
+        for f in fields(self):
+            asked, had = getattr(self, f.name), getattr(held, f.name)
+            if asked != had:
+                name = "device" if f.name == "kind" else f.name
+                shown = [_shown(v) for v in (asked, had)]
+                changed.append(f"{name} {shown[0]} (initialised with {shown[1]})")
+        return ", ".join(changed)
 
     def check(self, world_size: int, backend: str) -> None:
         """Raises unless these args describe the worker as started."""
@@ -64,6 +85,12 @@ class DeviceArgs:
                     else "this worker is a single process (no mx.distributed backend)"
                 )
             )
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, DeviceKind):  # the proto's DeviceKind names
+        return "DEVICE_KIND_" + ("UNSPECIFIED" if value is DeviceKind.AUTO else value.name)
+    return repr(value)
 
 
 def require(state: WorkerState, call: str, minimum: WorkerState) -> None:

@@ -18,6 +18,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 LOG_FORMATS = ("text", "json")
+# What log lines and error messages quote of a client's string (a request id,
+# a path): enough to recognise it, never a megabyte of it.
+CLIP_CHARS = 200
+# Any field of a log line, whatever put it there, is cut at this length.
+_FIELD_CHARS = 2000
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
@@ -26,9 +31,23 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
 }
 
 
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """`text`, or its first `limit` characters and its length when it is longer.
+
+    For every client string that a log line or an error message quotes.
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text)} chars]"
+
+
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The `extra=` fields of a record, in the order they were given."""
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+    """The `extra=` fields of a record, in the order they were given (long strings clipped)."""
+    return {
+        k: clip(v, _FIELD_CHARS) if isinstance(v, str) else v
+        for k, v in vars(record).items()
+        if k not in _STANDARD and not k.startswith("_")
+    }
 
 
 class TextFormatter(logging.Formatter):

@@ -11,8 +11,15 @@ from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from mlx_worker_svc.core.domain import MAX_DECODE_STEPS, Origin, SamplingParams, StepPlan
+from mlx_worker_svc.core.domain import (
+    MAX_DECODE_STEPS,
+    CachedRequest,
+    Origin,
+    SamplingParams,
+    StepPlan,
+)
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 
 _EXEC = Origin.EXECUTE
@@ -55,7 +62,7 @@ def _no_duplicates(ids: Seq[str], field: str) -> None:
         if not req_id:
             raise InvalidArgument(f"{field} has an empty req_id")
         if req_id in seen:
-            raise InvalidArgument(f"{field} names req_id {req_id!r} twice")
+            raise InvalidArgument(f"{field} names req_id {clip(req_id)!r} twice")
         seen.add(req_id)
 
 
@@ -75,7 +82,7 @@ def plan_step(
     counts = _new_requests(plan, seqs, limits, work)
     counts.update(_cached_requests(plan, seqs, gone, set(counts), limits=limits, work=work))
     for req_id, count in plan.num_scheduled_tokens.items():
-        where = f"num_scheduled_tokens[{req_id!r}]"
+        where = f"num_scheduled_tokens[{clip(req_id)!r}]"
         if req_id not in counts:
             raise InvalidArgument(
                 f"{where}: req_id is in neither new_requests nor cached_requests of this step"
@@ -106,14 +113,14 @@ def _removals(
         if key in seqs:
             work.finished.append(key)
         elif key not in recently_finished:
-            raise NotFound(f"finished_req_ids: unknown req_id {req_id!r}")
+            raise NotFound(f"finished_req_ids: unknown req_id {clip(req_id)!r}")
     gone = set(plan.finished_req_ids)
     for req_id in plan.preempted_req_ids:
         key = (_EXEC, req_id)
         if req_id in gone:
-            raise InvalidArgument(f"req_id {req_id!r} is both finished and preempted")
+            raise InvalidArgument(f"req_id {clip(req_id)!r} is both finished and preempted")
         if key not in seqs:
-            raise NotFound(f"preempted_req_ids: unknown req_id {req_id!r}")
+            raise NotFound(f"preempted_req_ids: unknown req_id {clip(req_id)!r}")
         work.preempted.append(key)
     return gone | set(plan.preempted_req_ids)
 
@@ -125,10 +132,19 @@ def _new_requests(
     _no_duplicates([r.req_id for r in plan.new_requests], "new_requests")
     counts: dict[str, tuple[int, int]] = {}
     for i, new in enumerate(plan.new_requests):
-        where = f"new_requests[{i}] (req_id {new.req_id!r})"
+        where = f"new_requests[{i}] (req_id {clip(new.req_id)!r})"
         key = (_EXEC, new.req_id)
         if key in seqs and new.req_id not in plan.finished_req_ids:
-            raise InvalidArgument(f"{where}: req_id is already running")
+            if seqs[key].preempted:
+                raise InvalidArgument(
+                    f"{where}: req_id is a preempted request the worker still holds: resume it "
+                    "in cached_requests with resumed_from_preemption, or name it in "
+                    "finished_req_ids to start it again as new"
+                )
+            raise InvalidArgument(
+                f"{where}: req_id is already running; name it in finished_req_ids to start "
+                "it again as new"
+            )
         check_prompt(new.prompt_token_ids, f"{where}.prompt_token_ids", limits)
         check_sampling(new.sampling, f"{where}.sampling_params", limits)
         if new.num_generated_tokens >= len(new.prompt_token_ids):
@@ -156,7 +172,7 @@ def _cached_requests(
     _no_duplicates([r.req_id for r in plan.cached_requests], "cached_requests")
     counts: dict[str, tuple[int, int]] = {}
     for i, cached in enumerate(plan.cached_requests):
-        where = f"cached_requests[{i}] (req_id {cached.req_id!r})"
+        where = f"cached_requests[{i}] (req_id {clip(cached.req_id)!r})"
         if cached.req_id in new_ids:
             raise InvalidArgument(f"{where}: req_id is also in new_requests")
         if cached.req_id in gone:
@@ -171,18 +187,73 @@ def _cached_requests(
         if cached.resumed_from_preemption and not seq.preempted:
             raise InvalidArgument(f"{where}.resumed_from_preemption is set but it is running")
         if cached.num_computed_tokens != seq.num_computed:
-            raise InvalidArgument(
-                f"{where}.num_computed_tokens is {cached.num_computed_tokens} but the worker "
-                f"has {seq.num_computed} computed"
-            )
+            raise InvalidArgument(_count_mismatch(where, cached, seq))
         check_token_ids(cached.new_token_ids, f"{where}.new_token_ids", limits.vocab_size)
+        scheduled = plan.num_scheduled_tokens.get(cached.req_id, 0)
+        check_new_tokens(seq, cached.new_token_ids, scheduled, f"{where}.new_token_ids")
         total = len(seq.tokens) + len(cached.new_token_ids)
-        if total > limits.max_context:
-            raise InvalidArgument(
-                f"{where}.new_token_ids would make the sequence {total} tokens, over the "
-                f"context length {limits.max_context}"
-            )
         if cached.new_token_ids or cached.resumed_from_preemption:
             work.appends.append((seq.key, cached.new_token_ids, cached.resumed_from_preemption))
         counts[cached.req_id] = (seq.num_computed, total)
     return counts
+
+
+def _count_mismatch(where: str, cached: CachedRequest, seq: Sequence) -> str:
+    if seq.preempted:
+        return (
+            f"{where}.num_computed_tokens is {cached.num_computed_tokens}, but a request resumed "
+            f"from preemption restarts from 0: its KV was freed and the worker recomputes its "
+            f"{len(seq.tokens)} tokens (prompt and output, which it kept)"
+        )
+    return (
+        f"{where}.num_computed_tokens is {cached.num_computed_tokens} but the worker has "
+        f"{seq.num_computed} computed (the previous step's RequestOutput.num_computed_tokens)"
+    )
+
+
+def check_new_tokens(seq: Sequence, new: Seq[int], scheduled: int, where: str) -> None:
+    """Refuses `new_token_ids` that cannot be what the scheduler means (worker.proto).
+
+    The worker holds the prompt and every token it sampled; `new` goes after
+    its last token. A scheduler that counts positions from
+    num_computed_tokens (vLLM's pipeline-parallel path echoes the sampled
+    token; a resume may send the whole sequence) sends tokens the worker holds
+    already: when `new` repeats the held tokens from num_computed_tokens, from
+    the end of the prompt or from the start, and the step would not compute
+    past them, appending would duplicate them, so the step is refused. So are
+    appends that leave no room for the token the request samples next.
+    """
+    if not new:
+        return
+    held = seq.tokens
+    end = seq.num_computed + scheduled
+    for start in dict.fromkeys((seq.num_computed, seq.prompt_len, 0)):
+        count = min(len(new), len(held) - start)
+        if count < 1 or end > start + len(new) or list(new[:count]) != held[start : start + count]:
+            continue
+        repeated = held[start : start + count]
+        shown = f"{repeated}" if count <= 8 else f"{count} tokens ({repeated[:4]}...)"
+        what = f"{shown}, which the worker holds from position {start}"
+        advice = (
+            "A preempted request keeps its tokens: resume it with num_computed_tokens 0 and "
+            "no new_token_ids"
+            if seq.preempted
+            else "A decode step sends no new_token_ids and schedules 1 token"
+        )
+        raise InvalidArgument(
+            f"{where} repeats {what}: the worker appends every token it samples, and "
+            f"new_token_ids go after its last token (position {len(held) - 1}), so they are "
+            f"only tokens it does not hold. {advice}, unless tokens are new"
+        )
+    total = len(held) + len(new)
+    if total >= seq.length_limit:
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.prompt_len + max_tokens == seq.length_limit:
+            why = f"its prompt of {seq.prompt_len} plus max_tokens {max_tokens}"
+        else:
+            why = "the context length"
+        raise InvalidArgument(
+            f"{where} would make the sequence {total} tokens, and this request ends at "
+            f"{seq.length_limit} tokens ({why}; appended tokens count as output), which "
+            "leaves no room for the token it samples next"
+        )

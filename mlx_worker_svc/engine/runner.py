@@ -32,6 +32,7 @@ from mlx_worker_svc.core.domain import (
     StepTimings,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import structured
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
@@ -139,7 +140,7 @@ class ModelRunner(Prefill):
         """Registers a Generate request; the engine schedules it from now on."""
         key = (Origin.GENERATE, req_id)
         if key in self.seqs:
-            raise InvalidArgument(f"request_id {req_id!r} is already running")
+            raise InvalidArgument(f"request_id {clip(req_id)!r} is already running")
         check_prompt(prompt, "prompt", self.limits)
         check_sampling(params, "sampling_params", self.limits)
         if self.budget.blocks_for(len(prompt) + 1) > self.budget.num_blocks:

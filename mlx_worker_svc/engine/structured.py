@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llguidance
 import llguidance.hf
@@ -34,12 +34,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.core.domain import Origin, StepPlan, StructuredOutputs
+from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan, StructuredOutputs
 from mlx_worker_svc.core.errors import Internal, InvalidArgument
 
-if TYPE_CHECKING:
-    from mlx_worker_svc.engine.sequence import RequestKey, Work
-    from mlx_worker_svc.engine.sequence import Sequence as Sequence_
+RequestKey = tuple[Origin, str]
 
 # Compiled grammars kept per tokenizer (a schema's matcher is a few hundred KB at most).
 DEFAULT_CACHE_SIZE = 256
@@ -81,8 +79,14 @@ class GrammarCompiler:
         self._ll: dict[bool, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
         self.stats = GrammarStats()
-        # One executor fills the constrained rows of a step in parallel.
-        self.executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        """Fills the constrained rows of a step in parallel (made on first use)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def _tokenizer(self, json: bool) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer, built on first use (about a second).
@@ -149,6 +153,22 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         return str(llguidance.grammar_from("gbnf", spec.text))
     except ValueError as exc:  # not JSON, or GBNF that does not convert
         raise InvalidArgument(f"{where}: {exc}") from exc
+
+
+class MaskedRow(Protocol):
+    """What the mask reads of an engine request (sequence.Sequence, which imports us)."""
+
+    key: RequestKey
+    tokens: list[int]
+    params: SamplingParams
+    grammar: Grammar | None
+
+
+class PlannedStep(Protocol):
+    """What planning fills in of a validated step (sequence.Work)."""
+
+    scheduled: dict[RequestKey, int]
+    bitmasks: dict[RequestKey, bytes]
 
 
 class Grammar:
@@ -230,7 +250,7 @@ class StepMask:
 
 def step_mask(
     compiler: GrammarCompiler,
-    rows: Sequence[Sequence_],
+    rows: Sequence[MaskedRow],
     bitmasks: Mapping[RequestKey, bytes],
 ) -> StepMask | None:
     """The mask of a decode step's rows (None when no row is constrained).
@@ -259,7 +279,7 @@ def step_mask(
     return StepMask(words, constrained, elapsed)
 
 
-def advance(mask: StepMask | None, rows: Sequence[Sequence_], tokens: Sequence[int]) -> set[int]:
+def advance(mask: StepMask | None, rows: Sequence[MaskedRow], tokens: Sequence[int]) -> set[int]:
     """Feeds each grammar row its sampled token; returns the rows whose grammar completed."""
     done: set[int] = set()
     for i in mask.grammar_rows if mask is not None else ():
@@ -272,8 +292,8 @@ def advance(mask: StepMask | None, rows: Sequence[Sequence_], tokens: Sequence[i
 
 def plan_structured(
     plan: StepPlan,
-    work: Work,
-    seqs: Mapping[RequestKey, Sequence_],
+    work: PlannedStep,
+    seqs: Mapping[RequestKey, MaskedRow],
     samples: Callable[[RequestKey], bool],
     compiler: GrammarCompiler,
 ) -> None:

@@ -1,6 +1,12 @@
-"""The reference fleet scheduler: drives workers through Execute, nothing else."""
+"""The reference fleet scheduler: drives workers through Execute (and nothing else),
+routes by load and prefix affinity, fails over, and serves FleetService.
 
-from mlx_worker_svc.fleet.link import LinkConfig
+Imports client, core, grpc and the generated code, and rpc's edge modules
+(`status`, `metrics`, `security`); never the worker or the engine, so a fleet
+process never loads MLX.
+"""
+
+from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.scheduler import (
     BadRequest,
     ContextTooLong,

@@ -4,9 +4,15 @@ A `WorkerLink` owns one worker's client and a continuous-batching loop over
 the requests routed to it: each step gives every decoding request one token,
 then fills the token budget with prefill chunks, admitting waiting requests
 while the KV budget the worker reported has room. It speaks only the public
-Execute protocol. When the worker stops answering (or restarted: a new
-`worker_epoch`), every request on it is handed back to the fleet to continue
-elsewhere, and the link probes the worker with backoff until it is back.
+Execute protocol. Busy or idle, the worker is probed with CheckHealth every
+`probe_interval` seconds (one attempt, `probe_timeout` each); when it refuses
+connections, misses `probe_misses` probes in a row (hung), or comes back with a
+new `worker_epoch` (restarted), every request on it is handed back to the
+fleet to continue elsewhere: a hang is found within
+`probe_misses x (probe_interval + probe_timeout)` seconds. The link then probes
+it with backoff until it is back. A worker bringing itself up
+(`serve --auto-init`, CheckHealth.bringing_up) is waited for, never driven;
+requests go to a worker only once it is READY or SERVING.
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
+from typing import Literal
 
 import grpc
 
-from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientConfig, ClientError
+from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
+from mlx_worker_svc.fleet.bring_up import FINAL, drive_up
+from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -34,25 +43,7 @@ _NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
 _WORKER_DOWN = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
-_FINAL = (pb.WORKER_STATE_READY, pb.WORKER_STATE_SERVING)
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    model: str = ""  # LoadModel's model for a worker that has none loaded
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # Decode steps per Execute call once every running request decodes
-    # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
-    decode_steps: int = 1
-    num_blocks: int = 0  # 0: the worker's suggestion
-    retry_backoff: float = 0.5
-    max_backoff: float = 10.0
-    # While a step runs, the worker must answer CheckHealth this often, or it
-    # is taken as hung and its requests move on (a step itself may be long).
-    health_interval: float = 2.0
-    health_timeout: float = 2.0
-    client: ClientConfig = field(default_factory=ClientConfig)
+_BringUp = Literal["up", "starting", "down"]
 
 
 class WorkerLink:
@@ -68,6 +59,9 @@ class WorkerLink:
         self.target = target
         self.config = config
         self.client = AsyncWorkerClient(target, config.client)
+        # Probes are never retried: a retry would stretch the detection time.
+        self._prober = AsyncWorkerClient(target, replace(config.client, retries=0))
+        self._misses = 0
         self.up = False
         self.epoch = 0
         self.model = ""
@@ -144,55 +138,71 @@ class WorkerLink:
         self._closed = True
         self._wake.set()
         await self.client.close()
+        await self._prober.close()
 
     # -------------------------------------------------------------- loop
     async def run(self) -> None:
         backoff = self.config.retry_backoff
         while not self._closed:
             if not self.up:
-                if await self._bring_up():
+                outcome = await self._bring_up()
+                if outcome == "up":
                     backoff = self.config.retry_backoff
                     self._on_up(self)
+                elif outcome == "starting":  # answering: look again soon
+                    await asyncio.sleep(self.config.probe_interval)
                 else:
                     await asyncio.sleep(backoff * (1 + random.random() / 4))
                     backoff = min(backoff * 2, self.config.max_backoff)
                 continue
             if not (self.running or self.waiting or self.to_free):
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             await self._step()
 
-    async def _bring_up(self) -> bool:
-        """Takes the worker through its lifecycle (or adopts it if it is ready)."""
-        client = self.client
+    async def _idle(self) -> None:
+        """Waits for work, probing the worker every probe interval meanwhile."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.config.probe_interval)
+        if not self._wake.is_set() and not self._closed:
+            why = await self._probe()
+            if why is not None:
+                self._lose_everything(why)
+
+    async def _probe(self) -> str | None:
+        """One CheckHealth: None while the worker is usable, else why it is not."""
+        timeout = self.config.probe_timeout
         try:
-            info = await client.get_info()
-            if info.state not in _FINAL:
-                if info.state == pb.WORKER_STATE_NEW:
-                    await client.init_device(pb.InitDeviceRequest())
-                    info = await client.get_info()
-                if info.state == pb.WORKER_STATE_DEVICE_READY:
-                    if not self.config.model:
-                        raise RuntimeError("the worker has no model loaded and no --model is set")
-                    await client.load_model(pb.LoadModelRequest(model=self.config.model))
-                    info = await client.get_info()
-                if info.state in (pb.WORKER_STATE_MODEL_LOADED, pb.WORKER_STATE_MEMORY_PROFILED):
-                    # Profiled at the step size this scheduler will send.
-                    tokens = min(self.config.max_num_batched_tokens, info.model.max_context_length)
-                    memory = await client.determine_memory(
-                        pb.DetermineMemoryRequest(max_num_batched_tokens=tokens)
-                    )
-                    blocks = self.config.num_blocks or max(memory.suggested_num_blocks, 1)
-                    await client.init_cache(pb.InitCacheRequest(num_blocks=blocks))
-                    await client.warm_up(pb.WarmUpRequest())
-                    info = await client.get_info()
-            if info.state not in _FINAL:
-                raise RuntimeError(f"the worker is {pb.WorkerState.Name(info.state)}")
+            health = await self._prober.check_health(timeout=timeout)
+        except ClientError as exc:
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"{exc.code.name}: {exc.details}"
+            self._misses += 1
+            if self._misses < self.config.probe_misses:
+                return None
+            return f"the worker answered no health check in {self._misses} tries of {timeout:g} s"
+        self._misses = 0
+        if health.worker_epoch != self.epoch:
+            return f"the worker restarted (worker_epoch {health.worker_epoch}, was {self.epoch})"
+        if health.state not in FINAL:
+            return f"the worker is {pb.WorkerState.Name(health.state)}"
+        return None
+
+    async def _bring_up(self) -> _BringUp:
+        """Takes the worker through its lifecycle, adopts it if it is ready, or
+        waits while it brings itself up."""
+        try:
+            health = await self._prober.check_health(timeout=self.config.probe_timeout)
+            if health.bringing_up:
+                self.state = health.state
+                self.last_error = "the worker is bringing itself up (serve --auto-init): waiting"
+                return "starting"
+            info = await drive_up(self.client, self.config)
         except (ClientError, RuntimeError) as exc:
             self.last_error = str(exc)
             log.warning("worker %s not usable: %s", self.target, exc)
-            return False
+            return "down"
         if info.worker_epoch == self.epoch:
             await self._free_orphans()
         self._orphans.clear()
@@ -204,9 +214,9 @@ class WorkerLink:
         # Never past what the worker admits (it would refuse the step).
         admitted = info.limits.max_running_requests or self.config.max_num_seqs
         self.max_seqs = min(self.config.max_num_seqs, admitted)
-        self.up, self.last_error = True, ""
+        self.up, self.last_error, self._misses = True, "", 0
         log.info("worker %s up: epoch %d, %d KV blocks", self.target, self.epoch, self.num_blocks)
-        return True
+        return "up"
 
     async def _free_orphans(self) -> None:
         """Back with the same epoch (it was hung, not restarted): free what it still holds."""
@@ -302,16 +312,18 @@ class WorkerLink:
     async def _step(self) -> None:
         request, started = self._plan()
         if not request.num_scheduled_tokens and not request.finished_req_ids:
-            # Nothing fits: wait for room (a finish) or new work.
-            self._wake.clear()
-            await self._wake.wait()
+            # Nothing fits: wait for room (a finish) or new work, probing meanwhile.
+            await self._idle()
             return
         execute = asyncio.create_task(self.client.execute(request))
         while not execute.done():
-            await asyncio.wait({execute}, timeout=self.config.health_interval)
-            if not execute.done() and not await self._answers():
+            await asyncio.wait({execute}, timeout=self.config.probe_interval)
+            if execute.done():
+                break
+            why = await self._probe()
+            if why is not None and not execute.done():
                 execute.cancel()
-                self._lose_everything("the worker stopped answering health checks")
+                self._lose_everything(why)
                 return
         try:
             response = execute.result()
@@ -323,13 +335,6 @@ class WorkerLink:
         for r, stop in zip(touched, stopped, strict=True):
             if stop and self.running.pop(r.worker_id, None) is not None:
                 self.to_free.append(r.worker_id)
-
-    async def _answers(self) -> bool:
-        try:
-            await self.client.check_health(timeout=self.config.health_timeout)
-        except ClientError:
-            return False
-        return True
 
     def _step_failed(
         self, exc: ClientError, request: pb.ExecuteRequest, started: list[FleetRequest]

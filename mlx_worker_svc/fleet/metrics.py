@@ -3,7 +3,7 @@
 Counted as requests go, on the event loop only (one-writer instruments):
 requests ended by outcome (the finish reason, a status code, or `cancelled`),
 prompt and generated tokens, time to first token and request duration
-(histograms); every FleetService RPC by status code (`metrics.RpcMetrics`).
+(histograms); every FleetService RPC by status code (`core.metrics.RpcMetrics`).
 Read when scraped, from `FleetScheduler.status()` on the scheduler's event
 loop (its state is not thread-safe): queued requests, and per worker whether
 it is up, the requests it has in flight, its KV blocks and its failovers.
@@ -19,9 +19,10 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlx_worker_svc.core.errors import Code
+from mlx_worker_svc.core.metrics import LATENCY_BUCKETS, ServerMetrics
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.rpc.metrics import LATENCY_BUCKETS, ServerMetrics
 
 PREFIX = "mlx_fleet"
 # How long a scrape waits for the event loop to read the fleet's state.
@@ -33,7 +34,7 @@ def finish_outcome(reason: int) -> str:
     return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
-def error_outcome(code: grpc.StatusCode) -> str:
+def error_outcome(code: grpc.StatusCode | Code) -> str:
     """`RESOURCE_EXHAUSTED` -> "resource_exhausted"."""
     return code.name.lower()
 

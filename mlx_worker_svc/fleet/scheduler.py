@@ -27,7 +27,9 @@ import grpc
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
-from mlx_worker_svc.fleet.link import LinkConfig, WorkerLink
+from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
@@ -40,7 +42,7 @@ _FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
 
 
 class FleetError(WorkerError):
-    """A request the fleet cannot take; `code` is the gRPC status for callers."""
+    """A request the fleet cannot take; `code` is the status callers get."""
 
 
 class Overloaded(FleetError, ResourceExhausted):
@@ -214,14 +216,16 @@ class FleetScheduler:
             admitted=started,
         )
         self.metrics.prompt_tokens.inc(len(prompt))
-        log.info("request admitted", extra={"req_id": r.request_id, "prompt_tokens": len(prompt)})
+        log.info(
+            "request admitted", extra={"req_id": clip(r.request_id), "prompt_tokens": len(prompt)}
+        )
         self._route(r)
         return r
 
     def _ended(self, req_id: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""
         self.metrics.ended(outcome, time.monotonic() - since)
-        extra = {"req_id": req_id, "outcome": outcome, **fields}
+        extra = {"req_id": clip(req_id), "outcome": outcome, **fields}
         if outcome == "cancelled":
             log.info("request cancelled", extra=extra)
         elif outcome in _FINISHED:
@@ -292,7 +296,7 @@ class FleetScheduler:
             return
         link = self._pick(r, up)
         self._where[r] = link
-        log.debug("request routed", extra={"req_id": r.request_id, "worker": link.target})
+        log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
         link.assign(r, front=front)
 
     def _pick(self, r: FleetRequest, up: list[WorkerLink]) -> WorkerLink:
@@ -317,7 +321,7 @@ class FleetScheduler:
         for r in reversed(lost):
             if r.phase is Phase.DONE or r.cancelled:
                 continue
-            extra = {"req_id": r.request_id, "generated_tokens": len(r.generated)}
+            extra = {"req_id": clip(r.request_id), "generated_tokens": len(r.generated)}
             log.info("request moves to another worker", extra=extra)
             self._route(r, front=True)
 

@@ -33,6 +33,7 @@ from mlx_worker_svc.rpc.security import (
     server_credentials,
     token_check,
 )
+from mlx_worker_svc.rpc.status import grpc_code
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name
@@ -52,7 +53,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
             async for message in self._fleet.generate(request):
                 yield message
         except FleetError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(grpc_code(exc.code), str(exc))
         except ClientError as exc:
             await context.abort(exc.code, exc.details)
 

@@ -46,6 +46,7 @@ from mlx_worker_svc.gateway.structured import request_error
 from mlx_worker_svc.gateway.tool_calls import ToolCallParser, call_grammar, tool_format
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
+from mlx_worker_svc.rpc.status import grpc_code
 
 T = TypeVar("T")
 Stream = AsyncGenerator[pb.GenerateResponse, None]
@@ -168,7 +169,8 @@ class Gateway:
             return Response(status_code=CLIENT_CLOSED)
         except ApiError as exc:
             await stream.aclose()
-            raise request_error(exc, parsed) from exc
+            spec_from = parsed.structured_param or ("tools" if parsed.tools.forced else None)
+            raise request_error(exc, spec_from) from exc
         except BaseException:
             await stream.aclose()
             raise
@@ -312,7 +314,7 @@ def _api_error(exc: WorkerError | ClientError | ApiError) -> ApiError:
         return exc
     if isinstance(exc, ClientError):
         return from_grpc(exc.code, exc.details)
-    return from_grpc(exc.code, exc.message)
+    return from_grpc(grpc_code(exc.code), exc.message)
 
 
 def _no_such_model(name: str) -> ApiError:

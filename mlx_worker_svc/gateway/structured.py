@@ -28,13 +28,10 @@ answers it as a 400 naming the request field the spec came from (`param`).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-
-if TYPE_CHECKING:
-    from mlx_worker_svc.gateway.schema import ParsedRequest
 
 # The fields that carry a constraint; at most one may be set.
 FIELDS = (
@@ -171,14 +168,13 @@ def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
     return pb.StructuredOutputs(lark_grammar=value)
 
 
-def request_error(exc: ApiError, parsed: ParsedRequest) -> ApiError:
+def request_error(exc: ApiError, param: str | None) -> ApiError:
     """A workers' 400 about a field the gateway filled, reworded to name the request's field.
 
-    The structured-output spec names the field it came from (a tool call's
-    grammar: `tools`); the tools given to the chat template are `tools`.
+    `param` is the field the structured-output spec came from (a forced tool
+    call's grammar: `tools`); the tools given to the chat template are `tools`.
     """
     fields = {"tools_json": "tools"}
-    param = parsed.structured_param or ("tools" if parsed.tools.forced else None)
     if param is not None:
         fields[WORKER_FIELD] = param
     if exc.status != 400:

@@ -36,6 +36,7 @@ from mlx_worker_svc.core.domain import (
     WorkerState,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _STATES = {
@@ -242,7 +243,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
             req_id=r.req_id,
             prompt_token_ids=tuple(r.prompt_token_ids),
             sampling=sampling_params(
-                r.sampling_params, f"new_requests[{i}] (req_id {r.req_id!r}).sampling_params"
+                r.sampling_params, f"new_requests[{i}] (req_id {clip(r.req_id)!r}).sampling_params"
             ),
             num_generated_tokens=r.num_generated_tokens,
         )
@@ -329,6 +330,7 @@ def health(report: HealthReport) -> pb.CheckHealthResponse:
         deep_check_ns=report.deep_check_ns,
         uptime_seconds=report.uptime_seconds,
         memory=memory_usage(report.memory),
+        bringing_up=report.bringing_up,
     )
 
 

@@ -1,28 +1,19 @@
-"""Prometheus plumbing shared by the worker and the fleet: instruments, RPC counting, endpoint.
+"""gRPC metrics plumbing: RPCs counted by an interceptor, the `/metrics` endpoint.
 
-Every server keeps its metrics in a `CollectorRegistry` of its own (never the
-process-wide default, so several servers can live in one process, as in the
-tests): `ServerMetrics` holds it, with the RPC and token counters the worker
-and the fleet both have. What is counted on the hot path (every engine step)
-uses `OneWriterCounter` and `OneWriterHistogram`: written by one thread only
-(the engine thread, or the fleet's event loop), so an update is an add with no
-lock (prometheus_client's histogram takes ~8 us an observation, these <1 us).
-`RpcMetrics` counts every RPC by method and final status code through a server
-interceptor: `RpcMetricsInterceptor` for the synchronous `grpc.server` (the
-worker), `AsyncRpcMetricsInterceptor` for `grpc.aio` (the fleet). Unknown
+`RpcMetricsInterceptor` (for the synchronous `grpc.server` of the worker) and
+`AsyncRpcMetricsInterceptor` (for the fleet's `grpc.aio` server) record every
+RPC by method and final status code into `core.metrics.RpcMetrics`; unknown
 method names are not counted, so a caller cannot grow the label set.
 `MetricsEndpoint` serves a registry over HTTP (`GET /metrics`, Prometheus text
-format) until it is closed.
+format) until it is closed. The instruments themselves live in `core/metrics.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import contextlib
 import inspect
-import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -31,124 +22,15 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 import grpc.aio
-from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, start_http_server
 
+from mlx_worker_svc.core.metrics import RpcMetrics
 from mlx_worker_svc.rpc.security import is_loopback
 
 log = logging.getLogger(__name__)
 
-# Step and request latencies: a tiny model's step is ~1 ms, a large prefill seconds.
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
-# Requests per step.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
-
-
-class OneWriterCounter:
-    """A counter only one thread increments (no lock); any thread may read it."""
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name, self.doc = name, doc
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-    def family(self) -> Metric:
-        return CounterMetricFamily(self.name, self.doc, value=self.value)
-
-
-class OneWriterHistogram:
-    """A histogram only one thread observes: a bisect and two adds, no lock.
-
-    A scrape may see it an observation late (the sum read before a bucket
-    moved), but `_count` is always the +Inf bucket: both come from one read.
-    """
-
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.doc = name, doc
-        self._bounds = tuple(float(b) for b in buckets)
-        self._counts = [0] * (len(self._bounds) + 1)  # the last one: above every bound
-        self._sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self._sum += value
-
-    def family(self) -> Metric:
-        total, cumulative = self._sum, list(itertools.accumulate(self._counts))
-        # `cumulative` has one more entry than `_bounds`: the +Inf bucket.
-        buckets = [(str(b), n) for b, n in zip(self._bounds, cumulative, strict=False)]
-        buckets.append(("+Inf", cumulative[-1]))
-        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
-
-
-class ServerMetrics(Collector):
-    """A registry of its own, with what every server counts: RPCs and tokens.
-
-    The one-writer instruments made by `counter` and `histogram` are
-    reported through this collector.
-    """
-
-    def __init__(self, prefix: str, *, prompt_doc: str, generation_doc: str) -> None:
-        self.prefix = prefix
-        self.registry = CollectorRegistry()
-        self.rpcs = RpcMetrics(prefix, self.registry)
-        self._instruments: list[OneWriterCounter | OneWriterHistogram] = []
-        self.prompt_tokens = self.counter("prompt_tokens", prompt_doc)
-        self.generation_tokens = self.counter("generation_tokens", generation_doc)
-        self.registry.register(self)
-
-    def counter(self, name: str, doc: str) -> OneWriterCounter:
-        counter = OneWriterCounter(f"{self.prefix}_{name}", doc)
-        self._instruments.append(counter)
-        return counter
-
-    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> OneWriterHistogram:
-        histogram = OneWriterHistogram(f"{self.prefix}_{name}", doc, buckets)
-        self._instruments.append(histogram)
-        return histogram
-
-    def collect(self) -> Iterator[Metric]:
-        for instrument in self._instruments:
-            yield instrument.family()
-
-
-class RpcMetrics:
-    """`<prefix>_rpcs_total{service, method, code}`: every RPC by its final status code."""
-
-    def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
-        self._total = Counter(
-            f"{prefix}_rpcs",
-            "RPCs handled, by service, method and final gRPC status code",
-            ["service", "method", "code"],
-            registry=registry,
-        )
-
-    def record(self, method: str, code: grpc.StatusCode | None) -> None:
-        """Counts one RPC; `method` is the full path ("/pkg.Service/Method")."""
-        service, _, name = method.lstrip("/").rpartition("/")
-        self._total.labels(service, name, (code or grpc.StatusCode.OK).name).inc()
 
 
 def _final_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
@@ -167,9 +49,9 @@ def _counted(rpcs: RpcMetrics, method: str, context: Any) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        rpcs.record(method, _final_code(context, exc))
+        rpcs.record(method, _final_code(context, exc).name)
         raise
-    rpcs.record(method, _final_code(context, None))
+    rpcs.record(method, _final_code(context, None).name)
 
 
 def rebuild_handler(

@@ -198,6 +198,11 @@ class WorkerServer:
         )
         return self.port
 
+    @property
+    def draining(self) -> bool:
+        """Whether the drain has begun (SIGTERM, SIGINT or Shutdown)."""
+        return self._draining
+
     def shutdown(self, grace_seconds: float = 0.0, abort: bool = False) -> None:
         """Starts the drain (idempotent).
 

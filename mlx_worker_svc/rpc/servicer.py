@@ -18,9 +18,11 @@ import grpc
 
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert
+from mlx_worker_svc.rpc.status import grpc_code
 from mlx_worker_svc.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -41,15 +43,20 @@ def _short(message: str) -> str:
 def _status(
     context: grpc.ServicerContext, exc: BaseException, method: str, req_id: str = ""
 ) -> NoReturn:
-    fields = {"rpc": method, "req_id": req_id} if req_id else {"rpc": method}
+    fields = {"rpc": method, "req_id": clip(req_id)} if req_id else {"rpc": method}
     if isinstance(exc, WorkerError):
         message = _short(exc.message)
         log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})
-        context.abort(exc.code, message)
+        context.abort(grpc_code(exc.code), message)
     log.exception(
         "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
     )
     context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
+
+
+def _gave_up(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether the caller left (deadline passed, cancelled): lifecycle calls stop waiting."""
+    return lambda: not context.is_active()
 
 
 def _unary(fn: F) -> F:
@@ -88,7 +95,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             world_size=request.world_size,
             distributed_init_method=request.distributed_init_method,
         )
-        info = self._worker.init_device(args)
+        info = self._worker.init_device(args, gave_up=_gave_up(context))
         return pb.InitDeviceResponse(
             device=convert.device_info(info), state=convert.state(self._worker.state)
         )
@@ -97,7 +104,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def LoadModel(
         self, request: pb.LoadModelRequest, context: grpc.ServicerContext
     ) -> pb.LoadModelResponse:
-        loaded, epoch = self._worker.load_model(convert.load_spec(request))
+        loaded, epoch = self._worker.load_model(
+            convert.load_spec(request), gave_up=_gave_up(context)
+        )
         return pb.LoadModelResponse(
             model=convert.model_info(loaded.info),
             worker_epoch=epoch,
@@ -110,7 +119,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.DetermineMemoryRequest, context: grpc.ServicerContext
     ) -> pb.DetermineMemoryResponse:
         profile = self._worker.determine_memory(
-            request.memory_utilization, request.max_num_batched_tokens, request.block_size
+            request.memory_utilization,
+            request.max_num_batched_tokens,
+            request.block_size,
+            gave_up=_gave_up(context),
         )
         return convert.memory_profile(profile, self._worker.state)
 
@@ -125,13 +137,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 request.enable_prefix_caching if request.HasField("enable_prefix_caching") else None
             ),
             memory_limit_bytes=request.memory_limit_bytes,
+            gave_up=_gave_up(context),
         )
         return convert.cache_config(config, self._worker.state)
 
     @_unary
     def WarmUp(self, request: pb.WarmUpRequest, context: grpc.ServicerContext) -> pb.WarmUpResponse:
         shapes, seconds = self._worker.warm_up(
-            list(request.batch_sizes), list(request.prefill_lengths)
+            list(request.batch_sizes), list(request.prefill_lengths), gave_up=_gave_up(context)
         )
         return pb.WarmUpResponse(
             shapes_run=shapes, seconds=seconds, state=convert.state(self._worker.state)

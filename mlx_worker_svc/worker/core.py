@@ -27,6 +27,7 @@ from mlx_worker_svc.core.domain import (
 from mlx_worker_svc.core.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs, require
 from mlx_worker_svc.core.limits import AdmissionLimits
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, GroupChannel, Watchdog
 from mlx_worker_svc.engine.group.replica import Replica
 from mlx_worker_svc.engine.memory import device as device_mod
@@ -36,6 +37,7 @@ from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
 from mlx_worker_svc.worker.engine_loop import EngineLoop
 from mlx_worker_svc.worker.generation import StreamTable
+from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
 
 S = WorkerState
@@ -67,6 +69,7 @@ class WorkerCore:
         self._load_spec: LoadSpec | None = None
         self._loaded: loader.LoadedModel | None = None
         self._epoch = 0
+        self._epoch_change = ""
         self._memory: MemoryProfile | None = None
         self._cache_config: CacheConfig | None = None
         self._runner: ModelRunner | None = None
@@ -88,6 +91,7 @@ class WorkerCore:
             on_tick=self._replica.ping,
         )
         self._replica.channel.on_failure = self._engine.fail
+        self._lifecycle = LifecycleCalls(self._engine.submit, lambda: (self._state, self._epoch))
         self._watchdog = Watchdog(self._replica.channel)
 
     def _engine_died(self, cause: BaseException) -> None:
@@ -103,6 +107,11 @@ class WorkerCore:
     def queued_steps(self) -> int:
         """Execute steps and Generate starts waiting for the engine thread."""
         return self._engine.queued
+
+    @property
+    def lifecycle(self) -> LifecycleCalls:
+        """The lifecycle call in progress; `claim()` it to bring the worker up alone."""
+        return self._lifecycle
 
     @property
     def engine_dead(self) -> BaseException | None:
@@ -125,9 +134,13 @@ class WorkerCore:
     def epoch(self) -> int:
         return self._epoch
 
-    def _new_epoch(self) -> None:
-        """A new epoch: no step of the old one can continue (KV or model changed)."""
+    def _new_epoch(self, why: str) -> None:
+        """A new epoch: no step of the old one can continue (KV or model changed).
+
+        `why` completes "since that epoch, the worker ..." in the stale-epoch error.
+        """
         self._epoch = max(time.time_ns(), self._epoch + 1)
+        self._epoch_change = why
 
     def _set_state(self, state: WorkerState) -> None:
         if state is not self._state:
@@ -142,9 +155,13 @@ class WorkerCore:
         live = len(self._runner.seqs) if self._runner is not None else 0
         limit = self.limits.max_running_requests
         if new and live - leaving + new > limit:
+            beside = f"{live} live" + (f", {leaving} leaving" if leaving else "")
+            plural = "s" if new != 1 else ""
             raise ResourceExhausted(
-                f"{call}: {live} requests are live and the limit is {limit}: retry later, "
-                "send the work to another worker, or raise --max-running-requests"
+                f"{call} would start {new} new request{plural} beside {beside}: "
+                f"{live - leaving + new} in all, over the limit of {limit} live requests "
+                f"(--max-running-requests); send at most {max(limit - live + leaving, 0)} now, "
+                "retry later or use another worker"
             )
 
     def _require_idle(self, call: str) -> None:
@@ -217,13 +234,13 @@ def _log_requests(work: Work, outcome: StepOutcome) -> None:
     """
     for new in work.new:
         log.debug(
-            "request admitted", extra={"req_id": new.key[1], "prompt_tokens": len(new.prompt)}
+            "request admitted", extra={"req_id": clip(new.key[1]), "prompt_tokens": len(new.prompt)}
         )
     for key in work.preempted:
-        log.debug("request preempted", extra={"req_id": key[1]})
+        log.debug("request preempted", extra={"req_id": clip(key[1])})
     for key in work.finished:
-        log.debug("request freed by the scheduler", extra={"req_id": key[1]})
+        log.debug("request freed by the scheduler", extra={"req_id": clip(key[1])})
     for (origin, req_id), output in outcome.outputs.items():
         if origin is Origin.EXECUTE and output.finish_reason is not None:
-            extra = {"req_id": req_id, "finish_reason": output.finish_reason.value}
+            extra = {"req_id": clip(req_id), "finish_reason": output.finish_reason.value}
             log.debug("request finished", extra=extra)

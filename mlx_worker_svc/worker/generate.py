@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 from mlx_worker_svc.core.domain import ChatMessage, GenerateChunk, GenerateSpec, WorkerState
 from mlx_worker_svc.core.errors import Internal, InvalidArgument, ResourceExhausted
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import text
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generation import GenerateStream
@@ -74,7 +75,7 @@ class GenerateMixin(WorkerCore):
             self._admit_requests("Generate", 1)
             loaded = self._need_model()
             if request_id in self._streams:
-                raise InvalidArgument(f"request_id {request_id!r} is already streaming")
+                raise InvalidArgument(f"request_id {clip(request_id)!r} is already streaming")
             runner.add_generate(request_id, tuple(prompt), spec.sampling)
             skip = frozenset(loaded.info.eos_token_ids) if spec.skip_special_tokens else frozenset()
             stream = GenerateStream(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from mlx_worker_svc.core.domain import FinishReason, GenerateChunk, Origin, RequestOutput
 from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.text import TextStream
 
 _END = object()
@@ -63,7 +64,7 @@ class GenerateStream:
             log.info(
                 "request failed",
                 extra={
-                    "req_id": self.request_id,
+                    "req_id": clip(self.request_id),
                     "code": error.code.name,
                     "error": error.message,
                     "completion_tokens": self.completion_tokens,
@@ -81,7 +82,7 @@ class GenerateStream:
         log.info(
             "request aborted" if reason is FinishReason.ABORTED else "request finished",
             extra={
-                "req_id": self.request_id,
+                "req_id": clip(self.request_id),
                 "finish_reason": reason.value,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
@@ -127,7 +128,7 @@ class StreamTable:
         self._streams[stream.request_id] = stream
         log.info(
             "request admitted",
-            extra={"req_id": stream.request_id, "prompt_tokens": stream.prompt_tokens},
+            extra={"req_id": clip(stream.request_id), "prompt_tokens": stream.prompt_tokens},
         )
 
     def close(self, request_id: str, error: WorkerError | None = None) -> None:

@@ -4,7 +4,7 @@ Counted as the work happens, on the engine thread only (so with one-writer
 instruments: a few adds per step, no lock): step latency and requests per
 step (histograms), tokens computed, prompt tokens of admitted requests and
 generated tokens (counters); every RPC by method and status code
-(`metrics.RpcMetrics`). Read only when scraped, from the worker's
+(`core.metrics.RpcMetrics`). Read only when scraped, from the worker's
 health report: KV blocks used and free, prefix-cache blocks, running and
 preempted requests, steps queued for the engine (and the admission limits on
 both), MLX memory and the lifecycle state.
@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from mlx_worker_svc.core.domain import HealthReport, StepTimings, WorkerState
 from mlx_worker_svc.core.limits import AdmissionLimits
-from mlx_worker_svc.rpc.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, ServerMetrics
+from mlx_worker_svc.core.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, ServerMetrics
 
 PREFIX = "mlx_worker"
 

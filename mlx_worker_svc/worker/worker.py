@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
@@ -35,7 +36,7 @@ from mlx_worker_svc.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
@@ -43,8 +44,9 @@ from mlx_worker_svc.worker.generate import GENERATE_PREFILL_CHUNK, GenerateMixin
 
 S = WorkerState
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MEMORY_UTILIZATION = 0.9
+GaveUp = Callable[[], bool] | None
+"""Tells a lifecycle call whether its caller left (lifecycle_calls.py)."""
 
 
 # Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
@@ -62,20 +64,27 @@ def _check_block_size(block: int, where: str) -> None:
 
 
 class Worker(GenerateMixin):
-    """One model on one device, driven through its lifecycle."""
+    """One model on one device, driven through its lifecycle.
+
+    The five lifecycle calls run one at a time through `LifecycleCalls`
+    (lifecycle_calls.py): a repeat while one runs shares its result, any other
+    is refused with ABORTED. Each takes `gave_up`, which says whether its caller
+    has left, so an abandoned call leaves nothing queued on the engine thread.
+    """
 
     # --------------------------------------------------------- lifecycle
-    def init_device(self, args: DeviceArgs) -> DeviceInfo:
+    def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
         def job() -> DeviceInfo:
             self._require("InitDevice", S.NEW)
             channel = self._replica.channel
             wanted = replace(args, world_size=args.world_size or channel.size)
             device = self._replica.device
             if device is not None:
-                if wanted != self._device_args:
+                if self._device_args is not None and wanted != self._device_args:
                     raise FailedPrecondition(
-                        "InitDevice: the device is already initialised with different "
-                        "arguments; restart the worker to change it"
+                        "InitDevice: the device is already initialised, and this call asks "
+                        f"for {wanted.differences(self._device_args)}; repeat the first "
+                        "call's arguments, or restart the worker to change them"
                     )
                 return device
             wanted.check(channel.size, channel.backend)
@@ -84,9 +93,11 @@ class Worker(GenerateMixin):
             self._set_state(S.DEVICE_READY)
             return device
 
-        return self._engine.call(job)
+        return self._lifecycle.run("InitDevice", asdict(args), job, gave_up=gave_up)
 
-    def load_model(self, spec: LoadSpec) -> tuple[loader.LoadedModel, int]:
+    def load_model(
+        self, spec: LoadSpec, *, gave_up: GaveUp = None
+    ) -> tuple[loader.LoadedModel, int]:
         def job() -> tuple[loader.LoadedModel, int]:
             self._require("LoadModel", S.DEVICE_READY)
             if self._loaded is not None and spec == self._load_spec:
@@ -97,19 +108,28 @@ class Worker(GenerateMixin):
             self._model_info = loaded.info
             self._chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
             self._runner, self._memory, self._cache_config = None, None, None
-            self._new_epoch()
+            self._new_epoch("restarted or loaded a model")
             self._set_state(S.MODEL_LOADED)
             return loaded, self._epoch
 
-        return self._engine.call(job)
+        return self._lifecycle.run("LoadModel", asdict(spec), job, gave_up=gave_up)
 
     def determine_memory(
-        self, memory_utilization: float, max_num_batched_tokens: int, block_size: int
+        self,
+        memory_utilization: float,
+        max_num_batched_tokens: int,
+        block_size: int,
+        *,
+        gave_up: GaveUp = None,
     ) -> MemoryProfile:
+        """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
         util = memory_utilization or DEFAULT_MEMORY_UTILIZATION
         if not 0 < util <= 1:
             raise InvalidArgument(f"memory_utilization must be in (0, 1], got {util}")
-        tokens = max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        device, info = self._replica.device, self._model_info
+        tokens = max_num_batched_tokens or default_profile_tokens(
+            device.kind if device else None, info.max_context_length if info else 0
+        )
         block = block_size or DEFAULT_BLOCK_SIZE
         _check_block_size(block, "DetermineMemory.block_size")
 
@@ -131,7 +151,13 @@ class Worker(GenerateMixin):
                 self._set_state(S.MEMORY_PROFILED)
             return self._memory
 
-        return self._engine.call(job)
+        # float32 on the wire: 0.9 sent by a client and the default 0.9 are one call.
+        args = {
+            "memory_utilization": round(util, 6),
+            "max_num_batched_tokens": tokens,
+            "block_size": block,
+        }
+        return self._lifecycle.run("DetermineMemory", args, job, gave_up=gave_up)
 
     def init_cache(
         self,
@@ -140,6 +166,7 @@ class Worker(GenerateMixin):
         *,
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
+        gave_up: GaveUp = None,
     ) -> CacheConfig:
         if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
             raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
@@ -152,16 +179,13 @@ class Worker(GenerateMixin):
             assert profile is not None
             loaded = self._need_model()
             wanted = prefix_caching is None or prefix_caching
-            allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
+            block = block_size or profile.block_size
+            limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
             config = CacheConfig(
                 num_blocks=num_blocks,
-                block_size=block_size or profile.block_size,
+                block_size=block,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
-                memory_limit_bytes=min(
-                    memory_limit_bytes
-                    or memory_guard.derived_limit(profile, num_blocks, allowance),
-                    MAX_MEMORY_LIMIT,
-                ),
+                memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
             )
             if self._runner is not None and self._cache_config == config:
                 return config
@@ -172,9 +196,17 @@ class Worker(GenerateMixin):
                 self._set_state(S.READY)
             return config
 
-        return self._engine.call(job)
+        args = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "enable_prefix_caching": prefix_caching,
+            "memory_limit_bytes": memory_limit_bytes,
+        }
+        return self._lifecycle.run("InitCache", args, job, gave_up=gave_up)
 
-    def warm_up(self, batch_sizes: list[int], prefill_lengths: list[int]) -> tuple[int, float]:
+    def warm_up(
+        self, batch_sizes: list[int], prefill_lengths: list[int], *, gave_up: GaveUp = None
+    ) -> tuple[int, float]:
         sizes = batch_sizes or [1]
         lengths = prefill_lengths or [16]
         if any(b < 1 for b in sizes) or any(n < 1 for n in lengths):
@@ -196,7 +228,8 @@ class Worker(GenerateMixin):
             self._set_state(S.SERVING)
             return shapes, time.perf_counter() - start
 
-        return self._engine.call(job)
+        args = {"batch_sizes": tuple(sizes), "prefill_lengths": tuple(lengths)}
+        return self._lifecycle.run("WarmUp", args, job, gave_up=gave_up)
 
     # ---------------------------------------------------------- stepping
     def execute(self, plan: StepPlan, *, received_ns: int | None = None) -> StepResult:
@@ -219,9 +252,12 @@ class Worker(GenerateMixin):
             self._require("Execute", S.READY)
         runner = self._need_runner("Execute")
         if plan.worker_epoch != self._epoch:
+            why = f"since that epoch the worker {self._epoch_change}"
+            if plan.worker_epoch > self._epoch:
+                why = "newer than the worker's own, so from another worker or process"
             raise FailedPrecondition(
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "
-                f"{self._epoch} (it restarted or reloaded): resubmit requests from scratch"
+                f"{self._epoch} ({why}): resubmit requests from scratch"
             )
         leaving = sum((Origin.EXECUTE, r) in runner.seqs for r in plan.finished_req_ids)
         self._admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)
@@ -260,6 +296,7 @@ class Worker(GenerateMixin):
             deep_check_ns=deep_ns,
             uptime_seconds=time.monotonic() - self._started,
             memory=self.memory_usage(),
+            bringing_up=self._lifecycle.bringing_up,
         )
 
     def kv_nbytes(self, req_id: str) -> int:
@@ -309,7 +346,7 @@ class Worker(GenerateMixin):
                     )
                 self._runner = None
                 self._awake_state = self._state
-                self._new_epoch()
+                self._new_epoch(f"slept (Sleep level {level} aborted every request)")
                 self._set_state(S.SLEEPING)
             if level == 2:
                 self._loaded = None
@@ -350,21 +387,33 @@ class Worker(GenerateMixin):
 
     # ------------------------------------------------------------- drain
     def begin_drain(self) -> None:
-        """Stops accepting new work; running requests may finish."""
+        """Stops accepting new work; running requests may finish.
+
+        Lifecycle calls are refused from now on and their waiters woken. One
+        that is running (a load or a profile, which cannot be interrupted) is
+        not waited for: the state turns DRAINING when it ends.
+        """
 
         def job() -> None:
             if self._state is not S.STOPPED:
                 self._set_state(S.DRAINING)
 
+        self._lifecycle.close()
         if self._engine.dead is None:
-            self._engine.call(job)
+            done = self._engine.submit(job)
+            if not self._lifecycle.busy:
+                done.result()
 
     def wait_generate_idle(self, timeout: float) -> bool:
         """Waits until no Generate stream is open; returns whether it got there."""
         return self._streams.wait_empty(timeout)
 
     def close(self) -> None:
-        """Aborts what is left, frees the model and caches, stops the engine."""
+        """Aborts what is left, frees the model and caches, stops the engine.
+
+        Behind a lifecycle call still running it does not wait: there is nothing
+        to drain, and the process may exit while the engine thread finishes it.
+        """
 
         def job() -> None:
             for request_id in self._streams.ids():
@@ -377,6 +426,10 @@ class Worker(GenerateMixin):
             self._set_state(S.STOPPED)
 
         self._watchdog.stop()
+        if self._lifecycle.busy:
+            self._engine.submit(job)
+            self._engine.stop(timeout=0)
+            return
         if self._state is not S.STOPPED and self._engine.dead is None:
             with contextlib.suppress(Unavailable):
                 self._engine.call(job)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.resources
+import re
 import subprocess
 from pathlib import Path
 
@@ -186,6 +187,13 @@ def execute_two_steps(grpcurl: Grpcurl, epoch: str, prompt: list[int]) -> list[i
     assert "Code: FailedPrecondition\n" in stderr
     assert f"Execute.worker_epoch {stale} is stale; the worker's epoch is {epoch}" in stderr
     return [*out["sampled_token_ids"], *last["sampled_token_ids"]]
+
+
+def test_the_grpcurl_guide_counts_the_rpcs_that_reflection_lists(grpcurl: Grpcurl) -> None:
+    listed = grpcurl.ok("list", SERVICE).split()
+    guide = (Path(__file__).parents[2] / "docs" / "grpcurl.md").read_text()
+    counts = re.findall(r"lists the (\d+) RPCs", guide)
+    assert counts and {int(n) for n in counts} == {len(listed)}, (counts, listed)
 
 
 def test_grpcurl_drives_the_lifecycle_execute_and_generate(

@@ -8,6 +8,7 @@ worker's own grammar gives; bad masks are refused whole.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 import pytest
-from driver import code_of, details_of, wait_until_idle
+from driver import bring_up, code_of, details_of, live_server, wait_until_idle
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from structured_driver import SCHEMA_TEXTS, SCHEMAS, constrained, run_requests
 
@@ -148,8 +149,19 @@ BAD_MASKS = [
 ]
 
 
-@pytest.mark.parametrize(("step", "named"), BAD_MASKS)
-def test_a_bad_mask_rejects_the_step(tiny_stub: Stub, step: pb.ExecuteRequest, named: str) -> None:
+@pytest.fixture(scope="module")
+def shared_stub(tiny_dir: Path) -> Iterator[Stub]:
+    """One worker for the refusals (a refused step changes nothing)."""
+    with live_server() as (_, stub):
+        bring_up(stub, tiny_dir)
+        yield stub
+
+
+@pytest.mark.parametrize(("step", "named"), BAD_MASKS, ids=[n for _, n in BAD_MASKS])
+def test_a_bad_mask_rejects_the_step(
+    shared_stub: Stub, step: pb.ExecuteRequest, named: str
+) -> None:
+    tiny_stub = shared_stub
     step.worker_epoch = _epoch(tiny_stub)
     with pytest.raises(grpc.RpcError) as caught:
         tiny_stub.Execute(step)

@@ -10,6 +10,7 @@ import pytest
 from driver import drive
 from mlx_lm import load
 
+from mlx_worker_svc.client.execute_loop import run_prompts
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -38,44 +39,10 @@ def _run(
     stub: Stub, prompts: list[list[int]], params: list[pb.SamplingParams], chunk: int | None = None
 ) -> list[list[pb.RequestOutput]]:
     """Drives the prompts together; returns every output message per request, in order."""
-    epoch = _epoch(stub)
     ids = [f"s{i}" for i in range(len(prompts))]
-    total = {rid: len(p) for rid, p in zip(ids, prompts, strict=True)}
-    computed = dict.fromkeys(ids, 0)
-    messages: dict[str, list[pb.RequestOutput]] = {rid: [] for rid in ids}
-    live = set(ids)
-    new = [
-        pb.NewRequest(req_id=rid, prompt_token_ids=p, sampling_params=sp)
-        for rid, p, sp in zip(ids, prompts, params, strict=True)
-    ]
-    step = 0
-    while live:
-        scheduled = {}
-        for rid in live:
-            remaining = total[rid] - computed[rid]
-            scheduled[rid] = remaining if chunk is None else min(chunk, remaining)
-        new_ids = {n.req_id for n in new}
-        response = stub.Execute(
-            pb.ExecuteRequest(
-                step_id=step,
-                worker_epoch=epoch,
-                new_requests=new,
-                cached_requests=[
-                    pb.CachedRequest(req_id=r, num_computed_tokens=computed[r])
-                    for r in live
-                    if r not in new_ids
-                ],
-                num_scheduled_tokens=scheduled,
-            )
-        )
-        new, step = [], step + 1
-        for out in response.outputs:
-            messages[out.req_id].append(out)
-            computed[out.req_id] = out.num_computed_tokens
-            total[out.req_id] += len(out.sampled_token_ids)
-            if out.finish_reason:
-                live.discard(out.req_id)
-    return [messages[rid] for rid in ids]
+    return run_prompts(
+        stub.Execute, _epoch(stub), prompts, params, req_ids=ids, chunk=chunk
+    ).outputs
 
 
 def _tokens(messages: list[pb.RequestOutput]) -> list[int]:

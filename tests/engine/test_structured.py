@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import jsonschema
 import pytest
-from driver import code_of, details_of, wait_until_idle
+from driver import bring_up, code_of, details_of, live_server, wait_until_idle
 from structured_driver import (
     CHOICES,
     REGEXES,
@@ -31,6 +33,14 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
 Stub = pb_grpc.WorkerServiceStub
 MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def shared_stub(tiny_dir: Path) -> Iterator[Stub]:
+    """One worker for the tests that only get refusals (a refused step changes nothing)."""
+    with live_server() as (_, stub):
+        bring_up(stub, tiny_dir)
+        yield stub
 
 
 def _epoch(stub: Stub) -> int:
@@ -222,10 +232,11 @@ BAD_SPECS = [
 ]
 
 
-@pytest.mark.parametrize(("spec", "named"), BAD_SPECS)
+@pytest.mark.parametrize(("spec", "named"), BAD_SPECS, ids=[n for _, n in BAD_SPECS])
 def test_a_bad_spec_rejects_the_whole_step(
-    tiny_stub: Stub, spec: dict[str, Any], named: str
+    shared_stub: Stub, spec: dict[str, Any], named: str
 ) -> None:
+    tiny_stub = shared_stub
     epoch = _epoch(tiny_stub)
     good = constrained(8, regex="[a-z]+")
     step = pb.ExecuteRequest(
@@ -253,7 +264,8 @@ def test_a_bad_spec_rejects_the_whole_step(
     assert named in details_of(generate.value)
 
 
-def test_ignore_eos_is_refused_with_a_spec(tiny_stub: Stub) -> None:
+def test_ignore_eos_is_refused_with_a_spec(shared_stub: Stub) -> None:
+    tiny_stub = shared_stub
     params = constrained(8, regex="[a-z]+")
     params.ignore_eos = True
     step = pb.ExecuteRequest(
@@ -296,7 +308,8 @@ def test_a_continuation_elsewhere_keeps_the_grammar(tiny_stub: Stub) -> None:
 @pytest.mark.parametrize(
     ("generated", "named"), [(4, "must leave at least one"), (2, "not a start its")]
 )
-def test_a_bad_continuation_is_refused(tiny_stub: Stub, generated: int, named: str) -> None:
+def test_a_bad_continuation_is_refused(shared_stub: Stub, generated: int, named: str) -> None:
+    tiny_stub = shared_stub
     params = constrained(8, regex="[0-9]+")
     step = pb.ExecuteRequest(
         worker_epoch=_epoch(tiny_stub),

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 from driver import ServeProcess
 from gateway_process import CHAT, NO_EOS, PROMPT, Gateway, chat, complete
 
+from mlx_worker_svc.core.errors import Code
 from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -368,7 +368,7 @@ def test_the_fleet_refuses_what_the_model_cannot_take_before_routing_it(
             too_long = pb.GenerateRequest(prompt_token_ids=[5] * (limit + 1))
             with pytest.raises(ContextTooLong) as caught:
                 await first(fleet, too_long, False)
-            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.code == Code.INVALID_ARGUMENT
             assert str(caught.value) == (
                 f"the prompt has {limit + 1} tokens; the model's context length is {limit} tokens"
             )

@@ -31,9 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_worker_svc.core.limits import AdmissionLimits
 from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter
+from mlx_worker_svc.core.metrics import ServerMetrics
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.rpc.metrics import ServerMetrics
 from mlx_worker_svc.rpc.security import SecurityConfig
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 

@@ -58,7 +58,7 @@ def test_generate_past_the_running_limit_is_refused_at_once_and_health_answers(
     with pytest.raises(grpc.RpcError) as info:
         list(_long(stub, 5))
     assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"the limit is {LIMIT}" in details_of(info.value)
+    assert f"over the limit of {LIMIT} live requests" in details_of(info.value)
     # Saturated, the worker still answers both health services.
     report = stub.CheckHealth(pb.CheckHealthRequest(), timeout=5)
     assert report.num_running_requests == LIMIT and report.healthy

@@ -192,7 +192,8 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
     assert (device.world_size, device.backend, list(device.ranks)) == (1, "", [])
     stub.InitDevice(pb.InitDeviceRequest())  # 0 and 1 both mean "one process"
     code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=3)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "different" in message
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "asks for rank 3 (initialised with 0)" in message
 
 
 @pytest.mark.parametrize(
@@ -206,3 +207,24 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
 def test_unbuilt_rpcs_answer_unimplemented(stub: Stub, rpc: str, request_message: Any) -> None:
     code, message = _code(lambda: getattr(stub, rpc)(request_message))
     assert code == grpc.StatusCode.UNIMPLEMENTED and "not implemented" in message
+
+
+def test_quantization_is_reported_from_the_weights_not_config_json(
+    stub: Stub, tiny_dir: Path, tmp_path: Path
+) -> None:
+    from driver import mlx_lm_tokens
+    from tiny_model import quantized_copy
+
+    honest = quantized_copy(tiny_dir, tmp_path / "honest", bits=4, group_size=32)
+    mislabelled = quantized_copy(tiny_dir, tmp_path / "mislabelled", bits=4, group_size=32)
+    config = json.loads((mislabelled / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = {"bits": 8, "group_size": 64}
+    (mislabelled / "config.json").write_text(json.dumps(config))
+    # mlx-lm reads each layer's bits and group size from its packed weights: the same model.
+    prompt = [[1, 2, 3, 4]]
+    assert mlx_lm_tokens(mislabelled, prompt, 6) == mlx_lm_tokens(honest, prompt, 6)
+    stub.InitDevice(pb.InitDeviceRequest())
+    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(mislabelled)))
+    expected = pb.Quantization(bits=4, group_size=32, mode="affine")
+    assert loaded.model.quantization == expected
+    assert stub.GetInfo(pb.GetInfoRequest()).model.quantization == expected

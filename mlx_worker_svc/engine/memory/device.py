@@ -40,6 +40,14 @@ def memory_facts() -> tuple[int, int]:
     return total_bytes, rec_bytes if rec_bytes > 0 else total_bytes
 
 
+def cuda_gpu_count() -> int:
+    """CUDA GPUs MLX can use on this machine (0 without MLX's CUDA backend)."""
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return 0
+    return int(mx.device_count(mx.gpu))
+
+
 def init_device(
     kind: DeviceKind, *, rank: int = 0, local_rank: int = 0, world_size: int = 1
 ) -> DeviceInfo:

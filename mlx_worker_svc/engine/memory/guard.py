@@ -17,16 +17,51 @@ from collections.abc import Callable, Iterable
 import mlx.core as mx
 
 from mlx_worker_svc.core.domain import MemoryProfile, MemoryUsage
-from mlx_worker_svc.core.errors import ResourceExhausted
+from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 
 _MIB = 1 << 20
 
 
-def derived_limit(profile: MemoryProfile, num_blocks: int, utilization_bytes: int) -> int:
-    """The default memory limit: the allowance, or the budget if it is larger."""
+def kv_bytes(profile: MemoryProfile, num_blocks: int, block_size: int) -> int:
+    """Bytes a full KV budget of `num_blocks` blocks of `block_size` tokens takes."""
+    return num_blocks * block_size * profile.bytes_per_block // profile.block_size
+
+
+def budget_limit(profile: MemoryProfile, num_blocks: int, block_size: int, asked: int) -> int:
+    """The memory limit for a KV budget; raises if the budget can never fit.
+
+    `asked` is InitCache.memory_limit_bytes. 0 derives the limit: the larger of
+    memory_utilization x the recommended working set and weights + activation
+    peak + the full budget, which must then fit the device's total memory.
+    """
+    if asked:
+        check_budget(profile, num_blocks, block_size, asked, "InitCache.memory_limit_bytes")
+        return asked
+    total = profile.total_memory_bytes
+    check_budget(profile, num_blocks, block_size, total, "the device's memory")
+    allowance = int(profile.recommended_working_set_bytes * profile.memory_utilization)
     need = profile.weight_bytes + profile.activation_peak_bytes
-    need += num_blocks * profile.bytes_per_block
-    return max(utilization_bytes, need)
+    return max(allowance, need + kv_bytes(profile, num_blocks, block_size))
+
+
+def check_budget(
+    profile: MemoryProfile, num_blocks: int, block_size: int, limit: int, limit_field: str
+) -> None:
+    """Refuses a KV budget that could never be filled: weights and KV over `limit` bytes.
+
+    `limit_field` names where the limit came from, for the message.
+    """
+    kv = kv_bytes(profile, num_blocks, block_size)
+    if profile.weight_bytes + kv <= limit:
+        return
+    per_block = kv_bytes(profile, 1, block_size)
+    fits = max(limit - profile.weight_bytes, 0) // per_block if per_block else 0
+    raise InvalidArgument(
+        f"InitCache.num_blocks {num_blocks} of {block_size} tokens would take {kv} bytes of "
+        f"KV ({per_block} bytes a block) beside {profile.weight_bytes} bytes of weights, "
+        f"more than {limit_field} ({limit} bytes): at most {fits} blocks fit; lower "
+        "num_blocks (DetermineMemory suggests one) or raise the limit"
+    )
 
 
 def usage(limit: int) -> MemoryUsage:

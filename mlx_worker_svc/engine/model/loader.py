@@ -10,6 +10,7 @@ are read.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -23,10 +24,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_worker_svc.core.domain import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
-from mlx_worker_svc.engine.group import sharding
+from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.engine.model import sharding
 
+log = logging.getLogger(__name__)
 # A model without a declared context length gets this one.
 DEFAULT_CONTEXT_LENGTH = 4096
+# What mlx-lm's load_adapters reads from an adapter directory.
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -42,24 +47,46 @@ def _resolve(spec: LoadSpec) -> str:
     try:
         return _resolve_path(spec)
     except (OSError, RuntimeError) as exc:  # name too long, unknown ~user, ...
-        raise InvalidArgument(f"model {spec.model[:200]!r} is not a usable path: {exc}") from exc
+        raise InvalidArgument(f"model {clip(spec.model)!r} is not a usable path: {exc}") from exc
 
 
 def _resolve_path(spec: LoadSpec) -> str:
+    if not spec.model:
+        raise InvalidArgument("LoadModel.model is required: a local model directory or a hub id")
     path = Path(spec.model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise InvalidArgument(f"model {spec.model!r} is a file; give a model directory")
+            raise InvalidArgument(f"model {clip(spec.model)!r} is a file; give a model directory")
         if not (path / "config.json").is_file():
             raise InvalidArgument(
-                f"model directory {spec.model!r} has no config.json: not an MLX/HF model"
+                f"model directory {clip(spec.model)!r} has no config.json: not an MLX/HF model"
             )
         return str(path)
-    if not spec.model:
-        raise InvalidArgument("model must name a model directory or a hub id")
     if _HUB_ID.match(spec.model) is None:
-        raise NotFound(f"model path {spec.model!r} does not exist")
+        raise NotFound(f"model path {clip(spec.model)!r} does not exist")
     return spec.model
+
+
+def _check_adapter(adapter_path: str) -> None:
+    """Refuses an adapter_path that is not an mlx-lm adapter directory."""
+    shown = clip(adapter_path)
+    try:
+        path = Path(adapter_path).expanduser()
+        if not path.exists():
+            raise NotFound(f"LoadModel.adapter_path {shown!r} does not exist")
+        if not path.is_dir():
+            raise InvalidArgument(
+                f"LoadModel.adapter_path {shown!r} is a file; give the adapter directory "
+                f"(holding {ADAPTER_FILES[0]} and {ADAPTER_FILES[1]})"
+            )
+        missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
+    except OSError as exc:
+        raise InvalidArgument(f"LoadModel.adapter_path is not a usable path: {exc}") from exc
+    if missing:
+        raise InvalidArgument(
+            f"LoadModel.adapter_path {shown!r} has no {' or '.join(missing)}: not an mlx-lm "
+            "adapter directory (mlx_lm.lora writes both)"
+        )
 
 
 def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
@@ -70,12 +97,8 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
     from mlx_lm import load as mlx_load
 
     source = _resolve(spec)
-    try:
-        adapter_missing = bool(spec.adapter_path) and not Path(spec.adapter_path).is_dir()
-    except OSError as exc:
-        raise InvalidArgument(f"adapter_path is not a usable path: {exc}") from exc
-    if adapter_missing:
-        raise NotFound(f"adapter_path {spec.adapter_path!r} does not exist")
+    if spec.adapter_path:
+        _check_adapter(spec.adapter_path)
     start = time.perf_counter()
     sharded = group is not None and group.size() > 1
     parallelism = Parallelism.NONE
@@ -94,14 +117,14 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
     except WorkerError:
         raise
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
+        raise InvalidArgument(f"model {clip(spec.model)!r} could not be loaded: {exc}") from exc
     except OSError as exc:
-        raise Unavailable(f"model {spec.model!r} could not be fetched: {exc}") from exc
+        raise Unavailable(f"model {clip(spec.model)!r} could not be fetched: {exc}") from exc
     except Exception as exc:
         name = type(exc).__name__
         if "NotFound" in name or "RepositoryNotFound" in name:
-            raise NotFound(f"model {spec.model!r} was not found: {exc}") from exc
-        raise InvalidArgument(f"model {spec.model!r} could not be loaded: {exc}") from exc
+            raise NotFound(f"model {clip(spec.model)!r} was not found: {exc}") from exc
+        raise InvalidArgument(f"model {clip(spec.model)!r} could not be loaded: {exc}") from exc
     seconds = time.perf_counter() - start
     info = describe(spec, source, model, tokenizer, config, parallelism=parallelism)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=seconds)
@@ -114,6 +137,44 @@ def _dominant_float_dtype(params: list[tuple[str, mx.array]]) -> str:
             key = str(value.dtype).removeprefix("mlx.core.")
             counts[key] = counts.get(key, 0) + value.size
     return max(counts, key=lambda k: counts[k]) if counts else "unknown"
+
+
+def loaded_quantization(model: nn.Module) -> Quantization:
+    """The quantization of most of the model's quantized weights, as loaded.
+
+    Read from the layers themselves (their bits, group size and mode), not from
+    config.json; models mix them (an 8-bit embedding beside 4-bit layers), and
+    the one covering the most weights is reported.
+    """
+    counts: dict[Quantization, int] = {}
+    for _, module in model.named_modules():
+        bits, group_size = getattr(module, "bits", None), getattr(module, "group_size", None)
+        weight = module.get("weight") if isinstance(module, nn.Module) else None
+        if isinstance(bits, int) and isinstance(group_size, int) and weight is not None:
+            key = Quantization(bits, group_size, str(getattr(module, "mode", "affine")))
+            counts[key] = counts.get(key, 0) + int(weight.size) * 32 // bits
+    return max(counts, key=lambda q: counts[q]) if counts else Quantization()
+
+
+def _warn_if_config_differs(spec: LoadSpec, cfg: dict[str, Any], loaded: Quantization) -> None:
+    """Logs a config.json whose top-level quantization disagrees with the weights.
+
+    mlx-lm infers each layer's bits and group size from its packed weights, so
+    such a model loads and runs correctly; the worker reports what was loaded.
+    """
+    declared = cfg.get("quantization")
+    if not isinstance(declared, dict) or not loaded.bits:
+        return
+    said = (declared.get("bits"), declared.get("group_size"))
+    if said != (loaded.bits, loaded.group_size):
+        log.warning(
+            "config.json says quantization bits %s, group size %s, but the weights loaded are "
+            "%d-bit with group size %d; reporting the weights",
+            *said,
+            loaded.bits,
+            loaded.group_size,
+            extra={"model": clip(spec.model)},
+        )
 
 
 def describe(
@@ -149,14 +210,8 @@ def describe(
     context = arg("max_position_embeddings", "max_seq_len", default=DEFAULT_CONTEXT_LENGTH)
     if spec.max_model_len:
         context = min(context, spec.max_model_len)
-    quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
-    quantization = Quantization()
-    if isinstance(quant, dict) and quant.get("bits"):
-        quantization = Quantization(
-            bits=int(quant["bits"]),
-            group_size=int(quant.get("group_size", 64)),
-            mode=str(quant.get("mode", "affine")),
-        )
+    quantization = loaded_quantization(model)
+    _warn_if_config_differs(spec, cfg, quantization)
     params = tree_flatten(model.parameters())
     weight_bytes = sum(int(v.nbytes) for _, v in params)
     eos = sorted(int(t) for t in (tokenizer.eos_token_ids or []))

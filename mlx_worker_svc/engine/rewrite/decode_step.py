@@ -1,29 +1,19 @@
 """One-token decode steps of a llama model, built from fewer graph nodes.
 
-On a GPU a decode step is bound by the host (`engine/rewrite/fused.py`): building
-its graph in Python and launching it, node by node. mlx-lm's modules build a
-step for a batch of rows as a prompt of length 1: every product flattens its
-`[B, 1, D]` input and unflattens its output (two nodes each), and every
-attention input is reshaped, then transposed to `[B, heads, 1, head_dim]`.
-With the projections fused, a 16-layer Llama-3.2-1B step is 557 primitives
-(782 without; `benchmarks/gpu/step_ops.py` counts them on the GPU), of which
-262 launch a kernel. A step of one token per row needs none of
-those views: the residual stream stays `[B, D]` (products take it as it is),
-and `[B, heads * head_dim]` becomes `[B, heads, 1, head_dim]` by one reshape
-(moving a length-1 axis moves nothing). `install` builds such a step for an
-mlx-lm llama model whose projections `engine/rewrite/fused.py` fused, calling the
-same primitives on the same values in the same order as the model's own
-forward: its rope, its cache's `update_and_fetch` and mask, mlx-lm's
-attention, MLX's normalisation and `swiglu`. The logits equal the model's bit
-for bit (`tests/engine/rewrite/test_decode_step.py`, on the CPU, for every cache kind the
-worker uses; the GPU benchmark's parity check on CUDA).
-
-`logits(model, tokens, cache)` runs a decode step of `tokens` (`[B]`)
-through the installed step, or through the model itself where none is
-installed: other architectures, quantized, biased or sharded layers,
-sliding-window attention, or the fused products switched off. Like the fused
-products, the step holds the weights the model had at install: the worker
-installs it on the model a runner is built for, whose weights do not change.
+What: `install` builds, for an mlx-lm llama whose projections
+`engine/rewrite/fused.py` fused, a decode step that keeps the residual stream
+`[B, D]` and makes heads by one reshape, where mlx-lm's modules treat the step
+as a prompt of length 1 (flattening, unflattening and transposing around every
+product). `logits(model, tokens, cache)` runs it, or the model itself where
+none is installed (other architectures; quantized, biased or sharded layers;
+sliding windows; fused products off). Why: a GPU decode step is bound by the
+host, node by node.
+Invariants: the same primitives on the same values in the same order as the
+model's forward (its rope, its cache's `update_and_fetch` and mask, mlx-lm's
+attention), so the logits equal the model's bit for bit
+(`tests/engine/rewrite/test_decode_step.py`); the step holds the weights the
+model had at install, which do not change under a runner. Measurements:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations

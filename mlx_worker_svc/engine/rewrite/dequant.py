@@ -1,22 +1,17 @@
 """Large decode batches of quantized models: matrix products on dequantized weights.
 
-MLX's quantized matrix product is built for few rows: on an H200 a 4-bit
-Llama-3.2-1B decodes 128 rows at about a ninth of the bf16 model's rate
-(1,755 against 15,969 tokens/s), although it reads a quarter of the bytes.
-For a decode forward of many rows it is faster to dequantize each weight
-(a transient copy in the scales' dtype, one matrix at a time, freed once
-used) and run an ordinary matrix product.
-
-`install` registers a loaded model's affine-quantized layers; a
-`rows(model, n)` block with n at or above `MIN_ROWS`, open around the
-forward's construction, switches them to classes that do so, and back when
-it closes. With fewer rows (single streams, small batches) and in every
-prefill they are MLX's own classes, untouched: a single stream computes
-exactly what mlx-lm computes and pays nothing per layer for the switch (the
-class changes once per forward, not a check in every layer). A model without
-quantized layers is left as it is. On by default with MLX's CUDA backend only;
-`MLX_WORKER_DEQUANT_MIN_BATCH` sets the threshold anywhere (0: never). The
-switch is the model's, not a thread's: only the engine thread builds forwards.
+What: `install` registers a loaded model's affine-quantized layers; inside a
+`rows(model, n)` block with n >= `MIN_ROWS`, open around a forward's
+construction, they switch to classes that dequantize each weight (a transient
+copy in the scales' dtype, one matrix at a time) and run an ordinary product,
+and back when it closes. Why: MLX's quantized product is built for few rows and
+is slow for large decode batches on CUDA.
+Invariants: with fewer rows and in every prefill the layers are MLX's own
+classes, so single streams compute exactly what mlx-lm computes and pay no
+per-layer check (the class changes once per forward); a model without
+quantized layers is left alone; only the engine thread builds forwards. On by
+default on CUDA only (`MLX_WORKER_DEQUANT_MIN_BATCH`: the threshold, 0 never).
+Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,19 @@
 """Decode forwards: a layer's sibling projections of one input as one product.
 
-A decode step on a GPU is bound by the host: building the model's graph and
-launching its few hundred small kernels takes longer than the device needs
-to run them (an H200 runs a Llama-3.2-1B step's kernels in well under a
-millisecond at one row; the host takes about two to build and launch them,
-and at 32 rows its launch alone takes about 2.5 ms, most of it the matrix
-products). Llama-style attention projects its input three times (q, k, v)
-and its MLP twice (gate, up); vLLM and TGI multiply by the concatenated
-weights once. Here `install` does the same for a loaded mlx-lm model without
-touching its code:
-
-- Each group of sibling layers (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
-  `up_proj`) of the same kind (plain or affine-quantized linear layers with
-  the same input size, dtype, bias and quantization) gets its parameters
-  concatenated along the output rows, once. Each original layer keeps its
-  own rows of them as a view: no parameter is held twice.
-- Each layer is wrapped. For a forward of one row, and for a decode step (one
-  token per row) of a plain group with `BATCHED` on, the group's first
-  projection multiplies by the concatenated weights and hands its siblings
-  their columns of the product (keyed by the identity of the input array).
-  Otherwise (prompts; decode batches of quantized groups, which switch to
-  dequantized weights at 32 rows, `engine/rewrite/dequant.py`) every layer runs as it
-  did, on its own rows of the concatenated weights.
-
-Two layers fewer per attention group, one fewer per MLP: in a 16-layer model,
-48 fewer matrix products to build and launch per decode step. The products
-are the same rows times the same vectors. Where the kernel computes each
-output of a matrix-vector product on its own, whatever the number of
-outputs, single-row results match the unfused model's bit for bit: checked
-for float32, bfloat16, float16 and 4-bit on MLX's CPU backend by
-`tests/engine/rewrite/test_fused.py`, and on CUDA for bf16 and 4-bit on a Llama-3.2-1B shape
-by `benchmarks/gpu/profile_step.py --anatomy --fuse` and the GPU benchmark's
-parity check. A matrix product of several rows by a wider weight could pick
-another kernel and round differently; on CUDA (cuBLAS) bf16 decode batches
-of 8 to 128 rows gave mlx-lm's tokens exactly for 128 steps
-(`--anatomy --fuse`), and the launch of a step at 32 and 128 rows got about
-a fifth shorter (benchmarks/gpu/NOTES.md).
-
-On by default with MLX's CUDA backend only, where it was measured and
-checked. MLX's Metal matrix-vector kernels are tuned by the product's shape,
-so there a concatenated product may round differently from the separate
-ones, and single streams must stay exactly mlx-lm's: off on Apple silicon
-(and on CPUs, where a step is not bound by the host) unless
-`MLX_WORKER_FUSE=1`; `MLX_WORKER_FUSE=0` turns it off anywhere, and
-`MLX_WORKER_FUSE_BATCHED=0` keeps decode batches on the separate products.
-Like `engine/rewrite/dequant.py`, this assumes one thread builds the model's
-forwards (the engine thread); another thread's forward would still compute
-the right values (parts are keyed by their input), only without the saving.
+What: `install` concatenates, once, the weights of each group of sibling layers
+of a loaded mlx-lm model (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj`, of
+one kind, size, dtype, bias and quantization); each layer keeps its rows as a
+view. For a one-row forward, and for a decode step of a plain group when
+`BATCHED`, the first projection multiplies by the concatenation and hands its
+siblings their columns (keyed by the input array); otherwise every layer runs
+on its own rows. Why: a GPU decode step is bound by the host's graph building
+and kernel launches, and this removes three products per layer.
+Invariants: no parameter is held twice; single-row results are the unfused
+model's bit for bit where a kernel computes each output on its own (checked by
+`tests/engine/rewrite/test_fused.py` on the CPU and the GPU benchmark's parity
+check); prompts and quantized batches are untouched. On by default on CUDA only
+(`MLX_WORKER_FUSE`, `MLX_WORKER_FUSE_BATCHED`); one thread builds forwards.
+Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Linear layers multiply by a transposed view of their weight made once.
 
-`nn.Linear` computes `x @ weight.T` (and a tied output head
-`Embedding.as_linear` the same), so every forward adds one transpose to the
-graph per layer: 113 per decode step of a 16-layer Llama (65 with fused
-projections, `engine/rewrite/fused.py`), each built in Python and then evaluated by
-MLX, for a view that never changes. A decode
-step of one sequence on a GPU is bound by exactly that host work (see
-`engine/rewrite/fused.py`). `install` switches a loaded model's plain linear layers
-(and a plain embedding, for tied heads) to subclasses that keep the view,
-made once, with the weight it was made from: the product is the same
-operation on the same arrays (same buffer, shape and strides), so the
-results are the unchanged model's bit for bit (`tests/engine/rewrite/test_transposed.py`).
-If a weight is replaced (`model.update`, a reload), the view is made anew
-from the new one on the next call. Parameters, their names and saving are
-untouched; the view is a plain attribute, sharing the weight's memory.
-
-On by default on every backend; `MLX_WORKER_TRANSPOSED=0` turns it off (for
-A/B runs of the GPU benchmark).
+What: `install` switches a loaded model's plain linear layers (and a plain
+embedding, for tied heads) to subclasses that keep `weight.T`, made once with
+the weight it came from, instead of adding a transpose to the graph in every
+call. Why: a GPU decode step is bound by the host's graph building
+(`engine/rewrite/fused.py`), and those views never change.
+Invariants: the product is the same operation on the same arrays (buffer,
+shape, strides), so results are the unchanged model's bit for bit
+(`tests/engine/rewrite/test_transposed.py`); a replaced weight (`model.update`,
+a reload) gets a new view on the next call; parameters, their names and saving
+are untouched, and the view shares the weight's memory. On by default on every
+backend (`MLX_WORKER_TRANSPOSED=0`: off, for A/B runs). Measurements:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from tiny_model import build_tiny_model
 from mlx_worker_svc.cli.group_launch import free_ports
 from mlx_worker_svc.core.domain import Parallelism
 from mlx_worker_svc.core.errors import InvalidArgument
-from mlx_worker_svc.engine.group import sharding
+from mlx_worker_svc.engine.model import sharding
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import WorkerServer

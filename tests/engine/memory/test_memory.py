@@ -252,3 +252,46 @@ def test_an_allocation_failure_mid_step_is_undone_and_nothing_is_lost(
     steps.run_out("p1", "p2", "p3")
     reference = reference_tokens(tiny_dir, [p1, p2, p3], 12)
     assert [steps.outputs[r] for r in ("p1", "p2", "p3")] == reference
+
+
+# ------------------------------------------------------------- the KV budget
+def _profiled(stub: Stub, model: Path) -> pb.DetermineMemoryResponse:
+    stub.InitDevice(pb.InitDeviceRequest())
+    stub.LoadModel(pb.LoadModelRequest(model=str(model)))
+    request = pb.DetermineMemoryRequest(max_num_batched_tokens=64, block_size=16)
+    profile: pb.DetermineMemoryResponse = stub.DetermineMemory(request)
+    return profile
+
+
+def _refused_budget(stub: Stub, request: pb.InitCacheRequest) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.InitCache(request)
+    assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT, details_of(info.value)
+    assert _health(stub).state == pb.WORKER_STATE_MEMORY_PROFILED  # nothing changed
+    return details_of(info.value)
+
+
+def test_a_kv_budget_over_the_memory_limit_is_refused_with_the_bytes(
+    stub: Stub, tiny_dir: Path
+) -> None:
+    profile = _profiled(stub, tiny_dir)
+    per_block, weights = profile.bytes_per_block, profile.weight_bytes
+    message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=2**32, memory_limit_bytes=1))
+    assert f"num_blocks {2**32} of 16 tokens would take {2**32 * per_block} bytes of KV" in message
+    assert f"beside {weights} bytes of weights" in message
+    assert "InitCache.memory_limit_bytes (1 bytes): at most 0 blocks fit" in message
+    # A limit that holds the weights and exactly 10 blocks takes 10 and refuses 11.
+    limit = weights + 10 * per_block
+    message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=11, memory_limit_bytes=limit))
+    assert "at most 10 blocks fit" in message
+    cache = stub.InitCache(pb.InitCacheRequest(num_blocks=10, memory_limit_bytes=limit))
+    assert cache.num_blocks == 10 and cache.memory_limit_bytes == limit
+
+
+def test_a_kv_budget_over_the_device_memory_is_refused(stub: Stub, tiny_dir: Path) -> None:
+    profile = _profiled(stub, tiny_dir)
+    message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=2**32))
+    fits = (profile.total_memory_bytes - profile.weight_bytes) // profile.bytes_per_block
+    assert f"the device's memory ({profile.total_memory_bytes} bytes)" in message
+    assert f"at most {fits} blocks fit" in message
+    assert stub.InitCache(pb.InitCacheRequest(num_blocks=fits)).num_blocks == fits

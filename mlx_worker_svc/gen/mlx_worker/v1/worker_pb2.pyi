@@ -518,7 +518,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, active_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckHealthResponse(_message.Message):
-    __slots__ = ("state", "healthy", "num_running_requests", "num_preempted_requests", "kv", "last_error", "worker_epoch", "deep_check_ns", "uptime_seconds", "memory")
+    __slots__ = ("state", "healthy", "num_running_requests", "num_preempted_requests", "kv", "last_error", "worker_epoch", "deep_check_ns", "uptime_seconds", "memory", "bringing_up")
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +529,7 @@ class CheckHealthResponse(_message.Message):
     DEEP_CHECK_NS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BRINGING_UP_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     healthy: bool
     num_running_requests: int
@@ -539,7 +540,8 @@ class CheckHealthResponse(_message.Message):
     deep_check_ns: int
     uptime_seconds: float
     memory: MemoryUsage
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., healthy: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., last_error: _Optional[str] = ..., worker_epoch: _Optional[int] = ..., deep_check_ns: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ...) -> None: ...
+    bringing_up: bool
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., healthy: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., last_error: _Optional[str] = ..., worker_epoch: _Optional[int] = ..., deep_check_ns: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., bringing_up: _Optional[bool] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_seconds", "abort")

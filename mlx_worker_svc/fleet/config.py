@@ -1,0 +1,42 @@
+"""How the fleet drives each worker: batching, probes, deadlines (`LinkConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlx_worker_svc.client.worker import ClientConfig
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    model: str = ""  # LoadModel's model for a worker that has none loaded
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # Decode steps per Execute call once every running request decodes
+    # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
+    decode_steps: int = 1
+    num_blocks: int = 0  # 0: the worker's suggestion
+    # A lost worker is probed again after retry_backoff s, doubling to max_backoff.
+    retry_backoff: float = 0.5
+    max_backoff: float = 2.0
+    # Health probes, busy or idle: one CheckHealth every probe_interval s, each
+    # one attempt with a probe_timeout s deadline; probe_misses timeouts in a
+    # row take the worker as hung (a refused connection at once), so a hang is
+    # found within probe_misses x (probe_interval + probe_timeout) s.
+    probe_interval: float = 1.0
+    probe_timeout: float = 2.0
+    probe_misses: int = 2
+    # Deadline of each lifecycle call (LoadModel, DetermineMemory, ...) the link makes.
+    lifecycle_timeout: float = 600.0
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+    def __post_init__(self) -> None:
+        if min(self.probe_interval, self.probe_timeout, self.lifecycle_timeout) <= 0:
+            raise ValueError("probe_interval, probe_timeout and lifecycle_timeout must be > 0")
+        if self.probe_misses < 1:
+            raise ValueError(f"probe_misses must be >= 1, got {self.probe_misses}")
+
+    @property
+    def detection_seconds(self) -> float:
+        """The longest a hung worker keeps its requests."""
+        return self.probe_misses * (self.probe_interval + self.probe_timeout)

@@ -1,0 +1,142 @@
+"""Error messages say what was wrong, with the caller's values, and quote client strings short."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from driver import code_of, details_of, greedy
+
+from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.WorkerServiceStub
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _refused(call: Callable[[], Any], code: grpc.StatusCode = INVALID) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if not isinstance(result, pb.InitDeviceResponse | pb.LoadModelResponse):
+            list(result)  # a stream: the error comes with its first message
+    assert code_of(info.value) == code, details_of(info.value)
+    return details_of(info.value)
+
+
+def _step(stub: Stub, epoch: int, **fields: Any) -> pb.ExecuteResponse:
+    response: pb.ExecuteResponse = stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, **fields))
+    return response
+
+
+def _new(req_id: str, prompt: list[int] | None = None) -> pb.NewRequest:
+    return pb.NewRequest(
+        req_id=req_id, prompt_token_ids=prompt or [1, 2, 3], sampling_params=greedy(8)
+    )
+
+
+def test_init_device_names_the_arguments_that_differ(stub: Stub) -> None:
+    stub.InitDevice(pb.InitDeviceRequest(device=pb.DEVICE_KIND_CPU))
+    message = _refused(
+        lambda: stub.InitDevice(pb.InitDeviceRequest(distributed_init_method="ring")),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    assert "device DEVICE_KIND_UNSPECIFIED (initialised with DEVICE_KIND_CPU)" in message
+    assert "distributed_init_method 'ring' (initialised with '')" in message
+    assert stub.InitDevice(pb.InitDeviceRequest(device=pb.DEVICE_KIND_CPU)).device.name
+
+
+def test_load_model_messages_name_the_field(stub: Stub, tmp_path: Path) -> None:
+    stub.InitDevice(pb.InitDeviceRequest())
+    message = _refused(lambda: stub.LoadModel(pb.LoadModelRequest()))
+    assert message == "LoadModel.model is required: a local model directory or a hub id"
+
+
+def test_adapter_paths_that_are_no_adapter_directory(
+    stub: Stub, tiny_dir: Path, tmp_path: Path
+) -> None:
+    stub.InitDevice(pb.InitDeviceRequest())
+    model = str(tiny_dir)
+    file = tmp_path / "adapters.safetensors"
+    file.write_bytes(b"")
+    message = _refused(
+        lambda: stub.LoadModel(pb.LoadModelRequest(model=model, adapter_path=str(file)))
+    )
+    assert f"LoadModel.adapter_path '{file}' is a file; give the adapter directory" in message
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "adapters.safetensors").write_bytes(b"")
+    message = _refused(
+        lambda: stub.LoadModel(pb.LoadModelRequest(model=model, adapter_path=str(bare)))
+    )
+    assert f"LoadModel.adapter_path '{bare}' has no adapter_config.json" in message
+    assert "not an mlx-lm adapter directory" in message
+    missing = tmp_path / "nowhere"
+    message = _refused(
+        lambda: stub.LoadModel(pb.LoadModelRequest(model=model, adapter_path=str(missing))),
+        grpc.StatusCode.NOT_FOUND,
+    )
+    assert message == f"LoadModel.adapter_path '{missing}' does not exist"
+    assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_DEVICE_READY
+
+
+def test_a_preempted_request_is_not_called_running(tiny_stub: Stub) -> None:
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    _step(tiny_stub, epoch, new_requests=[_new("p")], num_scheduled_tokens={"p": 3})
+    _step(tiny_stub, epoch, preempted_req_ids=["p"])
+    again = {"new_requests": [_new("p")], "num_scheduled_tokens": {"p": 3}}
+    message = _refused(lambda: _step(tiny_stub, epoch, **again))
+    assert "req_id is a preempted request the worker still holds" in message
+    assert "resumed_from_preemption" in message and "already running" not in message
+
+
+def test_the_running_limit_message_gives_the_real_numbers(tiny_stub: Stub) -> None:
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    two = [_new("a"), _new("b")]
+    _step(tiny_stub, epoch, new_requests=two, num_scheduled_tokens={"a": 3, "b": 3})
+    many = [_new(f"n{i}") for i in range(300)]
+    message = _refused(
+        lambda: _step(tiny_stub, epoch, step_id=7, new_requests=many, finished_req_ids=["a"]),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    assert message.startswith(
+        "Execute step 7 would start 300 new requests beside 2 live, 1 leaving: 301 in all, "
+        "over the limit of 256 live requests (--max-running-requests); send at most 255 now"
+    )
+
+
+def test_the_stale_epoch_message_after_a_sleep_says_it_slept(tiny_stub: Stub) -> None:
+    old = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    tiny_stub.Sleep(pb.SleepRequest(level=1))
+    epoch = tiny_stub.WakeUp(pb.WakeUpRequest()).worker_epoch
+    message = _refused(lambda: _step(tiny_stub, old), grpc.StatusCode.FAILED_PRECONDITION)
+    assert f"worker_epoch {old} is stale; the worker's epoch is {epoch}" in message
+    assert "since that epoch the worker slept (Sleep level 1" in message
+    assert "restarted" not in message
+
+
+def test_a_megabyte_request_id_is_quoted_short(
+    tiny_stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = "r" * (1 << 20)
+    caplog.set_level(logging.DEBUG)
+    chunks = list(
+        tiny_stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=[1, 2, 3], request_id=huge, sampling_params=greedy(2)
+            )
+        )
+    )
+    assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    epoch = tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+    bad = pb.NewRequest(req_id=huge, prompt_token_ids=[])
+    message = _refused(lambda: _step(tiny_stub, epoch, new_requests=[bad]))
+    assert message.startswith(f"new_requests[0] (req_id '{'r' * 200}...[1048576 chars]')")
+    assert len(message) < 500
+    lines = [f.format(r) for r in caplog.records for f in (TextFormatter(), JsonFormatter())]
+    assert sum("...[1048576 chars]" in line for line in lines) >= 4  # admitted, finished, refused
+    assert max(len(line) for line in lines) < 3000

@@ -4,10 +4,11 @@ Chat (`/v1/chat/completions`) and legacy completions (`/v1/completions`) share
 the sampling fields (temperature, top_p, seed, stop, max_tokens, penalties,
 logit_bias) and add their own prompt and logprobs shapes. vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids) are honoured too, since the workers take vLLM's parameters.
-Like OpenAI, an argument the endpoint does not know is a 400, and one it knows
-but cannot honour (n > 1, echo, a tool call: tools.py) is a 400 that says so,
-never silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
+stop_token_ids) are honoured too, since the workers take vLLM's parameters,
+and so are the structured-output fields (structured.py) and chat's tool fields
+(tools.py). Like OpenAI, an argument the endpoint does not know is a 400, and
+one it knows but cannot honour (n > 1, echo) is a 400 that says so, never
+silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
 past the parser's depth or holds a lone surrogate escape is a 400 too
 (`parse_body`).
 """

@@ -39,6 +39,7 @@ import httpx
 
 from benchmarks.common import machine_facts, machine_name, percentile, ratio, temp_dir
 from benchmarks.fleet import ServerProcess, cpu_seconds, cpu_used, worker_processes
+from mlx_worker_svc.cli import envs
 from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [c * max(args.rounds, -(-args.min_requests // c)) for c in levels]
     prompts = chat_prompts(sum(counts) + max(levels))
     warm, rest = prompts[: max(levels)], prompts[max(levels) :]
-    model = ensure_default_model(show_progress=True)
+    model = ensure_default_model(envs.cache_root(), show_progress=True)
     started = time.monotonic()
     out: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),

@@ -53,6 +53,7 @@ from benchmarks.common import (
     slope,
     temp_dir,
 )
+from mlx_worker_svc.cli import envs
 from mlx_worker_svc.engine.model.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -297,7 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with temp_dir() as tmp:
-        model = args.model or str(float32_copy(tmp, ensure_default_model(show_progress=False)))
+        model = args.model or str(
+            float32_copy(tmp, ensure_default_model(envs.cache_root(), show_progress=False))
+        )
         result = run(args, model)
     outcomes = Counter(result["outcomes"])
     checks = {

@@ -124,13 +124,33 @@ def timed(name: str, seconds: dict[str, float], fn: Callable[[], dict[str, Any]]
     return result
 
 
+def _tiny_worker_sections(
+    args: argparse.Namespace, tiny: Path, wanted: set[str], seconds: dict[str, float]
+) -> dict[str, Any]:
+    """Sections (c) and (d): one worker on the tiny model."""
+    from mlx_lm import load
+
+    sections: dict[str, Any] = {}
+    model, tokenizer = load(str(tiny))
+    prompt = encode(tokenizer, SHORT)
+    with live_worker(tiny) as worker:
+        if "c" in wanted:
+            steps = args.overhead_steps
+            sections["c"] = timed("c", seconds, lambda: section_c(worker, prompt, steps))
+        if "d" in wanted:
+            n = args.seeds_tokens
+            sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
+    return sections
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
 
+    from mlx_worker_svc.cli import envs
     from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
     started = time.perf_counter()
-    embedded = ensure_default_model(show_progress=False)
+    embedded = ensure_default_model(envs.cache_root(), show_progress=False)
     main_model = Path(args.model) if args.model else embedded
     sections: dict[str, Any] = {}
     seconds: dict[str, float] = {}
@@ -140,16 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if wanted & {"c", "d", "g", "h"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
         if wanted & {"c", "d"}:
-            model, tokenizer = load(str(tiny))
-            prompt = encode(tokenizer, SHORT)
-            with live_worker(tiny) as worker:
-                if "c" in wanted:
-                    steps = args.overhead_steps
-                    sections["c"] = timed("c", seconds, lambda: section_c(worker, prompt, steps))
-                if "d" in wanted:
-                    n = args.seeds_tokens
-                    sections["d"] = timed("d", seconds, lambda: section_d(worker, model, prompt, n))
-            del model, tokenizer
+            sections.update(_tiny_worker_sections(args, tiny, wanted, seconds))
         if "h" in wanted:
             sections["h"] = timed("h", seconds, lambda: _structured(args, tiny))
         if wanted & {"a", "b", "e", "f"}:

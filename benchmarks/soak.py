@@ -479,6 +479,7 @@ def soak(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mlx_worker_svc.cli import envs
     from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
     args = parse_args(argv)
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             model, model_name = Path(args.model), args.model
         else:
-            model = build_tiny(tmp, ensure_default_model(show_progress=False))
+            model = build_tiny(tmp, ensure_default_model(envs.cache_root(), show_progress=False))
             model_name = "tiny random llama (tests/tiny_model.py), float32"
         try:
             run = soak(args, model)

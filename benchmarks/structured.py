@@ -68,7 +68,7 @@ def _params(tokens: int, schema: str | None) -> pb.SamplingParams:
 def _grammars(worker: Worker) -> Any:
     """The in-process worker's grammar compiler (its counters)."""
     assert worker.server is not None
-    runner = worker.server.worker._runner  # the benchmark reads the worker's counters
+    runner = worker.server.worker.core.runner  # the benchmark reads the worker's counters
     assert runner is not None
     return runner.grammars
 

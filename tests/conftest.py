@@ -10,6 +10,7 @@ import pytest
 from driver import ServeProcess, bring_up
 from tiny_model import build_tiny_model, dequantized_copy
 
+from mlx_worker_svc.cli import envs
 from mlx_worker_svc.engine.model.embedded import ensure_default_model
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -17,7 +18,7 @@ from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
-    return ensure_default_model(show_progress=False)
+    return ensure_default_model(envs.cache_root(), show_progress=False)
 
 
 @pytest.fixture(scope="session")

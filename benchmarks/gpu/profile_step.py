@@ -23,7 +23,7 @@ no look-ahead) into the host's graph construction (Python), the launch
 device after it: whether a step is bound by the host or by the device. With
 `--fuse` the same model with its weights' transposed views kept
 (`engine/rewrite/transposed.py`), and with its projections fused too
-(`engine/rewrite/fused.py`; decode batches too unless `MLX_WORKER_FUSE_BATCHED=0`), and
+(`engine/rewrite/fused.py`, single rows and decode batches), and
 the fused copy's own decode step (`engine/rewrite/decode_step.py`), run beside it,
 interleaved, and their greedy tokens are compared with mlx-lm's.
 """
@@ -181,7 +181,6 @@ def measure_anatomy(model_dir: Path, sizes: list[int], args: argparse.Namespace)
 
     models = {"mlx-lm": load(str(model_dir))[0]}
     if args.fuse:
-        fused.ENABLED = True  # asked for: whatever the backend's default
         models["transposed"] = load(str(model_dir))[0]
         transposed.install(models["transposed"])
         models["fused"] = load(str(model_dir))[0]

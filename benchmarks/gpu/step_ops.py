@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         dirs = build_models(tmp / "models", shape, args.dtypes.split(","))
         for name, model_dir in dirs.items():
             models = {copy: load(str(model_dir))[0] for copy in ("mlx-lm", "fused", "step")}
-            fused.ENABLED = True
             for copy in ("fused", "step"):
                 fused.install(models[copy])
                 transposed.install(models[copy])

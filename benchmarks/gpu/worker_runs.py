@@ -12,41 +12,43 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks.baselines import raw_batch, raw_stream
 from benchmarks.common import Worker, process_worker
 from benchmarks.execute_client import run_execute, run_generate, run_generate_streams
 from benchmarks.timeline import combined_stats
 
-# Worker variants: the environment of the worker process (engine knobs for A/B runs).
-VARIANTS: dict[str, dict[str, str]] = {
+
+class Variant(NamedTuple):
+    """A worker variant: engine options as `serve` flags, and MLX's own variables."""
+
+    flags: tuple[str, ...] = ()  # engine options (cli/engine_flags.py)
+    env: Mapping[str, str] = {}  # variables MLX itself reads (read only: a shared default)
+
+
+# Worker variants (engine options for A/B runs).
+VARIANTS: dict[str, Variant] = {
     # Everything on: the next forward queued before the host reads the tokens
     # (with the greedy choice of its tokens), decode steps through fused
-    # projections (CUDA), weights' transposed views kept, aligned batches decode
-    # without a mask, quantized models decode batches of 32 rows and more on
-    # dequantized weights.
-    "speculate": {"MLX_WORKER_LOOKAHEAD": "speculate"},
+    # projections (CUDA), aligned batches decode without a mask, quantized models
+    # decode batches of 32 rows and more on dequantized weights.
+    "speculate": Variant(("--look-ahead", "speculate")),
     # The look-ahead of the engine before this work: started after the step.
-    "after": {"MLX_WORKER_LOOKAHEAD": "after"},
+    "after": Variant(("--look-ahead", "after")),
     # No look-ahead at all.
-    "off": {"MLX_WORKER_LOOKAHEAD": "off"},
+    "off": Variant(("--look-ahead", "off")),
     # Speculation, but mlx-lm's masks on every batched step.
-    "masked": {"MLX_WORKER_ALIGNED_DECODE": "0"},
+    "masked": Variant(("--no-aligned-decode",)),
     # Speculation, but MLX's quantized kernel at every batch size (quantized models only).
-    "quantized": {"MLX_WORKER_DEQUANT_MIN_BATCH": "0"},
+    "quantized": Variant(("--dequant-min-batch", "0")),
     # The default engine with MLX's CUDA graphs of up to 80 operations (MLX's default: 20),
     # so fewer graphs are built and launched per decode step.
-    "ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
+    "ops80": Variant(env={"MLX_MAX_OPS_PER_BUFFER": "80"}),
     # The default engine without fused projections (engine/rewrite/fused.py).
-    "unfused": {"MLX_WORKER_FUSE": "0"},
-    # The default engine with fused projections for single rows only.
-    "fuse-single": {"MLX_WORKER_FUSE_BATCHED": "0"},
-    # The default engine with linear layers transposing their weight in every
-    # forward, as nn.Linear does (engine/rewrite/transposed.py).
-    "untransposed": {"MLX_WORKER_TRANSPOSED": "0"},
+    "unfused": Variant(("--fuse", "off")),
 }
 
 
@@ -56,9 +58,10 @@ QUANTIZED_ONLY = {"quantized"}
 DEQUANT_MIN_BATCH = {"gpu": "32", "smoke": "2"}
 
 
-def variant_env(variant: str, smoke: bool) -> dict[str, str]:
-    env = {"MLX_WORKER_DEQUANT_MIN_BATCH": DEQUANT_MIN_BATCH["smoke" if smoke else "gpu"]}
-    return {**env, **VARIANTS[variant]}
+def variant_flags(variant: str, smoke: bool) -> list[str]:
+    """The `serve` flags of a variant (the dequantization threshold first, so it can override)."""
+    threshold = DEQUANT_MIN_BATCH["smoke" if smoke else "gpu"]
+    return ["--dequant-min-batch", threshold, *VARIANTS[variant].flags]
 
 
 def kv_blocks(sizes: list[int], args: argparse.Namespace) -> int:
@@ -74,9 +77,11 @@ def bench_worker(
     # them in the engine's queue of starts and among the running requests.
     room = max(sizes) + 64
     limits = ["--max-queued-steps", str(room), "--max-running-requests", str(max(256, room))]
-    env = variant_env(variant, args.smoke)
     return process_worker(
-        model_dir, num_blocks=kv_blocks(sizes, args), extra_env=env, extra_args=limits
+        model_dir,
+        num_blocks=kv_blocks(sizes, args),
+        extra_env=dict(VARIANTS[variant].env),
+        extra_args=[*limits, *variant_flags(variant, args.smoke)],
     )
 
 

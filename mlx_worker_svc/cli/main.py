@@ -88,9 +88,10 @@ def _serve_status(args: argparse.Namespace) -> int:
         return 2
     model = args.model
     if model is None:
+        from mlx_worker_svc.cli.envs import cache_root
         from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
-        model = str(ensure_default_model(show_progress=True))
+        model = str(ensure_default_model(cache_root(), show_progress=True))
     try:
         limits = AdmissionLimits(
             max_running_requests=args.max_running_requests, max_queued_steps=args.max_queued_steps
@@ -119,9 +120,10 @@ def _serve_status(args: argparse.Namespace) -> int:
         )
         status = 2
     elif group.rank != 0:
+        from mlx_worker_svc.cli.engine_flags import engine_options
         from mlx_worker_svc.engine.group.replica import follow
 
-        return follow(group)
+        return follow(group, engine_options(args))
     else:
         status = _serve_worker(args, model, limits, security, group)
     if group.rank == 0:
@@ -139,6 +141,7 @@ def _serve_worker(
     group: GroupChannel | None,
 ) -> int:
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
+    from mlx_worker_svc.cli.engine_flags import engine_options
     from mlx_worker_svc.core.limits import context_hint
     from mlx_worker_svc.rpc.security import SecurityError
     from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -154,6 +157,7 @@ def _serve_worker(
         security=security,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        engine=engine_options(args),
     )
     server = WorkerServer(config, group=group)
     if args.auto_init:
@@ -225,9 +229,10 @@ def _exit_after_engine_death(server: WorkerServer, seconds: float, group: bool) 
 
 def _convert(args: argparse.Namespace) -> int:
     if args.gguf is None:
+        from mlx_worker_svc.cli.envs import cache_root
         from mlx_worker_svc.engine.model.embedded import ensure_default_model
 
-        print(ensure_default_model(show_progress=True))
+        print(ensure_default_model(cache_root(), show_progress=True))
         return 0
     if args.out is None:
         print("convert-gguf: --out is required with a GGUF file", file=sys.stderr)
@@ -314,11 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
     _add_group_arguments(serve)
+    from mlx_worker_svc.cli.engine_flags import add_engine_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments
 
     add_server_arguments(serve)
     add_metrics_arguments(serve)
+    add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(

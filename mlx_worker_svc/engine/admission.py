@@ -1,26 +1,26 @@
 """Admission: what a step would need, checked before it changes anything.
 
-The KV blocks every request holds after the step (prefix-cache hits
-included), the memory its largest forward needs, and which Generate requests
-fit beside a scheduler's step. `ModelRunner` inherits these checks; the
-state they read (requests, budget, prefix cache, memory guard) is the
-runner's.
+`Admission` reads an `EngineState` (requests, KV budget, prefix cache) and
+answers three questions about a step: the KV blocks every request holds
+after it (prefix-cache hits included), the memory its largest forward needs
+(against the `MemoryGuard`), and which Generate requests fit beside a
+scheduler's step. Invariant: nothing here changes a request; the only state
+it changes is the prefix cache, whose blocks it may evict to make room in
+memory (evictable by contract: they never refuse a step).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 import mlx.core as mx
 
 from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
-from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
-from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.planning import Limits, plan_step
-from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
+from mlx_worker_svc.engine.sequence import RequestKey, Work
+from mlx_worker_svc.engine.state import EngineState
 from mlx_worker_svc.engine.structured import GrammarCompiler, plan_structured
 
 # Longest forward a prefill chunk runs at once, like mlx-lm's prefill_step_size.
@@ -28,61 +28,71 @@ PREFILL_STEP = 2048
 
 
 class Admission:
-    # Whether equally long prompts prefill together (batch.batchable).
-    batch_prefill: bool
-    seqs: dict[RequestKey, Sequence]
-    recently_finished: OrderedDict[RequestKey, None]
-    limits: Limits
-    budget: KVBudget
-    prefix: PrefixCache | None
-    guard: MemoryGuard
-    grammars: GrammarCompiler
+    """The checks a step passes before it runs, over one runner's state."""
 
-    # ------------------------------------------------------------ validation
+    def __init__(
+        self,
+        state: EngineState,
+        limits: Limits,
+        guard: MemoryGuard,
+        grammars: GrammarCompiler,
+        *,
+        batch_prefill: bool,
+    ) -> None:
+        self.state = state
+        self.limits = limits
+        self.guard = guard
+        self.grammars = grammars
+        # Whether equally long prompts prefill together (batch.batchable).
+        self.batch_prefill = batch_prefill
+
     def plan(self, plan: StepPlan) -> Work:
         """Validates a scheduler step (raises; changes nothing but the prefix cache)."""
-        work = plan_step(plan, self.seqs, self.recently_finished, self.limits)
+        state = self.state
+        work = plan_step(plan, state.seqs, state.recently_finished, self.limits)
         spans = self._spans(work) if plan.grammar_bitmask else {}
         plan_structured(
-            plan, work, self.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
+            plan, work, state.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
         )
         what = f"step {plan.step_id}"
-        self.budget.check(self._projected(work).values(), what)
+        state.budget.check(self.projected(work).values(), what)
         self.check_memory(work, what)
         return work
 
-    def _hit(self, tokens: Seq[int], params: SamplingParams) -> int:
+    def hit(self, tokens: Seq[int], params: SamplingParams) -> int:
         """Tokens a fresh request would take from the prefix cache (read-only)."""
-        if self.prefix is None or params.prompt_logprobs is not None:
+        prefix = self.state.prefix
+        if prefix is None or params.prompt_logprobs is not None:
             return 0
-        return self.prefix.match(tokens, len(tokens) - 1)
+        return prefix.match(tokens, len(tokens) - 1)
 
     def _spans(self, work: Work) -> dict[RequestKey, tuple[int, int, int]]:
         """(computed before, end, length) of each request after `work`'s changes."""
+        seqs = self.state.seqs
         lengths = {new.key: len(new.prompt) for new in work.new}
-        starts = {new.key: self._hit(new.prompt, new.params) for new in work.new}
+        starts = {new.key: self.hit(new.prompt, new.params) for new in work.new}
         for key, tokens, resumed in work.appends:
-            held = self.seqs[key]
+            held = seqs[key]
             lengths[key] = len(held.tokens) + len(tokens)
             if resumed:
-                starts[key] = self._hit([*held.tokens, *tokens], held.params)
+                starts[key] = self.hit([*held.tokens, *tokens], held.params)
         spans = {}
         for key, count in work.scheduled.items():
-            seq = self.seqs.get(key)
+            seq = seqs.get(key)
             length = lengths.get(key, len(seq.tokens) if seq else 0)
             if key not in starts and seq is not None:
                 fresh = seq.fresh and not seq.preempted
-                starts[key] = self._hit(seq.tokens, seq.params) if fresh else seq.num_computed
+                starts[key] = self.hit(seq.tokens, seq.params) if fresh else seq.num_computed
             start = starts[key]
             spans[key] = (start, min(start + count, length), length)
         return spans
 
-    def _projected(self, work: Work) -> dict[RequestKey, int]:
+    def projected(self, work: Work) -> dict[RequestKey, int]:
         """KV tokens each request holds after `work` (at most, with its decode steps)."""
         gone = set(work.finished) | set(work.preempted)
         tokens = {
             key: seq.num_computed
-            for key, seq in self.seqs.items()
+            for key, seq in self.state.seqs.items()
             if key not in gone and not seq.preempted
         }
         for new in work.new:
@@ -102,7 +112,7 @@ class Admission:
         whole: dict[RequestKey, int] = {}  # prompts prefilled from token 0 (batchable)
         params = {new.key: new.params for new in work.new}
         for key, (start, end, length) in self._spans(work).items():
-            seq = self.seqs.get(key)
+            seq = self.state.seqs.get(key)
             if seq is not None and seq.kv_lost:
                 forwards += _chunks(0, seq.num_computed)
             samples = end == length
@@ -126,11 +136,12 @@ class Admission:
         self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes)
 
     def _evict_bytes(self, wanted: int) -> int:
+        prefix = self.state.prefix
         freed = 0
-        while self.prefix is not None and freed < wanted and len(self.prefix):
-            before = self.prefix.nbytes
-            self.prefix.evict(1)
-            freed += before - self.prefix.nbytes
+        while prefix is not None and freed < wanted and len(prefix):
+            before = prefix.nbytes
+            prefix.evict(1)
+            freed += before - prefix.nbytes
         mx.clear_cache()
         return freed
 
@@ -141,21 +152,22 @@ class Admission:
         could be scheduled while some wait).
         """
         base = base or Work()
-        projected = self._projected(base)
-        used = self.budget.used(projected.values())
+        budget = self.state.budget
+        projected = self.projected(base)
+        used = budget.used(projected.values())
         work = Work()
         waiting = False
-        for key, seq in self.seqs.items():
+        for key, seq in self.state.seqs.items():
             if key[0] is not Origin.GENERATE or key in base.scheduled:
                 continue
-            before = self._hit(seq.tokens, seq.params) if seq.fresh else seq.num_computed
+            before = self.hit(seq.tokens, seq.params) if seq.fresh else seq.num_computed
             count = min(len(seq.tokens) - before, prefill_chunk)
             # Beside a multi-step Execute, a request that samples decodes its steps too.
             more = base.decode_steps - 1 if before + count == len(seq.tokens) else 0
-            extra = self.budget.blocks_for(before + count + more) - self.budget.blocks_for(
+            extra = budget.blocks_for(before + count + more) - budget.blocks_for(
                 projected.get(key, seq.num_computed)
             )
-            if used + extra > self.budget.num_blocks:
+            if used + extra > budget.num_blocks:
                 waiting = True
                 continue
             used += extra

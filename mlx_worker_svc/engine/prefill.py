@@ -1,12 +1,14 @@
 """Prefill: a request's prompt (or lost KV) computed into its own cache.
 
-`ModelRunner` inherits these (and, through them, Admission's checks); the
-state they use (requests, decode batch, prefix cache, the step's journal) is
-the runner's. Equally long fresh prompts of one step prefill together in
-batched forwards (`admission.prefill_groups`, `batch.prefill_together`),
-each ending with its own cache, as a prefill alone would (up to rounding).
-A lone request always prefills alone, so a single stream computes exactly
-what mlx-lm computes.
+`Prefill` works on the `EngineState` it is given: it takes a fresh request's
+prefix-cache hit (as `Admission.hit` counted it), rebuilds KV a failed step
+lost, and computes prompt tokens into the request's private cache, marking
+every request whose KV it writes in the running step's marks (so a failed
+step drops that KV, engine/recovery.py). Equally long fresh prompts of one
+step prefill together in batched forwards (`admission.prefill_groups`,
+`batch.prefill_together`), each ending with its own cache, as a prefill
+alone would (up to rounding). A lone request always prefills alone, so a
+single stream computes exactly what mlx-lm computes.
 """
 
 from __future__ import annotations
@@ -17,71 +19,77 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_worker_svc.core.domain import RequestOutput, TokenLogprobs
 from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission, prefill_groups
-from mlx_worker_svc.engine.cache.batch import DecodeBatch, prefill_together
-from mlx_worker_svc.engine.recovery import StepJournal
+from mlx_worker_svc.engine.cache.batch import prefill_together
 from mlx_worker_svc.engine.sampling import prompt_logprobs
-from mlx_worker_svc.engine.sequence import RequestKey, Sequence
+from mlx_worker_svc.engine.sequence import Sequence
+from mlx_worker_svc.engine.state import EngineState
 
 
-class Prefill(Admission):
-    model: nn.Module
-    batch: DecodeBatch[RequestKey]
-    _journal: StepJournal | None
+class Prefill:
+    """Computes requests' prompt KV over one runner's state and model."""
 
-    def _ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
+    def __init__(self, state: EngineState, model: nn.Module, admission: Admission) -> None:
+        self.state = state
+        self.model = model
+        self.admission = admission  # its prefix-cache hits and batch_prefill
+
+    def ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
         """Before a request computes: its prefix-cache hit, or its lost KV rebuilt."""
+        prefix = self.state.prefix
         if seq.fresh:
             seq.fresh = False
-            hit = self._hit(seq.tokens, seq.params)
-            if hit and self.prefix is not None:
-                taken, cache = self.prefix.load(seq.tokens, hit)
+            hit = self.admission.hit(seq.tokens, seq.params)
+            if hit and prefix is not None:
+                taken, cache = prefix.load(seq.tokens, hit)
                 seq.cache, seq.num_computed = cache, taken
                 output.num_cached_prompt_tokens = taken
         elif seq.kv_lost:
             target = seq.num_computed
             taken, cache = (0, None)
-            if self.prefix is not None:
-                taken, cache = self.prefix.load(seq.tokens, target)
+            if prefix is not None:
+                taken, cache = prefix.load(seq.tokens, target)
             seq.cache, seq.num_computed = cache, taken
-            self._prefill(seq, target)
+            self.prefill(seq, target)
             seq.kv_lost = False
 
-    def _prefill_together(self, prefills: list[tuple[Sequence, int, bool]]) -> None:
+    def prefill_together(self, prefills: list[tuple[Sequence, int, bool]]) -> None:
         """Prefills equally long fresh prompts in batched forwards (admission.prefill_groups).
 
         Fresh: nothing computed, no cache (no prefix-cache hit), no prompt
         logprobs asked for. Each prompt ends with its own cache, as if
-        prefilled alone; `_prefill` then finds nothing left to compute.
+        prefilled alone; `prefill` then finds nothing left to compute.
         """
-        if not self.batch_prefill:
+        state = self.state
+        if not self.admission.batch_prefill:
             return
         whole = {
             seq.key: end
             for seq, end, _ in prefills
             if seq.num_computed == 0
             and seq.cache is None
-            and seq.key not in self.batch
+            and seq.key not in state.batch
             and seq.params.prompt_logprobs is None
         }
         for group in prefill_groups(whole):
             tokens = whole[group[0]]
-            seqs = [self.seqs[key] for key in group]
-            if self._journal is not None:
-                self._journal.touched.update(group)
+            seqs = [state.seqs[key] for key in group]
+            if state.step is not None:
+                state.step.touched.update(group)
             caches = prefill_together(self.model, [seq.tokens[:tokens] for seq in seqs])
             for seq, cache in zip(seqs, caches, strict=True):
                 seq.cache, seq.num_computed = cache, tokens
 
-    def _prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
+    def prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
         """Computes KV for tokens [num_computed, end) into the request's private cache.
 
         Returns the prompt logprobs these positions produce, when the request
         asked for them (the logits at position i score prompt token i + 1).
         """
-        if self._journal is not None:
-            self._journal.touched.add(seq.key)
-        if seq.key in self.batch:
-            seq.cache = self.batch.extract({seq.key})[seq.key]
+        state = self.state
+        if state.step is not None:
+            state.step.touched.add(seq.key)
+        if seq.key in state.batch:
+            seq.cache = state.batch.extract({seq.key})[seq.key]
         if seq.cache is None:
             seq.cache = make_prompt_cache(self.model)
         scored: list[TokenLogprobs] = []

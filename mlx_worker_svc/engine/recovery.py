@@ -1,9 +1,11 @@
 """All-or-nothing steps: what a step changed, and how to put it back.
 
-Before a step runs, the runner records the Python-side state of every request
-the step can touch (cheap: counts, flags, references). If the step fails, an
-MLX allocation in the middle of a forward for instance, `roll_back` restores
-that state, so the scheduler sees exactly the worker it had before the step.
+Before a step runs, `StepJournal.begin` records the Python-side state of
+every request the step can touch (cheap: counts, flags, references) and puts
+its `StepMarks` in the `EngineState`, where the running step marks what it
+frees and which KV it writes. If the step fails, an MLX allocation in the
+middle of a forward for instance, `roll_back` restores that state, so the
+scheduler sees exactly the worker it had before the step.
 
 KV cannot be copied cheaply before each step, so it is not restored: a
 request whose cache the failed step may have written (a prefill it ran, or
@@ -14,16 +16,14 @@ tokens and `num_computed` but has its KV marked lost; the runner rebuilds it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from mlx_worker_svc.engine.cache.batch import DecodeBatch
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
-
-if TYPE_CHECKING:
-    from mlx_worker_svc.engine.runner import ModelRunner
+from mlx_worker_svc.engine.state import EngineState, StepMarks
 
 
 class _Saved(NamedTuple):
@@ -69,39 +69,39 @@ class _Saved(NamedTuple):
 class StepJournal:
     seqs: dict[RequestKey, Sequence]
     saved: list[_Saved]
-    # Filled in while the step runs.
-    freed: list[RequestKey] = field(default_factory=list)
-    touched: set[RequestKey] = field(default_factory=set)
-    decoding: bool = False
+    marks: StepMarks  # filled in by the step while it runs (state.step)
 
     @classmethod
-    def begin(cls, runner: ModelRunner, work: Work) -> StepJournal:
-        keys = {*work.finished, *work.preempted, *work.scheduled, *runner.batch.keys}
+    def begin(cls, state: EngineState, work: Work) -> StepJournal:
+        """Records what `work` can change and starts marking (`state.step`)."""
+        keys = {*work.finished, *work.preempted, *work.scheduled, *state.batch.keys}
         keys.update(key for key, _, _ in work.appends)
-        saved = [_Saved.of(runner.seqs[key]) for key in keys if key in runner.seqs]
-        return cls(seqs=dict(runner.seqs), saved=saved)
+        saved = [_Saved.of(state.seqs[key]) for key in keys if key in state.seqs]
+        state.step = StepMarks()
+        return cls(seqs=dict(state.seqs), saved=saved, marks=state.step)
 
-    def roll_back(self, runner: ModelRunner) -> None:
-        runner.seqs = self.seqs
+    def roll_back(self, state: EngineState) -> None:
+        """Puts every request back as it was before the step; lost KV is marked."""
+        state.seqs = self.seqs
         for saved in self.saved:
             saved.restore()
-        for key in self.freed:
-            runner.recently_finished.pop(key, None)
-        lost = set(self.touched)
-        if self.decoding:
-            lost.update(runner.batch.keys)
-            runner.batch = DecodeBatch()
+        for key in self.marks.freed:
+            state.recently_finished.pop(key, None)
+        lost = set(self.marks.touched)
+        if self.marks.decoding:
+            lost.update(state.batch.keys)
+            state.batch = DecodeBatch(aligned=state.batch.aligned)
         for key in lost:
-            seq = runner.seqs.get(key)
+            seq = state.seqs.get(key)
             if seq is not None:
                 seq.cache = None
-        in_batch = set(runner.batch.keys)
-        for stale in in_batch - set(runner.seqs):
-            runner.batch.remove({stale})
-        for key, seq in runner.seqs.items():
+        in_batch = set(state.batch.keys)
+        for stale in in_batch - set(state.seqs):
+            state.batch.remove({stale})
+        for key, seq in state.seqs.items():
             if key in lost and key in in_batch:
-                runner.batch.remove({key})
-            has_kv = seq.cache is not None or key in runner.batch
+                state.batch.remove({key})
+            has_kv = seq.cache is not None or key in state.batch
             if not seq.preempted and seq.num_computed > 0 and not has_kv:
                 seq.kv_lost = True
         mx.clear_cache()

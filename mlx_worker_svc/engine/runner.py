@@ -1,20 +1,20 @@
-"""The model runner: per-request state, and running one validated step.
+"""The model runner: one model, its `EngineState`, and running one validated step.
 
-The runner owns every request's `Sequence`, the decode batch and the KV
-budget. `plan()` validates a scheduler step without changing anything;
-`run()` applies it: removals, additions, private prefill chunks (equally long
-fresh prompts together; prefill.py), then ONE batched forward for every
-request that samples in this step (and, with `num_decode_steps`, further
-decode steps without a round trip). Requests from
-Generate (Origin.GENERATE) live beside Execute's in their own id space and are
-scheduled by `internal_work()`, so both kinds share the same forward passes.
+`ModelRunner` composes the parts that share one `EngineState` (engine/state.py):
+`Admission` validates a step without changing any request (`plan`), `Prefill`
+computes prompt KV, and `run` applies a step all or nothing under a
+`StepJournal` (engine/recovery.py): removals, additions, private prefill
+chunks, then ONE batched forward for every request that samples in this step
+(and, with `num_decode_steps`, further decode steps without a round trip).
+Requests from Generate (Origin.GENERATE) live beside Execute's in their own id
+space and are scheduled by `internal_work()`, so both kinds share the same
+forward passes. Every call runs on the engine thread, except the read-only
+views (`kv_usage`, `count`), which copy what they read.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,16 +29,19 @@ from mlx_worker_svc.core.domain import (
     Origin,
     RequestOutput,
     SamplingParams,
+    StepPlan,
     StepTimings,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import structured
+from mlx_worker_svc.engine.admission import Admission
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.model.loader import LoadedModel
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
@@ -50,13 +53,7 @@ from mlx_worker_svc.engine.sampling import (
     token_logprobs,
 )
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
-
-# Look-ahead (batch.DecodeBatch): "speculate" queues the next decode forward on
-# the sampled tokens before the host reads them; "after" starts it once the
-# step is done (the engine before the GPU work); "off" never. For A/B runs of
-# the GPU benchmark; the default is the fastest.
-LOOK_AHEAD_MODES = ("speculate", "after", "off")
-LOOK_AHEAD = os.environ.get("MLX_WORKER_LOOKAHEAD", "speculate")
+from mlx_worker_svc.engine.state import EngineState
 
 # How many finished request ids are remembered, so that a scheduler naming a
 # request the worker already finished (EOS) in finished_req_ids is not an error.
@@ -69,62 +66,81 @@ class StepOutcome:
     timings: StepTimings
 
 
-class ModelRunner(Prefill):
+class ModelRunner:
     """Runs validated steps over one loaded model."""
 
-    def __init__(self, loaded: LoadedModel, config: CacheConfig, profile: MemoryProfile) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: CacheConfig,
+        profile: MemoryProfile,
+        options: EngineOptions,
+    ) -> None:
         self.model = loaded.model
-        fused.install(self.model)  # decode steps: sibling projections as one product (CUDA)
+        self.options = options
+        cuda = bool(mx.cuda.is_available())
+        if options.fused(cuda):
+            fused.install(self.model)  # decode steps: sibling projections as one product
         transposed.install(self.model)  # linear layers keep their weight's transposed view
         decode_step.install(self.model)  # a llama's decode step without mlx-lm's views
-        dequant.install(self.model)  # large decode batches of a quantized model
+        dequant.install(self.model, options.dequant_rows(cuda))  # large quantized decode batches
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
-        self.budget = KVBudget(config.num_blocks, config.block_size)
-        self.prefix = PrefixCache(config.block_size) if config.prefix_caching else None
+        self.state = EngineState(
+            budget=KVBudget(config.num_blocks, config.block_size),
+            prefix=PrefixCache(config.block_size) if config.prefix_caching else None,
+            batch=DecodeBatch(aligned=options.aligned_decode),
+        )
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.grammars = structured.GrammarCompiler(
             loaded.tokenizer, vocab_size=loaded.info.vocab_size, eos_ids=sorted(self.eos_ids)
         )
-        self.batch_prefill = batchable(self.model)
-        self.seqs: dict[RequestKey, Sequence] = {}
-        self.batch: DecodeBatch[RequestKey] = DecodeBatch()
-        self.recently_finished: OrderedDict[RequestKey, None] = OrderedDict()
-        self._journal: StepJournal | None = None
-        self._reserved = 0  # request blocks the running step ends with
-        if LOOK_AHEAD not in LOOK_AHEAD_MODES:
-            raise ValueError(f"MLX_WORKER_LOOKAHEAD={LOOK_AHEAD!r}: use one of {LOOK_AHEAD_MODES}")
-        self.look_ahead = LOOK_AHEAD
+        self.admission = Admission(
+            self.state,
+            self.limits,
+            self.guard,
+            self.grammars,
+            batch_prefill=batchable(self.model, aligned=options.aligned_decode),
+        )
+        self.prefill = Prefill(self.state, self.model, self.admission)
+
+    # ------------------------------------------------------------ admission
+    def plan(self, plan: StepPlan) -> Work:
+        """Validates a scheduler step (Admission.plan)."""
+        return self.admission.plan(plan)
+
+    def check_memory(self, work: Work, what: str) -> None:
+        """Refuses `work` if its largest forward would not fit (Admission.check_memory)."""
+        self.admission.check_memory(work, what)
+
+    def internal_work(self, prefill_chunk: int, base: Work | None = None) -> tuple[Work, bool]:
+        """The Generate requests that fit beside `base` (Admission.internal_work)."""
+        return self.admission.internal_work(prefill_chunk, base)
 
     # ----------------------------------------------------------------- views
-    def _request_blocks(self) -> int:
-        # A copy first (one C call, so atomic under the GIL): CheckHealth and the
-        # metrics endpoint read this from their own threads while steps run.
-        seqs = list(self.seqs.values())
-        return self.budget.used(s.num_computed for s in seqs if not s.preempted)
-
     def kv_usage(self) -> KVUsage:
+        state = self.state
         return KVUsage(
-            num_blocks=self.budget.num_blocks,
-            used_blocks=self._request_blocks(),
-            block_size=self.budget.block_size,
-            prefix_cache_blocks=len(self.prefix) if self.prefix is not None else 0,
+            num_blocks=state.budget.num_blocks,
+            used_blocks=state.request_blocks(),
+            block_size=state.budget.block_size,
+            prefix_cache_blocks=len(state.prefix) if state.prefix is not None else 0,
         )
 
     def kv_nbytes(self, key: RequestKey) -> int:
         """Bytes a request's KV buffers take (its share of the batch when batched)."""
-        seq = self.seqs.get(key)
+        seq = self.state.seqs.get(key)
         if seq is None:
             return 0
         if seq.cache is not None:
             return sum(int(layer.nbytes) for layer in seq.cache)
-        return self.batch.nbytes // len(self.batch) if key in self.batch else 0
+        return self.state.batch.nbytes // len(self.state.batch) if key in self.state.batch else 0
 
     def count(self, origin: Origin | None = None) -> tuple[int, int]:
         """(running, preempted) requests, optionally of one origin."""
         running = preempted = 0
-        for key, seq in list(self.seqs.items()):  # a copy: read off the engine thread too
+        for key, seq in list(self.state.seqs.items()):  # a copy: read off the engine thread too
             if origin is not None and key[0] is not origin:
                 continue
             if seq.preempted:
@@ -134,21 +150,21 @@ class ModelRunner(Prefill):
         return running, preempted
 
     def has(self, origin: Origin) -> bool:
-        return any(key[0] is origin for key in self.seqs)
+        return any(key[0] is origin for key in self.state.seqs)
 
     def add_generate(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """Registers a Generate request; the engine schedules it from now on."""
         key = (Origin.GENERATE, req_id)
-        if key in self.seqs:
+        if key in self.state.seqs:
             raise InvalidArgument(f"request_id {clip(req_id)!r} is already running")
         check_prompt(prompt, "prompt", self.limits)
         check_sampling(params, "sampling_params", self.limits)
-        if self.budget.blocks_for(len(prompt) + 1) > self.budget.num_blocks:
+        if self.state.budget.blocks_for(len(prompt) + 1) > self.state.budget.num_blocks:
             raise ResourceExhausted(
                 f"the prompt ({len(prompt)} tokens) does not fit the KV budget of "
-                f"{self.budget.num_blocks} blocks of {self.budget.block_size} tokens"
+                f"{self.state.budget.num_blocks} blocks of {self.state.budget.block_size} tokens"
             )
-        self.seqs[key] = self._new_sequence(key, prompt, params)
+        self.state.seqs[key] = self._new_sequence(key, prompt, params)
 
     # ------------------------------------------------------------- mutation
     def _new_sequence(
@@ -169,30 +185,30 @@ class ModelRunner(Prefill):
 
         With `keep_prefix`, its whole blocks go to the prefix cache first.
         """
-        seq = self.seqs.pop(key, None)
+        seq = self.state.seqs.pop(key, None)
         if seq is None:
             return
         self._release_kv(seq, keep_prefix)
-        if self._journal is not None:
-            self._journal.freed.append(key)
-        self.recently_finished[key] = None
-        while len(self.recently_finished) > _REMEMBER_FINISHED:
-            self.recently_finished.popitem(last=False)
+        if self.state.step is not None:
+            self.state.step.freed.append(key)
+        self.state.recently_finished[key] = None
+        while len(self.state.recently_finished) > _REMEMBER_FINISHED:
+            self.state.recently_finished.popitem(last=False)
 
     def _free_all(self, keys: list[RequestKey]) -> None:
         """Frees requests; their batch rows leave in one go (one filter of the batch)."""
-        rows = {key for key in keys if key in self.batch}
+        rows = {key for key in keys if key in self.state.batch}
         if len(rows) > 1:
-            if self.prefix is None:
-                self.batch.remove(rows)
+            if self.state.prefix is None:
+                self.state.batch.remove(rows)
             else:
-                for key, cache in self.batch.extract(rows).items():
-                    self.seqs[key].cache = cache
+                for key, cache in self.state.batch.extract(rows).items():
+                    self.state.seqs[key].cache = cache
         for key in keys:
             self.free(key)
 
     def _preempt(self, key: RequestKey) -> None:
-        seq = self.seqs[key]
+        seq = self.state.seqs[key]
         self._release_kv(seq, True)
         seq.num_computed = 0
         seq.preempted, seq.kv_lost = True, False
@@ -203,31 +219,32 @@ class ModelRunner(Prefill):
         During a step, the requests' blocks at the end of the step are
         reserved, so an insertion never takes room a later forward needs.
         """
-        requests = max(self._request_blocks(), self._reserved)
-        return max(self.budget.num_blocks - requests, 0)
+        requests = max(self.state.request_blocks(), self.state.reserved)
+        return max(self.state.budget.num_blocks - requests, 0)
 
     def _release_kv(self, seq: Sequence, keep: bool) -> None:
         """Drops a request's KV, giving its whole blocks to the prefix cache if `keep`."""
-        keep = keep and self.prefix is not None and not seq.kv_lost
-        keep = keep and seq.num_computed >= self.budget.block_size and self._prefix_capacity() > 0
+        state = self.state
+        keep = keep and state.prefix is not None and not seq.kv_lost
+        keep = keep and seq.num_computed >= state.budget.block_size and self._prefix_capacity() > 0
         cache = seq.cache
-        if seq.key in self.batch:
+        if seq.key in state.batch:
             if keep:
-                cache = self.batch.extract({seq.key})[seq.key]
+                cache = state.batch.extract({seq.key})[seq.key]
             else:
-                self.batch.remove({seq.key})
+                state.batch.remove({seq.key})
         seq.cache = None
-        if keep and cache is not None and self.prefix is not None:
-            self.prefix.insert(seq.tokens, cache, self._prefix_capacity())
+        if keep and cache is not None and state.prefix is not None:
+            state.prefix.insert(seq.tokens, cache, self._prefix_capacity())
 
     def _fit_prefix(self, work: Work) -> None:
         """Evicts prefix blocks so the requests of `work` have their blocks."""
-        if self.prefix is None:
+        if self.state.prefix is None:
             return
-        self._reserved = self.budget.used(self._projected(work).values())
-        excess = self._reserved + len(self.prefix) - self.budget.num_blocks
+        self.state.reserved = self.state.budget.used(self.admission.projected(work).values())
+        excess = self.state.reserved + len(self.state.prefix) - self.state.budget.num_blocks
         if excess > 0:
-            self.prefix.evict(excess)
+            self.state.prefix.evict(excess)
 
     def run(self, work: Work) -> StepOutcome:
         """Applies a validated step and computes it, all or nothing.
@@ -236,15 +253,15 @@ class ModelRunner(Prefill):
         it was before the step; KV the failed step may have touched is dropped
         and rebuilt from the request's tokens the next time it computes.
         """
-        self._journal = StepJournal.begin(self, work)
+        journal = StepJournal.begin(self.state, work)
         try:
             return self._apply(work)
         except BaseException:
-            self._journal.roll_back(self)
+            journal.roll_back(self.state)
             raise
         finally:
-            self._journal = None
-            self._reserved = 0
+            self.state.step = None
+            self.state.reserved = 0
 
     def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()
@@ -253,9 +270,11 @@ class ModelRunner(Prefill):
         for key in work.preempted:
             self._preempt(key)
         for new in work.new:
-            self.seqs[new.key] = self._new_sequence(new.key, new.prompt, new.params, new.generated)
+            self.state.seqs[new.key] = self._new_sequence(
+                new.key, new.prompt, new.params, new.generated
+            )
         for key, tokens, resumed in work.appends:
-            seq = self.seqs[key]
+            seq = self.state.seqs[key]
             seq.tokens.extend(tokens)
             if resumed:
                 seq.preempted, seq.fresh = False, True
@@ -265,9 +284,9 @@ class ModelRunner(Prefill):
         prefills: list[tuple[Sequence, int, bool]] = []
         num_tokens = 0
         for key, count in work.scheduled.items():
-            seq = self.seqs[key]
+            seq = self.state.seqs[key]
             output = outputs.get(key) or outputs.setdefault(key, RequestOutput(req_id=key[1]))
-            self._ready_kv(seq, output)
+            self.prefill.ready_kv(seq, output)
             end = min(seq.num_computed + count, len(seq.tokens))
             num_tokens += end - seq.num_computed
             samples = end == len(seq.tokens)
@@ -276,22 +295,22 @@ class ModelRunner(Prefill):
                 prefills.append((seq, private_end, samples))
             if samples:
                 sampling.append(key)
-        self._prefill_together(prefills)
+        self.prefill.prefill_together(prefills)
         for seq, private_end, samples in prefills:
-            outputs[seq.key].prompt_logprobs.extend(self._prefill(seq, private_end))
-            if samples and self.prefix is not None and seq.cache is not None:
-                self.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
+            outputs[seq.key].prompt_logprobs.extend(self.prefill.prefill(seq, private_end))
+            if samples and self.state.prefix is not None and seq.cache is not None:
+                self.state.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
         if sampling:
             self._decode(sampling, outputs, work.bitmasks)
         for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
-            sampling = [key for key in sampling if key in self.seqs]
+            sampling = [key for key in sampling if key in self.state.seqs]
             if not sampling:
                 break
             num_tokens += len(sampling)
             self._decode(sampling, outputs)
         forward_ns = time.perf_counter_ns() - forward_start
         for key, output in outputs.items():
-            live = self.seqs.get(key)
+            live = self.state.seqs.get(key)
             if live is not None:
                 output.num_computed_tokens = live.num_computed
         timings = StepTimings(
@@ -313,26 +332,26 @@ class ModelRunner(Prefill):
         Rows with a grammar or a scheduler's bitmask sample from the masked
         logits (structured.py); logprobs stay the raw model's.
         """
-        if self._journal is not None:
-            self._journal.decoding = True
+        if self.state.step is not None:
+            self.state.step.decoding = True
         wanted = set(keys)
-        stray = {key for key in self.batch.keys if key not in wanted}
-        for key, cache in self.batch.extract(stray).items():
-            self.seqs[key].cache = cache
+        stray = {key for key in self.state.batch.keys if key not in wanted}
+        for key, cache in self.state.batch.extract(stray).items():
+            self.state.seqs[key].cache = cache
         joining: list[tuple[RequestKey, list[Any]]] = []
         for key in keys:
-            if key not in self.batch:
-                seq = self.seqs[key]
+            if key not in self.state.batch:
+                seq = self.state.seqs[key]
                 joining.append((key, seq.cache or make_prompt_cache(self.model)))
                 seq.cache = None
-        self.batch.join(joining)
-        rows = [self.seqs[key] for key in self.batch.keys]
-        logits = self.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
+        self.state.batch.join(joining)
+        rows = [self.state.seqs[key] for key in self.state.batch.keys]
+        logits = self.state.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
         samplers = [s.sampler for s in rows]
         mask = structured.step_mask(self.grammars, rows, bitmasks or {})
         greedy = mask is None and all(s.trivial for s in samplers)
         # Launched with the look-ahead's forward (greedy rows, no mask).
-        chosen = self.batch.choice if mask is None else None
+        chosen = self.state.batch.choice if mask is None else None
         if chosen is None:
             masked = logits if mask is None else mask.apply(logits)
             chosen = choose_tokens(masked, samplers, [(s.tokens, s.prompt_len) for s in rows])
@@ -343,10 +362,10 @@ class ModelRunner(Prefill):
         # A row whose next token is surely its last would leave the batch and take
         # the look-ahead's work with it: then `prefetch` starts the next forward
         # for the rows that stay, once they are known.
-        if self.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
-            self.batch.speculate(self.model, chosen, greedy=greedy)
+        if self.options.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
+            self.state.batch.speculate(self.model, chosen, greedy=greedy)
         tokens = read_tokens(chosen)
-        self.batch.confirm(tokens)
+        self.state.batch.confirm(tokens)
         infos = None if greedy else token_logprobs(logits, samplers, tokens)
         complete = structured.advance(mask, rows, tokens)
         finished: list[RequestKey] = []
@@ -367,10 +386,10 @@ class ModelRunner(Prefill):
                 output.num_computed_tokens = seq.num_computed
                 finished.append(seq.key)
         self._free_all(finished)
-        rows = [self.seqs[key] for key in self.batch.keys]
-        if self.look_ahead != "off":
+        rows = [self.state.seqs[key] for key in self.state.batch.keys]
+        if self.options.look_ahead != "off":
             greedy = all(s.sampler.trivial and s.grammar is None for s in rows)
-            self.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
+            self.state.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
 
     def _finish_reason(self, seq: Sequence, *, grammar_complete: bool) -> FinishReason | None:
         """The stopping rule the last token fired; a completed grammar beats a length limit."""
@@ -383,13 +402,13 @@ class ModelRunner(Prefill):
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""
-        keys = [k for k in self.seqs if origin is None or k[0] is origin]
+        keys = [k for k in self.state.seqs if origin is None or k[0] is origin]
         for key in keys:
             self.free(key, keep_prefix=False)
         return keys
 
     def reset_prefix_cache(self) -> int:
         """Drops every prefix block; returns how many there were."""
-        freed = self.prefix.clear() if self.prefix is not None else 0
+        freed = self.state.prefix.clear() if self.state.prefix is not None else 0
         mx.clear_cache()
         return freed

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_worker_svc.core.domain import WorkerState
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
 from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.decoding import DecodeInterceptor
@@ -77,6 +78,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on this port (0: any free one); None: not served."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """The engine's options (engine/options.py), the same for every runner it builds."""
 
     @property
     def message_bytes(self) -> int:
@@ -96,6 +99,7 @@ class WorkerServer:
             on_death=self._on_engine_death,
             limits=config.limits,
             group=group,
+            options=config.engine,
         )
         self.engine_died = threading.Event()
         self.metrics: WorkerMetrics = self.worker.metrics

@@ -25,7 +25,7 @@ def main() -> int:
             raise RuntimeError("injected engine fault")
         return original(self, *args, **kwargs)
 
-    ModelRunner.internal_work = failing  # type: ignore[method-assign, assignment]
+    ModelRunner.internal_work = failing  # type: ignore[method-assign]
     return cli.main(sys.argv[2:])
 
 

@@ -143,7 +143,8 @@ def _traced(
     """Records the engine step count when a call's cancel arrives and when its KV is freed."""
     worker = server.worker
     seen: dict[str, list[int]] = {"cancel": [], "freed": []}
-    generate, end_stream = worker.generate, worker._end_stream
+    core = worker.core
+    generate, end_stream = worker.generate, core.end_stream
 
     def traced_generate(spec: object) -> object:
         chunks, cancel = generate(spec)  # type: ignore[arg-type]
@@ -159,10 +160,10 @@ def _traced(
         seen["freed"].append(worker.steps_run)
 
     worker.generate = traced_generate  # type: ignore[method-assign, assignment]
-    worker._end_stream = traced_end  # type: ignore[method-assign]
+    core.end_stream = traced_end  # type: ignore[method-assign]
 
     def undo() -> None:
-        del worker.generate, worker._end_stream
+        del worker.generate, core.end_stream
 
     return seen, undo
 

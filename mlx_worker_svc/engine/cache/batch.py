@@ -11,7 +11,6 @@ scheduler did not ask for.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -24,9 +23,6 @@ from mlx_worker_svc.engine.rewrite import decode_step, dequant
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
-# MLX_WORKER_ALIGNED_DECODE=0 keeps mlx-lm's masks on every batched step (for
-# A/B runs of the GPU benchmark; see AlignedBatchKVCache).
-ALIGNED = os.environ.get("MLX_WORKER_ALIGNED_DECODE", "1") != "0"
 
 
 class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
@@ -87,20 +83,27 @@ def prefill_together(model: nn.Module, prompts: Sequence[Sequence[int]]) -> list
     return rows
 
 
-def batchable(model: nn.Module) -> bool:
-    """Whether the model's requests can share batch caches without masks (plain KV caches)."""
-    return ALIGNED and all(type(c) is KVCache for c in make_prompt_cache(model))
+def batchable(model: nn.Module, *, aligned: bool = True) -> bool:
+    """Whether the model's requests can share batch caches without masks (plain KV caches).
+
+    `aligned` False (EngineOptions.aligned_decode) says they never do.
+    """
+    return aligned and all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def merge_caches(caches: Sequence[LayerCaches]) -> LayerCaches:
-    """Merges per-request layer caches into one batch cache per layer."""
+def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> LayerCaches:
+    """Merges per-request layer caches into one batch cache per layer.
+
+    Plain KV caches merge into `AlignedBatchKVCache`s unless `aligned` is False
+    (EngineOptions.aligned_decode): then mlx-lm's masks run on every step.
+    """
     merged = []
     for layer in range(len(caches[0])):
         first = caches[0][layer]
         if not hasattr(first, "merge"):
             raise TypeError(f"{type(first).__name__} cannot be batched")
         group = [c[layer] for c in caches]
-        if ALIGNED and all(type(c) is KVCache for c in group):
+        if aligned and all(type(c) is KVCache for c in group):
             merged.append(AlignedBatchKVCache.merge(group))
         else:
             merged.append(first.merge(group))
@@ -135,9 +138,11 @@ class DecodeBatch(Generic[K]):
     token, so what runs is always what was asked. When every row samples
     greedily (`greedy=True`), the look-ahead launches the tokens' choice with
     the forward: one launch a step, as mlx-lm's generate loop does.
+    `aligned`: rows merge into aligned caches (`merge_caches`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, aligned: bool = True) -> None:
+        self.aligned = aligned
         self.keys: list[K] = []
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
@@ -163,10 +168,12 @@ class DecodeBatch(Generic[K]):
         elif not self._batched:
             # The lone row's cache (if any) merges with the newcomers in one go.
             mine = [self._cache] if self.keys else []
-            self._cache = merge_caches([*mine, *(cache for _, cache in entries)])
+            self._cache = merge_caches(
+                [*mine, *(cache for _, cache in entries)], aligned=self.aligned
+            )
             self._batched = True
         else:
-            merged = merge_caches([cache for _, cache in entries])
+            merged = merge_caches([cache for _, cache in entries], aligned=self.aligned)
             for layer, theirs in zip(self._cache, merged, strict=True):
                 layer.extend(theirs)
         self.keys.extend(key for key, _ in entries)

@@ -41,12 +41,14 @@ from mlx_worker_svc.core.domain import (
     MemoryProfile,
     Origin,
     SamplingParams,
+    StepPlan,
 )
 from mlx_worker_svc.core.errors import Internal, WorkerError
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, PING, GroupChannel, Watchdog
 from mlx_worker_svc.engine.memory import device as device_mod
 from mlx_worker_svc.engine.memory import profile as memory
 from mlx_worker_svc.engine.model import loader
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import RequestKey, Work
 
@@ -72,8 +74,9 @@ def digest(outcome: StepOutcome) -> int:
 class Replica:
     """One rank's engine state; on rank 0 of a group, the operations are sent first."""
 
-    def __init__(self, channel: GroupChannel | None = None) -> None:
+    def __init__(self, channel: GroupChannel | None, options: EngineOptions) -> None:
         self.channel = channel or GroupChannel()
+        self.options = options  # every runner's (the same on every rank)
         self.device: DeviceInfo | None = None
         self.loaded: loader.LoadedModel | None = None
         self.runner: ModelRunner | None = None
@@ -218,9 +221,9 @@ class Replica:
         if seed is not None:
             mx.random.seed(seed)
         if self.channel.leads:
-            self.runner = MirroredRunner(self._model(), config, profile, self.channel)
+            self.runner = MirroredRunner(self._model(), config, profile, self.options, self.channel)
         else:
-            self.runner = ModelRunner(self._model(), config, profile)
+            self.runner = ModelRunner(self._model(), config, profile, self.options)
         return self.runner
 
     def _warm_up(self, batch_sizes: list[int], prefill_lengths: list[int]) -> int:
@@ -240,8 +243,9 @@ class Replica:
         memory.release()
 
     def _evict_prefix(self, blocks: int) -> None:
-        if self.runner is not None and self.runner.prefix is not None:
-            self.runner.prefix.evict(blocks)
+        prefix = self.runner.state.prefix if self.runner is not None else None
+        if prefix is not None:
+            prefix.evict(blocks)
             mx.clear_cache()
 
     def apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -272,9 +276,10 @@ class MirroredRunner(ModelRunner):
         loaded: loader.LoadedModel,
         config: CacheConfig,
         profile: MemoryProfile,
+        options: EngineOptions,
         channel: GroupChannel,
     ) -> None:
-        super().__init__(loaded, config, profile)
+        super().__init__(loaded, config, profile, options)
         self._channel = channel
         self._inside = False
 
@@ -302,7 +307,7 @@ class MirroredRunner(ModelRunner):
         return outcome
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
-        known = key in self.seqs
+        known = key in self.state.seqs
         with self._local() as outside:
             super().free(key, keep_prefix=keep_prefix)
         if outside and known:
@@ -324,22 +329,37 @@ class MirroredRunner(ModelRunner):
         self._send("reset_prefix_cache")
         return freed
 
-    def _evict_bytes(self, wanted: int) -> int:
-        before = len(self.prefix) if self.prefix is not None else 0
-        freed = super()._evict_bytes(wanted)
-        evicted = before - (len(self.prefix) if self.prefix is not None else 0)
-        if evicted and not self._inside:
-            self._send("evict_prefix", evicted)
-        return freed
+    def plan(self, plan: StepPlan) -> Work:
+        with self._evictions_sent():
+            return super().plan(plan)
+
+    def check_memory(self, work: Work, what: str) -> None:
+        with self._evictions_sent():
+            super().check_memory(work, what)
+
+    @contextmanager
+    def _evictions_sent(self) -> Iterator[None]:
+        """Sends the prefix blocks a memory check evicted (refused or not) to every rank."""
+        prefix = self.state.prefix
+        before = len(prefix) if prefix is not None else 0
+        try:
+            yield
+        finally:
+            evicted = before - (len(prefix) if prefix is not None else 0)
+            if evicted and not self._inside:
+                self._send("evict_prefix", evicted)
 
 
-def follow(channel: GroupChannel) -> int:
+def follow(channel: GroupChannel, options: EngineOptions) -> int:
     """A follower rank's life: applies rank 0's operations until it says close.
+
+    `options` are the engine options rank 0 was started with (every rank
+    gets the same command line).
 
     Returns the exit status: 0 when rank 0 closed the group, 1 when the group
     broke (a collective failed, or rank 0 went silent past the idle limit).
     """
-    replica = Replica(channel)
+    replica = Replica(channel, options)
     # The main thread may be stuck in a collective: the watchdog ends the process.
     channel.on_failure = lambda _error: _exit_soon(1)
     watchdog = Watchdog(channel)

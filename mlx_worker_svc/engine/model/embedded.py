@@ -35,19 +35,18 @@ MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 # Bump when the converter's output changes, so cached directories are rebuilt.
 CONVERTER_VERSION = 1
 MARKER = ".complete.json"
-CACHE_ENV = "MLX_WORKER_CACHE"
 
 _PIP_TAIL_CHARS = 2000
 _COPY_CHUNK = 1 << 20
 
 
 def resolve_cache_root(cache_root: Path | None = None) -> Path:
-    """The cache root: the argument, else ``$MLX_WORKER_CACHE``, else ~/.cache/mlx-worker-svc."""
+    """The cache root: the argument, else ~/.cache/mlx-worker-svc.
+
+    The command line passes ``$MLX_WORKER_CACHE`` here (cli/envs.py).
+    """
     if cache_root is not None:
         return Path(cache_root)
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
     return Path.home() / ".cache" / "mlx-worker-svc"
 
 

@@ -1,7 +1,7 @@
 """Large decode batches of quantized models: matrix products on dequantized weights.
 
 What: `install` registers a loaded model's affine-quantized layers; inside a
-`rows(model, n)` block with n >= `MIN_ROWS`, open around a forward's
+`rows(model, n)` block with n >= the `min_rows` it was installed with, open around a forward's
 construction, they switch to classes that dequantize each weight (a transient
 copy in the scales' dtype, one matrix at a time) and run an ordinary product,
 and back when it closes. Why: MLX's quantized product is built for few rows and
@@ -9,31 +9,20 @@ is slow for large decode batches on CUDA.
 Invariants: with fewer rows and in every prefill the layers are MLX's own
 classes, so single streams compute exactly what mlx-lm computes and pay no
 per-layer check (the class changes once per forward); a model without
-quantized layers is left alone; only the engine thread builds forwards. On by
-default on CUDA only (`MLX_WORKER_DEQUANT_MIN_BATCH`: the threshold, 0 never).
+quantized layers, or `min_rows` 0, is left alone; only the engine thread builds
+forwards. The threshold is an engine option (`EngineOptions.dequant_min_batch`:
+32 rows by default on CUDA only, 0 never).
 Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-
-
-def _default_min_rows() -> int:
-    # Measured on CUDA only. On Apple silicon MLX's quantized kernels handle many
-    # rows well, and a transient full-precision copy of every weight each step
-    # would cost more bandwidth than it saves: off unless asked for.
-    return 32 if mx.cuda.is_available() else 0
-
-
-# Decode batches of at least this many rows use dequantized weights; 0 turns it off.
-MIN_ROWS = int(os.environ.get("MLX_WORKER_DEQUANT_MIN_BATCH", _default_min_rows()))
 
 _ATTRIBUTE = "_mlx_worker_dequant"
 
@@ -68,8 +57,9 @@ _SWITCHED = {nn.QuantizedLinear: _DequantizedLinear, nn.QuantizedEmbedding: _Deq
 class _Layers:
     """One model's affine-quantized layers and which classes they have now."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], min_rows: int) -> None:
         self.layers = [(layer, type(layer)) for layer in layers]
+        self.min_rows = min_rows  # forwards of at least this many rows switch
         self.dequantized = False
 
     def switch(self, dequantized: bool) -> None:
@@ -80,11 +70,18 @@ class _Layers:
         self.dequantized = dequantized
 
 
-def install(model: nn.Module) -> int:
-    """Registers the model's affine-quantized layers for `rows`; returns how many."""
+def install(model: nn.Module, min_rows: int) -> int:
+    """Registers the model's affine-quantized layers for `rows`; returns how many.
+
+    Forwards of at least `min_rows` rows switch them (0: never, and nothing is
+    registered). Installing again only sets the threshold.
+    """
     known: _Layers | None = getattr(model, _ATTRIBUTE, None)
     if known is not None:
+        known.min_rows = min_rows
         return len(known.layers)
+    if min_rows <= 0:
+        return 0
     layers = [
         module
         for _, module in model.named_modules()
@@ -92,7 +89,7 @@ def install(model: nn.Module) -> int:
     ]
     if layers:
         # A plain attribute (not a child module): parameters and saving ignore it.
-        object.__setattr__(model, _ATTRIBUTE, _Layers(layers))
+        object.__setattr__(model, _ATTRIBUTE, _Layers(layers, min_rows))
     return len(layers)
 
 
@@ -104,7 +101,7 @@ def rows(model: nn.Module, count: int) -> Iterator[None]:
         yield
         return
     previous = layers.dequantized
-    layers.switch(0 < MIN_ROWS <= count)
+    layers.switch(0 < layers.min_rows <= count)
     try:
         yield
     finally:

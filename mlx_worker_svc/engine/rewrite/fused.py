@@ -3,40 +3,29 @@
 What: `install` concatenates, once, the weights of each group of sibling layers
 of a loaded mlx-lm model (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj`, of
 one kind, size, dtype, bias and quantization); each layer keeps its rows as a
-view. For a one-row forward, and for a decode step of a plain group when
-`BATCHED`, the first projection multiplies by the concatenation and hands its
+view. For a one-row forward, and for a decode step of a plain group, the
+first projection multiplies by the concatenation and hands its
 siblings their columns (keyed by the input array); otherwise every layer runs
 on its own rows. Why: a GPU decode step is bound by the host's graph building
 and kernel launches, and this removes three products per layer.
 Invariants: no parameter is held twice; single-row results are the unfused
 model's bit for bit where a kernel computes each output on its own (checked by
 `tests/engine/rewrite/test_fused.py` on the CPU and the GPU benchmark's parity
-check); prompts and quantized batches are untouched. On by default on CUDA only
-(`MLX_WORKER_FUSE`, `MLX_WORKER_FUSE_BATCHED`); one thread builds forwards.
+check); prompts and quantized batches are untouched. Whether a runner installs
+it is an engine option (`EngineOptions.fuse`: on by default on CUDA only); one
+thread builds forwards.
 Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
 from mlx_worker_svc.engine.rewrite import transposed
-
-
-def _default_enabled() -> bool:
-    # Measured and checked bit for bit on CUDA only (see above).
-    return bool(mx.cuda.is_available())
-
-
-_SETTING = os.environ.get("MLX_WORKER_FUSE")
-ENABLED = _default_enabled() if _SETTING in (None, "") else _SETTING != "0"
-# Decode steps of several rows through the fused products of plain groups (see above).
-BATCHED = os.environ.get("MLX_WORKER_FUSE_BATCHED", "1") != "0"
 
 # Sibling layers that project one input, in the order mlx-lm's models call them.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -124,7 +113,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
     for count in rows:
         bounds.append((start, start + count))
         start += count
-    group = _Group(fused, bounds, batched=BATCHED and kind[0] == "linear")
+    group = _Group(fused, bounds, batched=kind[0] == "linear")
     for index, (name, layer, (first, last)) in enumerate(zip(names, layers, bounds, strict=True)):
         views = {key: value[first:last] for key, value in concatenated.items()}
         mx.eval(views)  # the layer's rows of the concatenated arrays: shared, not copied
@@ -135,7 +124,5 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
 
 def install(model: nn.Module) -> int:
     """Fuses the model's sibling projections (see above); returns how many groups."""
-    if not ENABLED:
-        return 0
     # A module without all of a group's names gets None for the missing ones: not fusable.
     return sum(_fuse(module, names) for _, module in model.named_modules() for names in GROUPS)

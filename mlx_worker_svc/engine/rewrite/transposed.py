@@ -9,20 +9,16 @@ Invariants: the product is the same operation on the same arrays (buffer,
 shape, strides), so results are the unchanged model's bit for bit
 (`tests/engine/rewrite/test_transposed.py`); a replaced weight (`model.update`,
 a reload) gets a new view on the next call; parameters, their names and saving
-are untouched, and the view shares the weight's memory. On by default on every
-backend (`MLX_WORKER_TRANSPOSED=0`: off, for A/B runs). Measurements:
-BENCHMARKS.md.
+are untouched, and the view shares the weight's memory. Always installed: it
+computes what the unchanged model computes. Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-
-ENABLED = os.environ.get("MLX_WORKER_TRANSPOSED", "1") != "0"
 
 
 class _View:
@@ -67,7 +63,7 @@ _SWITCHED: dict[type, type] = {nn.Linear: TransposedLinear, nn.Embedding: Transp
 def adopt(layer: Any) -> bool:
     """Switches one plain `nn.Linear` or `nn.Embedding` (with a view of its own)."""
     switched = _SWITCHED.get(type(layer))
-    if not ENABLED or (switched is None and type(layer) not in _SWITCHED.values()):
+    if switched is None and type(layer) not in _SWITCHED.values():
         return False
     if switched is not None:
         layer.__class__ = switched

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from tokenizers import pre_tokenizers
 
+from mlx_worker_svc.cli import envs
 from mlx_worker_svc.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from mlx_worker_svc.engine.model import embedded
 from mlx_worker_svc.engine.model.gguf import convert_gguf
@@ -324,7 +325,11 @@ def test_pip_failure_is_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_default_model_dir_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_WORKER_CACHE", str(tmp_path))
     expected = tmp_path / "models" / "SmolLM2-135M-Instruct-Q4_1"
-    assert embedded.default_model_dir() == expected
+    assert embedded.default_model_dir(envs.cache_root()) == expected
+    monkeypatch.setenv("MLX_WORKER_CACHE", "")
+    assert envs.cache_root() is None
+    default = Path.home() / ".cache" / "mlx-worker-svc" / "models" / expected.name
+    assert embedded.default_model_dir(envs.cache_root()) == default
     assert embedded.default_model_dir(tmp_path / "x") == tmp_path / "x" / expected.relative_to(
         tmp_path
     )

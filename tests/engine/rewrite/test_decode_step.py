@@ -17,12 +17,6 @@ from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8, 2]]
 
 
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fused products on here whatever the backend (their default is on with CUDA only)."""
-    monkeypatch.setattr(fused, "ENABLED", True)
-
-
 def worker_model(kind: str, **overrides: Any) -> llama.Model:
     """The tiny llama as a runner prepares it: fused, transposed views, then its step."""
     model = random_llama(kind, **overrides)
@@ -125,9 +119,9 @@ def test_models_it_does_not_cover_keep_their_forward(why: str, build: Any) -> No
     assert_same(decode(model, PROMPTS[:2], 4, True), decode(model, PROMPTS[:2], 4, False))
 
 
-def test_without_fused_products_nothing_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused, "ENABLED", False)
-    model = worker_model("float32")
+def test_without_fused_products_nothing_is_installed() -> None:
+    model = random_llama("float32")
+    transposed.install(model)
     assert not decode_step.install(model)
     assert_same(decode(model, PROMPTS[:1], 3, True), decode(model, PROMPTS[:1], 3, False))
 

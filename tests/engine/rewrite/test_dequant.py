@@ -18,22 +18,26 @@ def tiny_llama(quantized: bool) -> llama.Model:
 
 def test_install_switches_every_quantized_layer_and_nothing_else() -> None:
     # 2 layers x 7 projections, plus the tied embedding (also the output projection).
-    assert dequant.install(tiny_llama(quantized=True)) == 15
-    assert dequant.install(tiny_llama(quantized=False)) == 0
+    assert dequant.install(tiny_llama(quantized=True), min_rows=32) == 15
+    assert dequant.install(tiny_llama(quantized=False), min_rows=32) == 0
+    # A threshold of 0 (never switch) registers nothing: forwards stay MLX's own.
+    never = tiny_llama(quantized=True)
+    assert dequant.install(never, min_rows=0) == 0
+    with dequant.rows(never, 1024):
+        assert nn.QuantizedLinear in {type(m) for _, m in never.named_modules()}
 
 
 def test_few_rows_compute_exactly_as_before() -> None:
     plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
-    dequant.install(switched)
+    dequant.install(switched, min_rows=4)
     tokens = mx.array([[1, 2, 3], [4, 5, 6]])
     with dequant.rows(switched, 2):
         assert mx.array_equal(switched(tokens), plain(tokens))
 
 
-def test_many_rows_use_dequantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+def test_many_rows_use_dequantized_weights() -> None:
     plain, switched = tiny_llama(quantized=True), tiny_llama(quantized=True)
-    dequant.install(switched)
+    dequant.install(switched, min_rows=4)
     tokens = mx.array([[i] for i in range(8)])
     with dequant.rows(switched, 8):
         ours = switched(tokens)
@@ -45,13 +49,10 @@ def test_many_rows_use_dequantized_weights(monkeypatch: pytest.MonkeyPatch) -> N
     assert mx.array_equal(switched(tokens), theirs)
 
 
-def test_the_switch_lasts_only_while_a_large_forward_is_built(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+def test_the_switch_lasts_only_while_a_large_forward_is_built() -> None:
     model = tiny_llama(quantized=True)
-    assert dequant.install(model) == 15
-    assert dequant.install(model) == 15  # installing twice changes nothing
+    assert dequant.install(model, min_rows=4) == 15
+    assert dequant.install(model, min_rows=4) == 15  # installing twice changes nothing
 
     def classes() -> set[type]:
         return {type(m) for _, m in model.named_modules() if hasattr(m, "group_size")}

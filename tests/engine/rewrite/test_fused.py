@@ -13,15 +13,11 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_model import random_llama
 
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused
+from mlx_worker_svc.rpc.server import ServerConfig
 
 KINDS = ["float32", "bfloat16", "float16", "4bit"]
-
-
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On here whatever the backend (its default is on with CUDA only)."""
-    monkeypatch.setattr(fused, "ENABLED", True)
 
 
 tiny_llama = random_llama
@@ -80,16 +76,12 @@ def fused_products(model: llama.Model, tokens: list[list[int]]) -> int:
     return len(calls)
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_decode_steps_of_plain_groups_are_fused_at_any_batch_size(
-    monkeypatch: pytest.MonkeyPatch, batched: bool
-) -> None:
-    monkeypatch.setattr(fused, "BATCHED", batched)
+def test_decode_steps_of_plain_groups_are_fused_at_any_batch_size() -> None:
     plain, fast = tiny_llama("bfloat16"), tiny_llama("bfloat16")
     fused.install(fast)
     # 2 layers x (q/k/v, gate/up): 4 products a forward, when fused.
     assert fused_products(fast, [[1]]) == 4
-    assert fused_products(fast, [[1], [2], [3]]) == (4 if batched else 0)
+    assert fused_products(fast, [[1], [2], [3]]) == 4
     assert fused_products(fast, [[1, 2, 3]]) == 0  # a prompt runs the layers as before
     assert fused_products(fast, [[1, 2], [3, 4]]) == 0
     ours, _ = greedy_run(fast, [3, 1, 4], 4)
@@ -151,7 +143,7 @@ def test_nothing_is_held_once_every_part_is_taken() -> None:
             assert all(part is None for part in projection.group._parts)
 
 
-def test_only_layers_of_one_kind_are_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_layers_of_one_kind_are_fused() -> None:
     model = tiny_llama("float32")
     attention = model.model.layers[0].self_attn
     # A different input dtype for one sibling: that group stays as it is.
@@ -160,8 +152,6 @@ def test_only_layers_of_one_kind_are_fused(monkeypatch: pytest.MonkeyPatch) -> N
     assert type(attention.q_proj) is nn.Linear
     assert type(model.model.layers[0].mlp.up_proj) is fused.FusedProjection
     assert fused.install(model) == 0  # installing twice changes nothing
-    monkeypatch.setattr(fused, "ENABLED", False)
-    assert fused.install(tiny_llama("float32")) == 0
 
 
 def test_biases_are_concatenated_with_the_weights() -> None:
@@ -174,15 +164,12 @@ def test_biases_are_concatenated_with_the_weights() -> None:
     assert mx.array_equal(our_logits, their_logits)
 
 
-def test_large_quantized_batches_still_switch_to_dequantized_weights(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(dequant, "MIN_ROWS", 4)
+def test_large_quantized_batches_still_switch_to_dequantized_weights() -> None:
     plain, fast = tiny_llama("4bit"), tiny_llama("4bit")
     fused.install(fast)
     # The fused layers' own (inner) layers: 2 layers x 7 projections, and the embedding.
-    assert dequant.install(fast) == 15
-    dequant.install(plain)
+    assert dequant.install(fast, min_rows=4) == 15
+    dequant.install(plain, min_rows=4)
     tokens = mx.array([[i] for i in range(8)])
     with dequant.rows(fast, 8), dequant.rows(plain, 8):
         assert mx.array_equal(fast(tokens), plain(tokens))
@@ -193,15 +180,14 @@ def test_the_worker_decodes_through_fused_layers_and_its_own_step_with_mlx_lm_to
 ) -> None:
     prompts = [[1, 2, 3], [7] * 9, [300, 5, 11, 12]]
     reference = mlx_lm_tokens(tiny_dir, prompts, 12)
-    with live_server() as (server, stub):
+    # On here whatever the backend (the default is on with CUDA only).
+    with live_server(ServerConfig(port=0, engine=EngineOptions(fuse=True))) as (server, stub):
         epoch = bring_up(stub, tiny_dir)
-        loaded = server.worker._loaded
+        loaded = server.worker.core.loaded
         assert loaded is not None
         model = loaded.model  # the runner fused it at InitCache
         assert type(model.model.layers[0].self_attn.q_proj) is fused.FusedProjection
-        assert (
-            getattr(model, decode_step._ATTRIBUTE, None) is not None
-        )  # engine/rewrite/decode_step.py
+        assert getattr(model, decode_step._ATTRIBUTE, None) is not None  # its own decode step
         params = greedy(12, ignore_eos=True)
         alone = [drive(stub, epoch, [p], max_tokens=12, params=params)[0] for p in prompts]
         together = drive(stub, epoch, prompts, max_tokens=12, params=params)

@@ -15,11 +15,6 @@ from tiny_model import random_llama
 from mlx_worker_svc.engine.rewrite import fused, transposed
 
 
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transposed, "ENABLED", True)
-
-
 def decode(
     model: llama.Model, rows: list[list[int]], steps: int
 ) -> tuple[list[mx.array], list[object]]:
@@ -82,22 +77,13 @@ def test_a_copy_gets_its_own_view() -> None:
         assert not mx.any(twin(x)).item()
 
 
-def test_quantized_layers_and_the_off_switch_are_left_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_quantized_layers_are_left_alone() -> None:
     quantized = random_llama("4bit")
     assert transposed.install(quantized) == 0
     assert type(quantized.model.layers[0].mlp.down_proj) is nn.QuantizedLinear
-    monkeypatch.setattr(transposed, "ENABLED", False)
-    plain = random_llama()
-    assert transposed.install(plain) == 0
-    assert type(plain.model.layers[0].mlp.down_proj) is nn.Linear
 
 
-def test_fused_single_row_products_use_views_of_their_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(fused, "ENABLED", True)
+def test_fused_single_row_products_use_views_of_their_own() -> None:
     plain, fast = random_llama("bfloat16"), random_llama("bfloat16")
     fused.install(fast)
     transposed.install(fast)

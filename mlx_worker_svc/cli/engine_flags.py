@@ -1,0 +1,65 @@
+"""The `serve` flags that set the engine's options, and the `EngineOptions` they build.
+
+One argument group (`add_engine_arguments`) and one constructor
+(`engine_options`): the only place the command line turns text into engine
+options. Every rank of a worker group gets the same command line, so every
+rank's runners get the same options. The defaults are the engine as it ships;
+the flags exist for A/B runs (the GPU benchmark's worker variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mlx_worker_svc.engine.options import LOOK_AHEAD_MODES, EngineOptions
+
+_FUSE = {"auto": None, "on": True, "off": False}
+
+
+def _rows(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (see README: Command line)")
+    group.add_argument(
+        "--look-ahead",
+        choices=LOOK_AHEAD_MODES,
+        default="speculate",
+        help="when the next decode forward is queued: on the sampled tokens before the host "
+        "reads them (speculate, the default), once the step is done (after), or never (off)",
+    )
+    group.add_argument(
+        "--no-aligned-decode",
+        action="store_true",
+        help="decode batches with mlx-lm's attention mask on every step, even when all rows "
+        "are equally long (default: no mask then)",
+    )
+    group.add_argument(
+        "--fuse",
+        choices=tuple(_FUSE),
+        default="auto",
+        help="decode steps multiply by each layer's concatenated q/k/v and gate/up weights "
+        "(default auto: on with MLX's CUDA backend only)",
+    )
+    group.add_argument(
+        "--dequant-min-batch",
+        type=_rows,
+        default=None,
+        metavar="ROWS",
+        help="decode batches of a quantized model with at least ROWS rows use dequantized "
+        "weights; 0: never (default: 32 with MLX's CUDA backend, else 0)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The options `add_engine_arguments`' flags ask for."""
+    return EngineOptions(
+        look_ahead=args.look_ahead,
+        aligned_decode=not args.no_aligned_decode,
+        fuse=_FUSE[args.fuse],
+        dequant_min_batch=args.dequant_min_batch,
+    )

@@ -1,0 +1,350 @@
+"""The lifecycle calls: InitDevice through WarmUp, Sleep and WakeUp, drain and close.
+
+`Lifecycle` takes the worker's core and moves it through its states (NEW →
+DEVICE_READY → MODEL_LOADED → MEMORY_PROFILED → READY → SERVING, SLEEPING,
+DRAINING → STOPPED). Each call checks its arguments on the caller's thread,
+then runs as one job on the engine thread. Invariants: a call in the wrong
+state fails with FAILED_PRECONDITION naming the call that must come first;
+a call that fails changes nothing; repeating InitDevice, LoadModel or
+InitCache with the same arguments does nothing; a new model, KV budget or
+sleep starts a new worker epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+
+from mlx_worker_svc.core.domain import (
+    CacheConfig,
+    DeviceInfo,
+    LoadSpec,
+    MemoryProfile,
+    SleepReport,
+    WorkerState,
+)
+from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
+from mlx_worker_svc.engine.cache import prefix_cache
+from mlx_worker_svc.engine.memory import guard as memory_guard
+from mlx_worker_svc.engine.model import loader
+from mlx_worker_svc.worker.core import WorkerCore
+
+S = WorkerState
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MEMORY_UTILIZATION = 0.9
+GaveUp = Callable[[], bool] | None
+"""Tells a lifecycle call whether its caller left (lifecycle_calls.py)."""
+
+
+# Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_BLOCKS = 1 << 32
+MAX_WARM_UP_SHAPES = 64
+MAX_WARM_UP_BATCH = 1024
+# MLX takes the memory limit as a size_t; keep clear of its edge.
+MAX_MEMORY_LIMIT = 1 << 62
+
+
+def _check_block_size(block: int, where: str) -> None:
+    if not 1 <= block <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"{where} must be in [1, {MAX_BLOCK_SIZE}], got {block}")
+
+
+class Lifecycle:
+    """The lifecycle calls over one worker core.
+
+    The five calls of the way up run one at a time through the core's
+    `LifecycleCalls` (lifecycle_calls.py): a repeat while one runs shares its
+    result, any other is refused with ABORTED. Each takes `gave_up`, which says
+    whether its caller has left, so an abandoned call leaves nothing queued on
+    the engine thread.
+    """
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    # --------------------------------------------------------- lifecycle
+    def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
+        core = self.core
+
+        def job() -> DeviceInfo:
+            core.require("InitDevice", S.NEW)
+            channel = core.replica.channel
+            wanted = replace(args, world_size=args.world_size or channel.size)
+            device = core.replica.device
+            if device is not None:
+                if core.device_args is not None and wanted != core.device_args:
+                    raise FailedPrecondition(
+                        "InitDevice: the device is already initialised, and this call asks "
+                        f"for {wanted.differences(core.device_args)}; repeat the first "
+                        "call's arguments, or restart the worker to change them"
+                    )
+                return device
+            wanted.check(channel.size, channel.backend)
+            device = core.replica.init_device(args.kind)
+            core.device_args = wanted
+            core.set_state(S.DEVICE_READY)
+            return device
+
+        return core.lifecycle.run("InitDevice", asdict(args), job, gave_up=gave_up)
+
+    def load_model(
+        self, spec: LoadSpec, *, gave_up: GaveUp = None
+    ) -> tuple[loader.LoadedModel, int]:
+        core = self.core
+
+        def job() -> tuple[loader.LoadedModel, int]:
+            core.require("LoadModel", S.DEVICE_READY)
+            if core.loaded is not None and spec == core.load_spec:
+                return core.loaded, core.epoch
+            core.require_idle("LoadModel")
+            loaded = core.replica.load(spec)  # raises before anything changes
+            core.loaded, core.load_spec = loaded, spec
+            core.model_info = loaded.info
+            core.chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
+            core.runner, core.memory, core.cache_config = None, None, None
+            core.new_epoch("restarted or loaded a model")
+            core.set_state(S.MODEL_LOADED)
+            return loaded, core.epoch
+
+        return core.lifecycle.run("LoadModel", asdict(spec), job, gave_up=gave_up)
+
+    def determine_memory(
+        self,
+        memory_utilization: float,
+        max_num_batched_tokens: int,
+        block_size: int,
+        *,
+        gave_up: GaveUp = None,
+    ) -> MemoryProfile:
+        """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
+        core = self.core
+        util = memory_utilization or DEFAULT_MEMORY_UTILIZATION
+        if not 0 < util <= 1:
+            raise InvalidArgument(f"memory_utilization must be in (0, 1], got {util}")
+        device, info = core.replica.device, core.model_info
+        tokens = max_num_batched_tokens or default_profile_tokens(
+            device.kind if device else None, info.max_context_length if info else 0
+        )
+        block = block_size or DEFAULT_BLOCK_SIZE
+        _check_block_size(block, "DetermineMemory.block_size")
+
+        def job() -> MemoryProfile:
+            core.require("DetermineMemory", S.MODEL_LOADED)
+            loaded = core.need_model()
+            if tokens > loaded.info.max_context_length:
+                raise InvalidArgument(
+                    f"max_num_batched_tokens ({tokens}) exceeds the context length "
+                    f"({loaded.info.max_context_length})"
+                )
+            core.require_idle("DetermineMemory")
+            core.memory = core.replica.profile(
+                memory_utilization=util,
+                max_num_batched_tokens=tokens,
+                block_size=block,
+            )
+            if core.state is S.MODEL_LOADED:
+                core.set_state(S.MEMORY_PROFILED)
+            return core.memory
+
+        # float32 on the wire: 0.9 sent by a client and the default 0.9 are one call.
+        args = {
+            "memory_utilization": round(util, 6),
+            "max_num_batched_tokens": tokens,
+            "block_size": block,
+        }
+        return core.lifecycle.run("DetermineMemory", args, job, gave_up=gave_up)
+
+    def init_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_caching: bool | None = None,
+        memory_limit_bytes: int = 0,
+        gave_up: GaveUp = None,
+    ) -> CacheConfig:
+        core = self.core
+        if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
+        if block_size:
+            _check_block_size(block_size, "InitCache.block_size")
+
+        def job() -> CacheConfig:
+            core.require("InitCache", S.MEMORY_PROFILED)
+            profile = core.memory
+            assert profile is not None
+            loaded = core.need_model()
+            wanted = prefix_caching is None or prefix_caching
+            block = block_size or profile.block_size
+            limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
+            config = CacheConfig(
+                num_blocks=num_blocks,
+                block_size=block,
+                prefix_caching=wanted and prefix_cache.supported(loaded.model),
+                memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
+            )
+            if core.runner is not None and core.cache_config == config:
+                return config
+            core.require_idle("InitCache")
+            core.runner = core.replica.new_runner(config, profile)
+            core.cache_config = config
+            if core.state is S.MEMORY_PROFILED:
+                core.set_state(S.READY)
+            return config
+
+        args = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "enable_prefix_caching": prefix_caching,
+            "memory_limit_bytes": memory_limit_bytes,
+        }
+        return core.lifecycle.run("InitCache", args, job, gave_up=gave_up)
+
+    def warm_up(
+        self, batch_sizes: list[int], prefill_lengths: list[int], *, gave_up: GaveUp = None
+    ) -> tuple[int, float]:
+        core = self.core
+        sizes = batch_sizes or [1]
+        lengths = prefill_lengths or [16]
+        if any(b < 1 for b in sizes) or any(n < 1 for n in lengths):
+            raise InvalidArgument("WarmUp batch_sizes and prefill_lengths must all be >= 1")
+        if len(sizes) + len(lengths) > MAX_WARM_UP_SHAPES or max(sizes) > MAX_WARM_UP_BATCH:
+            raise InvalidArgument(
+                f"WarmUp runs at most {MAX_WARM_UP_SHAPES} shapes and batch sizes up to "
+                f"{MAX_WARM_UP_BATCH}"
+            )
+
+        def job() -> tuple[int, float]:
+            core.require("WarmUp", S.READY)
+            loaded = core.need_model()
+            too_long = [n for n in lengths if n > loaded.info.max_context_length]
+            if too_long:
+                raise InvalidArgument(f"WarmUp prefill_lengths {too_long} exceed the context")
+            start = time.perf_counter()
+            shapes = core.replica.warm_up(sizes, lengths)
+            core.set_state(S.SERVING)
+            return shapes, time.perf_counter() - start
+
+        args = {"batch_sizes": tuple(sizes), "prefill_lengths": tuple(lengths)}
+        return core.lifecycle.run("WarmUp", args, job, gave_up=gave_up)
+
+    # ------------------------------------------------------ sleep, wake up
+    def sleep(self, level: int) -> SleepReport:
+        """Frees all KV (level 1) and also the weights (level 2); see the proto."""
+        core = self.core
+        if level not in (0, 1, 2):
+            raise InvalidArgument(f"Sleep.level must be 1 or 2 (0 means 1), got {level}")
+        level = level or 1
+
+        def job() -> SleepReport:
+            aborted = 0
+            before = memory_guard.usage(0).active_bytes
+            if core.state is not S.SLEEPING:
+                core.require("Sleep", S.READY)
+                aborted = len(core.runner.state.seqs) if core.runner else 0
+                for request_id in core.streams.ids():
+                    core.end_stream(
+                        request_id, Aborted(f"the worker went to sleep (level {level})")
+                    )
+                core.runner = None
+                core.awake_state = core.state
+                core.new_epoch(f"slept (Sleep level {level} aborted every request)")
+                core.set_state(S.SLEEPING)
+            if level == 2:
+                core.loaded = None
+            core.sleep_level = max(core.sleep_level, level)
+            core.replica.release(model=level == 2)
+            freed = max(before - memory_guard.usage(0).active_bytes, 0)
+            return SleepReport(S.SLEEPING, core.sleep_level, aborted, freed, core.epoch)
+
+        return core.engine.call(job)
+
+    def wake_up(self) -> tuple[WorkerState, int, float]:
+        """Restores what Sleep freed; returns (state, epoch, seconds)."""
+        core = self.core
+
+        def job() -> tuple[WorkerState, int, float]:
+            start = time.perf_counter()
+            if core.state is not S.SLEEPING:
+                core.require("WakeUp", S.READY)
+                return core.state, core.epoch, 0.0
+            if core.loaded is None:
+                assert core.load_spec is not None
+                core.loaded = core.replica.load(core.load_spec)  # raises: still asleep
+            assert core.cache_config is not None and core.memory is not None
+            core.runner = core.replica.new_runner(core.cache_config, core.memory)
+            core.sleep_level = 0
+            core.set_state(core.awake_state)
+            return core.state, core.epoch, time.perf_counter() - start
+
+        return core.engine.call(job)
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache; returns the blocks it held."""
+        core = self.core
+
+        def job() -> int:
+            core.require("ResetPrefixCache", S.READY)
+            return core.need_runner("ResetPrefixCache").reset_prefix_cache()
+
+        return core.engine.call(job)
+
+    # ------------------------------------------------------------- drain
+    def begin_drain(self) -> None:
+        """Stops accepting new work; running requests may finish.
+
+        Lifecycle calls are refused from now on and their waiters woken. One
+        that is running (a load or a profile, which cannot be interrupted) is
+        not waited for: the state turns DRAINING when it ends.
+        """
+        core = self.core
+
+        def job() -> None:
+            if core.state is not S.STOPPED:
+                core.set_state(S.DRAINING)
+
+        core.lifecycle.close()
+        if core.engine.dead is None:
+            done = core.engine.submit(job)
+            if not core.lifecycle.busy:
+                done.result()
+
+    def wait_generate_idle(self, timeout: float) -> bool:
+        """Waits until no Generate stream is open; returns whether it got there."""
+        core = self.core
+        return core.streams.wait_empty(timeout)
+
+    def close(self) -> None:
+        """Aborts what is left, frees the model and caches, stops the engine.
+
+        Behind a lifecycle call still running it does not wait: there is nothing
+        to drain, and the process may exit while the engine thread finishes it.
+        """
+        core = self.core
+
+        def job() -> None:
+            for request_id in core.streams.ids():
+                core.end_stream(request_id, Aborted("the worker shut down before it finished"))
+            if core.runner is not None:
+                core.runner.abort_all()
+            core.runner = None
+            core.loaded = None
+            core.replica.close()
+            core.set_state(S.STOPPED)
+
+        core.watchdog.stop()
+        if core.lifecycle.busy:
+            core.engine.submit(job)
+            core.engine.stop(timeout=0)
+            return
+        if core.state is not S.STOPPED and core.engine.dead is None:
+            with contextlib.suppress(Unavailable):
+                core.engine.call(job)
+        core.engine.stop(timeout=10)
+        # After an engine death the job above could not run: drop the arrays here.
+        core.runner, core.loaded = None, None
+        core.set_state(S.STOPPED)

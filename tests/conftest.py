@@ -27,6 +27,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The tiny model with a chat template that renders tools (tiny_model.TOOL_TEMPLATE)."""
+    out = tmp_path_factory.mktemp("tiny-tools") / "model"
+    return build_tiny_model(out, smollm_dir, tool_template=True)
+
+
+@pytest.fixture(scope="session")
 def smollm_f32_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     """SmolLM2 with its 4-bit weights expanded to float32 (fast through BLAS on a CPU)."""
     return dequantized_copy(smollm_dir, tmp_path_factory.mktemp("smollm-f32") / "model")

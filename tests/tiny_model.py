@@ -19,6 +19,39 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A ChatML template that renders tools the Hermes/Qwen way (SmolLM2's own has no tools).
+TOOL_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and ' }}
+    {{- 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'assistant' and message.tool_calls is defined %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+        {%- for call in message.tool_calls %}
+            {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
+            {{- (call.function.arguments | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content }}
+        {{- '\n</tool_response><|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 
 
 def build_tiny_model(
@@ -30,11 +63,13 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     overrides: Mapping[str, Any] | None = None,
     dtype: mx.Dtype | None = None,
+    tool_template: bool = False,
 ) -> Path:
     """Writes a random tiny llama into `out` (config, weights, tokenizer).
 
     `overrides` replaces config entries (another shape, e.g. the GPU benchmark's
-    Llama-3.2-1B); `dtype` casts the weights before they are saved.
+    Llama-3.2-1B); `dtype` casts the weights before they are saved;
+    `tool_template` replaces the chat template with `TOOL_TEMPLATE`.
     """
     config = tiny_config(
         vocab_size=49152,
@@ -54,7 +89,25 @@ def build_tiny_model(
         model.update({"lm_head": {"weight": model.lm_head.weight * 8.0}})
     if dtype is not None:
         model.set_dtype(dtype)
-    return _save(model, config, tokenizer_dir, out, TOKENIZER_FILES)
+    _save(model, config, tokenizer_dir, out, TOKENIZER_FILES)
+    if tool_template:
+        set_chat_template(out, TOOL_TEMPLATE)
+    return out
+
+
+def set_chat_template(model_dir: Path, template: str) -> None:
+    """Replaces the chat template in a model directory's tokenizer_config.json."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))
+
+
+def tool_model_copy(source: Path, out: Path) -> Path:
+    """A copy of the model directory `source` whose chat template renders tools."""
+    shutil.copytree(source, out)
+    set_chat_template(out, TOOL_TEMPLATE)
+    return out
 
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:

@@ -387,6 +387,9 @@ class SleepReport:
 class ChatMessage:
     role: str
     content: str
+    tool_calls_json: str = ""  # an assistant's calls: a JSON array (OpenAI's shape)
+    tool_call_id: str = ""  # a tool message: the call it answers
+    name: str = ""  # a tool message: the function's name
 
 
 @dataclass(frozen=True)
@@ -399,6 +402,7 @@ class GenerateSpec:
     prompt_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     skip_special_tokens: bool = True
+    tools_json: str = ""  # with messages: the tools given to the chat template
 
 
 @dataclass

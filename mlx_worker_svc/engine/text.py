@@ -7,7 +7,10 @@ tokenizer failures into InvalidArgument with the reason.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -15,6 +18,8 @@ from mlx_worker_svc.core.domain import ChatMessage
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
+# A chat template that renders tools reads the `tools` variable somewhere.
+_READS_TOOLS = re.compile(r"\btools\b")
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -26,25 +31,63 @@ def render_chat(
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool,
+    tools_json: str = "",
 ) -> tuple[list[int], str]:
-    """Token ids and text of `messages` rendered through the chat template."""
+    """Token ids and text of `messages` (and `tools_json`) rendered through the chat template."""
     if not tokenizer.has_chat_template:
         raise FailedPrecondition("the loaded model has no chat template; send plain text")
-    for i, message in enumerate(messages):
-        if message.role not in ROLES:
+    payload = [_message(i, m) for i, m in enumerate(messages)]
+    options: dict[str, Any] = {}
+    if tools_json:
+        options["tools"] = _objects(tools_json, "tools_json")
+        if not renders_tools(tokenizer):
             raise InvalidArgument(
-                f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}"
+                "tools_json: the model's chat template does not render tools "
+                "(it never reads `tools`)"
             )
-    payload = [{"role": m.role, "content": m.content} for m in messages]
     try:
         text = tokenizer.apply_chat_template(
-            payload, tokenize=False, add_generation_prompt=add_generation_prompt
+            payload, tokenize=False, add_generation_prompt=add_generation_prompt, **options
         )
     except Exception as exc:  # jinja errors carry the template's own message
         raise InvalidArgument(
             f"messages could not be rendered by the chat template: {exc}"
         ) from exc
     return encode_text(tokenizer, str(text), add_special_tokens=False), str(text)
+
+
+def renders_tools(tokenizer: TokenizerWrapper) -> bool:
+    """Whether the chat template reads `tools` (renders the tools offered to the model)."""
+    template = tokenizer.chat_template
+    sources = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(s, str) and _READS_TOOLS.search(s) for s in sources)
+
+
+def _message(i: int, message: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it (tool fields only where set)."""
+    if message.role not in ROLES:
+        raise InvalidArgument(
+            f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}"
+        )
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls_json:
+        out["tool_calls"] = _objects(message.tool_calls_json, f"messages[{i}].tool_calls_json")
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def _objects(value: str, field: str) -> list[dict[str, Any]]:
+    """A JSON array of objects, or InvalidArgument naming `field`."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: not JSON ({exc})") from exc
+    if not isinstance(parsed, list) or not all(isinstance(x, dict) for x in parsed):
+        raise InvalidArgument(f"{field}: expected a JSON array of objects")
+    return parsed
 
 
 def decode(tokenizer: TokenizerWrapper, ids: Sequence[int], *, skip_special_tokens: bool) -> str:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Literal
@@ -38,6 +39,8 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# How the worker names a field of one new request of a step.
+_NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
 # Codes that mean the worker (not the request) is gone or restarted.
 _WORKER_DOWN = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -69,6 +72,7 @@ class WorkerLink:
         self.block_size = 16
         self.max_context = 0
         self.vocab_size = 0
+        self.chat_template = ""  # the model's, as GetInfo reports it
         self.max_seqs = config.max_num_seqs
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
@@ -209,6 +213,7 @@ class WorkerLink:
         self._orphans.clear()
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
+        self.chat_template = info.chat_template
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size
         # Never past what the worker admits (it would refuse the step).
@@ -426,11 +431,25 @@ class WorkerLink:
                 newest = list(self.running.values())[-1]
                 self._preempt(newest)
             return
+        named = _NEW_REQUEST.match(exc.details)
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT and named and started:
+            # One new request's own field (a grammar that does not compile): fail
+            # only it, in its own terms; the others of the step start next time.
+            bad = started[min(int(named.group(1)), len(started) - 1)]
+            for r in reversed(started):
+                if r is not bad:
+                    r.phase = Phase.QUEUED
+                    self.waiting.insert(0, r)
+            started = [bad]
+            exc = ClientError(exc.code, exc.details[named.end() :], exc.method, exc.attempts)
         # The worker refused the request itself (or the only one left): fail it.
+        # A refused step started nothing: only requests running before it are
+        # on the worker, to be freed there.
         victims = started or list(self.running.values())
         for r in victims:
             self.running.pop(r.worker_id, None)
-            self.to_free.append(r.worker_id)
+            if not started:
+                self.to_free.append(r.worker_id)
             r.phase = Phase.DONE
             r.outbox.put_nowait(exc)
 

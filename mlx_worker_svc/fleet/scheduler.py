@@ -242,11 +242,13 @@ class FleetScheduler:
                 "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
                 "use WorkerService.Execute"
             )
+        if request.tools_json and not request.messages:
+            raise BadRequest("tools_json needs messages (a chat to render the tools into)")
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         link = await self._some_link()
         if request.messages:
-            ask = pb.TokenizeRequest(messages=request.messages)
+            ask = pb.TokenizeRequest(messages=request.messages, tools_json=request.tools_json)
         else:
             ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
         return list((await link.client.tokenize(ask)).token_ids)
@@ -268,6 +270,10 @@ class FleetScheduler:
         need = len(prompt) + ((max_tokens or 1) if reserve else 0)
         if limit and need > limit:
             raise ContextTooLong(len(prompt), max_tokens if reserve else None, limit)
+
+    async def chat_template(self) -> str:
+        """The model's chat template (Jinja source; empty when it has none), from a worker up."""
+        return (await self._some_link()).chat_template
 
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""

@@ -42,6 +42,8 @@ from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import Kind, ParsedRequest, parse_body, parse_request
+from mlx_worker_svc.gateway.structured import request_error
+from mlx_worker_svc.gateway.tool_calls import ToolCallParser, call_grammar, tool_format
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
 from mlx_worker_svc.rpc.status import grpc_code
@@ -157,13 +159,18 @@ class Gateway:
         start = time.monotonic()
         route = request.url.path
         parsed = parse_request(kind, parse_body(await request.body()))
-        reply = Reply(parsed, self._model_for(parsed))
+        model = self._model_for(parsed)
+        reply = Reply(parsed, model, await _fleet_call(self._tools(parsed)))
         stream = cast(Stream, self.fleet.generate(parsed.generate, reserve_max_tokens=True))
         try:
             first = await self._until_disconnect(request, _fleet_call(self._first(parsed, stream)))
         except ClientGone:
             self.metrics.disconnects.labels(route).inc()
             return Response(status_code=CLIENT_CLOSED)
+        except ApiError as exc:
+            await stream.aclose()
+            spec_from = parsed.structured_param or ("tools" if parsed.tools.forced else None)
+            raise request_error(exc, spec_from) from exc
         except BaseException:
             await stream.aclose()
             raise
@@ -185,6 +192,19 @@ class Gateway:
         texts = await self._texts(parsed, messages)
         self._count(messages[-1])
         return JSONResponse(reply.complete(messages, texts))
+
+    async def _tools(self, parsed: ParsedRequest) -> ToolCallParser | None:
+        """Sets up a request whose answer may call tools; its parser, or None."""
+        tools = parsed.tools
+        if not tools.may_call:
+            return None
+        fmt = tool_format(await self.fleet.chat_template())
+        parsed.generate.tools_json = tools.tools_json()
+        if tools.forced:
+            parallel = tools.parallel and tools.choice == "required"
+            grammar = call_grammar(tools.forced, fmt, parallel=parallel)
+            parsed.generate.sampling_params.structured_outputs.lark_grammar = grammar
+        return ToolCallParser(fmt, parallel=tools.parallel)
 
     async def _first(self, parsed: ParsedRequest, stream: Stream) -> pb.GenerateResponse:
         try:
@@ -221,7 +241,14 @@ class Gateway:
                 last = message
                 texts = await self._texts(reply.parsed, [message])
                 logprobs = shown_logprobs(message, texts)
-                if message.text or logprobs:
+                if reply.tools is not None:
+                    found = reply.tools.feed(message.text)
+                    if message.finish_reason:
+                        found += reply.tools.finish()
+                    shown = reply.logprobs(logprobs, texts) if logprobs else None
+                    for chunk in reply.events(found, shown):
+                        yield sse(chunk)
+                elif message.text or logprobs:
                     yield sse(reply.chunk(message.text, reply.logprobs(logprobs, texts)))
                 if message.finish_reason:
                     yield sse(reply.chunk("", None, message.finish_reason))

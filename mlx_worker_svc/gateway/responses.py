@@ -7,6 +7,12 @@ one chunk (chat: `chat.completion.chunk` with a `delta`; legacy:
 only the workers' tokenizer knows: `TokenTexts` asks the fleet once per token
 id and keeps the answer. As OpenAI's, the logprobs are those of the text: the
 stop token that ended an answer has none unless the text shows it.
+
+With tools the model may call, a `ToolCallParser` splits the text into
+content and calls: a whole answer's calls are the message's `tool_calls`; a
+stream sends each call as OpenAI's deltas (id, type and function.name with
+empty arguments, then the arguments). An answer with calls that the model
+ended itself has `finish_reason` "tool_calls".
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from mlx_worker_svc.gateway.schema import ParsedRequest
+from mlx_worker_svc.gateway.tool_calls import Call, Event, ToolCallParser
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _FINISH: dict[int, str] = {
@@ -90,9 +97,12 @@ def _token(token: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:
 class Reply:
     """Builds the OpenAI objects of one request from the fleet's messages."""
 
-    def __init__(self, parsed: ParsedRequest, model: str) -> None:
+    def __init__(
+        self, parsed: ParsedRequest, model: str, tools: ToolCallParser | None = None
+    ) -> None:
         self.parsed = parsed
         self.model = model
+        self.tools = tools  # set when the answer may hold tool calls
         self.created = int(time.time())
         self.chat = parsed.kind == "chat"
         self._role_sent = False
@@ -146,11 +156,38 @@ class Reply:
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = _FINISH.get(finish) if finish else None
+        choice["finish_reason"] = self._finish(finish) if finish else None
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice)
         if self.parsed.include_usage:
             out["usage"] = None
         return out
+
+    def _finish(self, reason: int) -> str | None:
+        name = _FINISH.get(reason)
+        return "tool_calls" if name == "stop" and self.tools and self.tools.calls else name
+
+    def events(self, events: list[Event], logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The chunks of a tool parser's events; the logprobs go with the first."""
+        chunks: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, Call):
+                head = {"index": event.index, "id": event.id, "type": "function"}
+                head["function"] = {"name": event.name, "arguments": ""}
+                tail = {"index": event.index, "function": {"arguments": event.arguments}}
+                chunks += [self._tool_chunk(head), self._tool_chunk(tail)]
+            elif event:
+                chunks.append(self.chunk(event, None))
+        if logprobs is not None:
+            if not chunks:
+                chunks.append(self.chunk("", None))
+            chunks[0]["choices"][0]["logprobs"] = logprobs
+        return chunks
+
+    def _tool_chunk(self, call: dict[str, Any]) -> dict[str, Any]:
+        chunk = self.chunk("", None)
+        chunk["choices"][0]["delta"].pop("content")
+        chunk["choices"][0]["delta"]["tool_calls"] = [call]
+        return chunk
 
     def usage(self, last: pb.GenerateResponse) -> dict[str, Any]:
         return {
@@ -177,10 +214,25 @@ class Reply:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                found = self.tools.feed(text) + self.tools.finish()
+                calls = [_call(e) for e in found if isinstance(e, Call)]
+                content = "".join(e for e in found if isinstance(e, str))
+                if calls:
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": content if content.strip() else None,
+                        "tool_calls": calls,
+                    }
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = _FINISH.get(last.finish_reason)
+        choice["finish_reason"] = self._finish(last.finish_reason)
         out = self._envelope("chat.completion" if self.chat else "text_completion", choice)
         out["usage"] = self.usage(last)
         return out
+
+
+def _call(call: Call) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}

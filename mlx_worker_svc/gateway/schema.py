@@ -4,10 +4,11 @@ Chat (`/v1/chat/completions`) and legacy completions (`/v1/completions`) share
 the sampling fields (temperature, top_p, seed, stop, max_tokens, penalties,
 logit_bias) and add their own prompt and logprobs shapes. vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids) are honoured too, since the workers take vLLM's parameters.
-Like OpenAI, an argument the endpoint does not know is a 400, and one it knows
-but cannot honour (n > 1, echo, a tool call: tools.py) is a 400 that says so,
-never silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
+stop_token_ids) are honoured too, since the workers take vLLM's parameters,
+and so are the structured-output fields (structured.py) and chat's tool fields
+(tools.py). Like OpenAI, an argument the endpoint does not know is a 400, and
+one it knows but cannot honour (n > 1, echo) is a 400 that says so, never
+silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
 past the parser's depth or holds a lone surrogate escape is a 400 too
 (`parse_body`).
 """
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.tools import ToolRequest, parse_tools
+from mlx_worker_svc.gateway.structured import FIELDS, parse_structured
+from mlx_worker_svc.gateway.tools import ToolRequest, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 Kind = Literal["chat", "completion"]
@@ -43,6 +45,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # None: no logprobs; else how many alternatives per token
     tools: ToolRequest  # chat's tool fields (legacy completions have none)
+    structured_param: str | None = None  # the request field of sampling_params.structured_outputs
 
 
 # Fields both endpoints read; the sets below add each endpoint's own.
@@ -66,6 +69,7 @@ _COMMON = {
     "min_tokens",
     "ignore_eos",
     "stop_token_ids",
+    *FIELDS,
 }
 _KNOWN: dict[Kind, set[str]] = {
     "chat": _COMMON
@@ -74,7 +78,6 @@ _KNOWN: dict[Kind, set[str]] = {
         "max_completion_tokens",
         "logprobs",
         "top_logprobs",
-        "response_format",
         "metadata",
         "store",
         "tools",
@@ -193,11 +196,6 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         request.messages.extend(_messages(fields.get("messages")))
         tools = parse_tools(body)
         logprobs = _chat_logprobs(fields)
-        response_format = fields.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise ApiError(
-                400, "Only the 'text' response format is supported", param="response_format"
-            )
     else:
         _completion_prompt(fields.get("prompt"), request)
         logprobs = fields.integer("logprobs", 0, MAX_LOGPROBS)
@@ -209,6 +207,13 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
             raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     if logprobs is not None:
         request.sampling_params.logprobs = logprobs
+    spec, structured_param = parse_structured(body)
+    if spec is not None:
+        if tools.may_call:
+            raise invalid(
+                structured_param or "", "cannot be combined with tools the model may call"
+            )
+        request.sampling_params.structured_outputs.CopyFrom(spec)
     return ParsedRequest(
         kind=kind,
         id=request.request_id,
@@ -218,6 +223,7 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         tools=tools,
+        structured_param=structured_param,
     )
 
 
@@ -317,11 +323,10 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role", f"{role!r} is not one of {sorted(_ROLES)}")
-        if message.get("tool_calls"):
-            raise ApiError(400, "tool calls are not supported by this server", param=where)
         # "developer" is OpenAI's newer name for "system", which chat templates know.
+        content = _content(message.get("content"), where)
         role = "system" if role == "developer" else role
-        out.append(pb.ChatMessage(role=role, content=_content(message.get("content"), where)))
+        out.append(pb.ChatMessage(role=role, content=content, **history(message, where)))
     return out
 
 

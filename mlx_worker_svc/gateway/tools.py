@@ -1,24 +1,28 @@
-"""Chat's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`), read in one place.
+"""Chat's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`) and tool messages.
 
-Agent and IDE clients send these on every call, most often as "no tools":
-`tools: []`, `tool_choice: "none"`, or `"auto"` with nothing to call. Those
-are no-ops. Tool calling itself is not served yet, so a request whose answer
-could be a tool call (a tool with `tool_choice` `"auto"`, the default, or
-`"required"` or a named function) is a 400 naming the field that asks for it;
-tools offered under `"none"` are accepted and not shown to the model, which
-answers in text as `"none"` asks. `parse_tools` validates the shapes in full,
-so serving tool calls later only has to consume a `ToolRequest`.
+`parse_tools` validates the tool fields in full. Agent and IDE clients send
+them on every call, most often as "no tools": `tools: []`, `tool_choice:
+"none"`, or `"auto"` with nothing to call; those are no-ops, and tools offered
+under `"none"` are not shown to the model, which answers in text. Otherwise
+(`may_call`) the tools go to the chat template, and `"required"` or a named
+function constrains the output to a call (tool_calls.py). `history` reads the
+tool fields of earlier messages: an assistant's `tool_calls` (their JSON
+`arguments` parsed, as chat templates read them) and a tool message's
+`tool_call_id` and `name`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gateway.errors import invalid
 
 Choice = Literal["none", "auto", "required", "function"]
 _MODES = ("none", "auto", "required")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 @dataclass(frozen=True)
@@ -35,25 +39,78 @@ class ToolRequest:
         """Whether the answer could be a tool call."""
         return bool(self.tools) and self.choice != "none"
 
+    @property
+    def forced(self) -> tuple[dict[str, Any], ...]:
+        """The tools the answer must call one of: all ("required"), the named one, or none."""
+        if self.choice == "required":
+            return self.tools
+        return tuple(
+            t for t in self.tools if self.choice == "function" and t["name"] == self.function
+        )
+
+    def tools_json(self) -> str:
+        """The tools as the chat template takes them (GenerateRequest.tools_json)."""
+        offered = [{"type": "function", "function": t} for t in self.tools]
+        return json.dumps(offered, ensure_ascii=False)
+
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest:
-    """The request's tool fields; raises `ApiError` (400) naming the bad or unserved field."""
+    """The request's tool fields; raises `ApiError` (400) naming the bad field."""
     tools = _tools(body.get("tools"))
     choice, function = _choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", f"expected a boolean, got {parallel!r}")
-    request = ToolRequest(tools, choice, function, True if parallel is None else parallel)
-    if request.may_call:
-        param = "tools" if choice == "auto" else "tool_choice"
-        raise ApiError(
-            400,
-            f"'{param}': tool calls are not supported by this server; send no tools, "
-            "or tool_choice 'none' for an answer in text",
-            param=param,
-            code="unsupported_value",
+    return ToolRequest(tools, choice, function, True if parallel is None else parallel)
+
+
+def history(message: dict[str, Any], where: str) -> dict[str, str]:
+    """The `ChatMessage` tool fields of one request message (`where` names it in errors)."""
+    out: dict[str, str] = {}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message.get("role") != "assistant":
+            raise invalid(f"{where}.tool_calls", "only assistant messages have tool calls")
+        if not isinstance(calls, list):
+            raise invalid(f"{where}.tool_calls", "expected an array of tool calls")
+        out["tool_calls_json"] = json.dumps(
+            [_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)],
+            ensure_ascii=False,
         )
-    return request
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise invalid(f"{where}.{name}", "expected a string")
+        if name == "tool_call_id" and message.get("role") != "tool":
+            raise invalid(f"{where}.{name}", "only tool messages answer a tool call")
+        out[name] = value
+    if message.get("role") == "tool" and "tool_call_id" not in out:
+        raise invalid(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
+    return out
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or call.get("type", "function") != "function":
+        raise invalid(where, "expected an object with type 'function'")
+    if not isinstance(call.get("id"), str):
+        raise invalid(f"{where}.id", "expected a string")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(f"{where}.function", "expected an object with a 'name' string")
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError as exc:
+        raise invalid(f"{where}.function.arguments", f"not JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise invalid(f"{where}.function.arguments", "expected a JSON object in a string")
+    return {
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": function["name"], "arguments": parsed},
+    }
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...]:
@@ -70,8 +127,10 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(function, dict):
             raise invalid(f"{where}.function", "expected an object")
         name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid(f"{where}.function.name", "expected a non-empty string")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise invalid(
+                f"{where}.function.name", "expected a string of a-z, A-Z, 0-9, _ and -, at most 64"
+            )
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise invalid(f"{where}.function.parameters", "expected a JSON Schema object")

@@ -348,7 +348,16 @@ def health(report: HealthReport) -> pb.CheckHealthResponse:
 
 
 def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
+    return tuple(
+        ChatMessage(
+            role=m.role,
+            content=m.content,
+            tool_calls_json=m.tool_calls_json,
+            tool_call_id=m.tool_call_id,
+            name=m.name,
+        )
+        for m in messages
+    )
 
 
 def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
@@ -365,6 +374,7 @@ def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
         skip_special_tokens=(
             request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         ),
+        tools_json=request.tools_json,
     )
 
 

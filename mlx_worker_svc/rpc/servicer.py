@@ -223,12 +223,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> pb.TokenizeResponse:
         if request.text and request.messages:
             raise InvalidArgument("Tokenize takes text or messages, not both")
+        if request.tools_json and not request.messages:
+            raise InvalidArgument("tools_json needs messages (a chat to render the tools into)")
         if request.messages:
             add_prompt = (
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             )
             ids, text = self._worker.tokenize_chat(
-                convert.chat_messages(list(request.messages)), add_prompt
+                convert.chat_messages(list(request.messages)), add_prompt, request.tools_json
             )
             return pb.TokenizeResponse(token_ids=ids, text=text)
         ids = self._worker.tokenize_text(request.text, request.add_special_tokens)

@@ -44,11 +44,14 @@ class GenerateCalls:
         )
 
     def tokenize_chat(
-        self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool
+        self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, tools_json: str = ""
     ) -> tuple[list[int], str]:
         self._require_tokenizer("Tokenize")
         return text.render_chat(
-            self.core.need_model().tokenizer, messages, add_generation_prompt=add_generation_prompt
+            self.core.need_model().tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools_json=tools_json,
         )
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -104,8 +107,10 @@ class GenerateCalls:
             raise InvalidArgument(
                 "Generate needs exactly one of prompt, messages or prompt_token_ids"
             )
+        if spec.tools_json and not spec.messages:
+            raise InvalidArgument("tools_json needs messages (a chat to render the tools into)")
         if spec.messages:
-            return self.tokenize_chat(spec.messages, True)[0]
+            return self.tokenize_chat(spec.messages, True, spec.tools_json)[0]
         if spec.prompt:
             return self.tokenize_text(spec.prompt, True)
         return list(spec.prompt_token_ids)

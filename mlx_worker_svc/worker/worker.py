@@ -179,9 +179,9 @@ class Worker:
         return self.text.tokenize_text(value, add_special_tokens)
 
     def tokenize_chat(
-        self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool
+        self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, tools_json: str = ""
     ) -> tuple[list[int], str]:
-        return self.text.tokenize_chat(messages, add_generation_prompt)
+        return self.text.tokenize_chat(messages, add_generation_prompt, tools_json)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.text.detokenize(ids, skip_special_tokens)

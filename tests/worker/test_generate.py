@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import grpc
 import mlx.core as mx
 import pytest
-from driver import code_of, details_of, drive, greedy, mlx_lm_tokens
+from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
@@ -135,3 +136,63 @@ def test_a_failing_generate_step_ends_its_stream_and_the_worker_serves_on(
     assert "simulated MLX failure" in health.last_error
     tokens, _, last = _collect(tiny_stub, request)
     assert len(tokens) == 4 and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(stub: Stub, tiny_tools_dir: Path) -> None:
+    bring_up(stub, tiny_tools_dir)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}
+    chat = [
+        pb.ChatMessage(role="user", content="The time?"),
+        pb.ChatMessage(role="assistant", tool_calls_json=json.dumps([call])),
+        pb.ChatMessage(role="tool", content="12:00", tool_call_id="c1", name="get_time"),
+    ]
+    rendered = stub.Tokenize(pb.TokenizeRequest(messages=chat, tools_json=json.dumps(TOOLS)))
+    assert f"<tools>\n{json.dumps(TOOLS[0])}\n</tools>" in rendered.text
+    assert '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>' in rendered.text
+    assert "<tool_response>\n12:00\n</tool_response>" in rendered.text
+    request = pb.GenerateRequest(
+        messages=chat, tools_json=json.dumps(TOOLS), sampling_params=greedy(2, ignore_eos=True)
+    )
+    assert _collect(stub, request)[2].prompt_tokens == len(rendered.token_ids)
+    bad = [
+        (pb.TokenizeRequest(messages=chat, tools_json="{"), "tools_json: not JSON"),
+        (
+            pb.TokenizeRequest(messages=chat, tools_json='{"a": 1}'),
+            "tools_json: expected a JSON array of objects",
+        ),
+        (
+            pb.TokenizeRequest(messages=[pb.ChatMessage(role="assistant", tool_calls_json="[1]")]),
+            "messages[0].tool_calls_json: expected a JSON array of objects",
+        ),
+        (
+            pb.TokenizeRequest(text="hi", tools_json=json.dumps(TOOLS)),
+            "tools_json needs messages",
+        ),
+    ]
+    for ask, message in bad:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Tokenize(ask)
+        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(caught.value).startswith(message)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(pb.GenerateRequest(prompt="hi", tools_json=json.dumps(TOOLS))))
+    assert details_of(caught.value).startswith("tools_json needs messages")
+
+
+def test_a_template_without_tools_refuses_them(tiny_stub: Stub) -> None:
+    chat = [pb.ChatMessage(role="user", content="The time?")]
+    for call in (
+        lambda: tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat, tools_json=json.dumps(TOOLS))),
+        lambda: list(
+            tiny_stub.Generate(pb.GenerateRequest(messages=chat, tools_json=json.dumps(TOOLS)))
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(caught.value) == (
+            "tools_json: the model's chat template does not render tools (it never reads `tools`)"
+        )

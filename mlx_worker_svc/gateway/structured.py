@@ -1,0 +1,188 @@
+"""Structured-output fields of a request, as one `StructuredOutputs` spec for the workers.
+
+A request constrains its output with at most one of:
+
+- OpenAI's `response_format`: `{"type": "text"}` (no constraint),
+  `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}}`. The schema is
+  always enforced, whatever `strict` says (a missing schema means any JSON
+  object); `name` and `description` only label it.
+- vLLM's `structured_outputs` object: exactly one of `json` (a schema, as an
+  object or as JSON text), `json_object` (true), `regex`, `choice` (an array
+  of strings) or `grammar`, with `disable_any_whitespace` (JSON kinds only:
+  no whitespace outside strings). As in vLLM, a `structured_outputs` holding
+  only options may come with `response_format`, and they apply to its JSON.
+  vLLM's other keys there (`disable_additional_properties`,
+  `whitespace_pattern`, `structural_tag`, ...) are refused by name.
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`,
+  `guided_grammar`.
+
+A grammar is GBNF (llama.cpp's EBNF, rule `root`) when it defines a rule with
+`::=`, else llguidance's Lark (rule `start`), the two dialects vLLM's engines
+take. What the workers' grammar engine refuses (a schema keyword it cannot
+honour, a regex or grammar that does not compile) comes back as
+INVALID_ARGUMENT naming `sampling_params.structured_outputs`, and the gateway
+answers it as a 400 naming the request field the spec came from (`param`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+# The fields that carry a constraint; at most one may be set.
+FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# vLLM's keys of `structured_outputs` that pick the constraint.
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_OPTIONS = ("disable_any_whitespace",)
+# The prefix of the workers' messages about the spec, which the gateway rewrites.
+WORKER_FIELD = "sampling_params.structured_outputs"
+
+
+def parse_structured(body: dict[str, Any]) -> tuple[pb.StructuredOutputs | None, str | None]:
+    """The request's spec and the field it came from, or (None, None); raises `ApiError`."""
+    given = [name for name in FIELDS if body.get(name) is not None]
+    given = [n for n in given if not (n == "response_format" and body[n] == {"type": "text"})]
+    options = body.get("structured_outputs")
+    if given[:2] == ["response_format", "structured_outputs"] and _options_only(options):
+        given.remove("structured_outputs")  # vLLM's way to give response_format options
+    else:
+        options = None
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise invalid(given[1], f"only one structured-output field may be set; '{given[0]}' is")
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        spec = _response_format(value)
+        if options is not None:
+            _options(spec, options)
+        return spec, name
+    if name == "structured_outputs":
+        return _vllm(value), name
+    return _spec(name, name.removeprefix("guided_"), value), name
+
+
+def _options_only(value: Any) -> bool:
+    """Whether `structured_outputs` holds options and no constraint."""
+    return isinstance(value, dict) and all(value.get(k) is None for k in _KINDS)
+
+
+def _response_format(value: Any) -> pb.StructuredOutputs:
+    kinds = ("text", "json_object", "json_schema")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in kinds:
+        raise invalid("response_format", f"expected an object with 'type' one of {list(kinds)}")
+    if kind == "json_object":
+        return pb.StructuredOutputs(json_object=True)
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise invalid(where, "expected an object with a 'name' string")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{where}.strict", "expected a boolean")
+    schema = spec.get("schema")
+    if schema is None:
+        return pb.StructuredOutputs(json_object=True)
+    return _spec(f"{where}.schema", "json", schema)
+
+
+def _vllm(value: Any) -> pb.StructuredOutputs:
+    if not isinstance(value, dict):
+        raise invalid("structured_outputs", "expected an object")
+    _vllm_keys(value)
+    return _constraint(value)
+
+
+def _vllm_keys(value: dict[str, Any]) -> None:
+    """Refuses, by name, the keys of `structured_outputs` this server does not take."""
+    for key, item in value.items():
+        if key not in (*_KINDS, *_OPTIONS) and item is not None:
+            raise ApiError(
+                400,
+                f"'structured_outputs.{key}' is not supported by this server "
+                f"(supported: {', '.join((*_KINDS, *_OPTIONS))})",
+                param=f"structured_outputs.{key}",
+                code="unsupported_value",
+            )
+
+
+def _constraint(value: dict[str, Any]) -> pb.StructuredOutputs:
+    kinds = [k for k in _KINDS if value.get(k) is not None]
+    if len(kinds) != 1:
+        raise invalid("structured_outputs", f"expected exactly one of {list(_KINDS)}")
+    spec = _spec(f"structured_outputs.{kinds[0]}", kinds[0], value[kinds[0]])
+    _options(spec, value)
+    return spec
+
+
+def _options(spec: pb.StructuredOutputs, value: dict[str, Any]) -> None:
+    """Applies `structured_outputs`' options to `spec`."""
+    _vllm_keys(value)
+    compact = value.get("disable_any_whitespace")
+    if compact is not None:
+        if not isinstance(compact, bool):
+            raise invalid("structured_outputs.disable_any_whitespace", "expected a boolean")
+        if compact and spec.WhichOneof("kind") not in ("json_schema", "json_object"):
+            raise invalid("structured_outputs.disable_any_whitespace", "only for JSON kinds")
+        spec.disable_any_whitespace = compact
+
+
+def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
+    """One constraint of `kind` (vLLM's names) from `value`; errors name `param`."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise invalid(param, f"not JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise invalid(param, "expected a JSON Schema (an object)")
+        return pb.StructuredOutputs(json_schema=json.dumps(value, ensure_ascii=False))
+    if kind == "json_object":
+        if value is not True:
+            raise invalid(param, "expected true")
+        return pb.StructuredOutputs(json_object=True)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise invalid(param, "expected a non-empty array of non-empty strings")
+        return pb.StructuredOutputs(choice=pb.StructuredChoice(choices=value))
+    if not isinstance(value, str) or not value:
+        raise invalid(param, "expected a non-empty string")
+    if kind == "regex":
+        return pb.StructuredOutputs(regex=value)
+    if "::=" in value:
+        return pb.StructuredOutputs(gbnf_grammar=value)
+    return pb.StructuredOutputs(lark_grammar=value)
+
+
+def request_error(exc: ApiError, param: str | None) -> ApiError:
+    """A workers' 400 about a field the gateway filled, reworded to name the request's field.
+
+    `param` is the field the structured-output spec came from (a forced tool
+    call's grammar: `tools`); the tools given to the chat template are `tools`.
+    """
+    fields = {"tools_json": "tools"}
+    if param is not None:
+        fields[WORKER_FIELD] = param
+    if exc.status != 400:
+        return exc
+    for worker_field, name in fields.items():
+        if exc.message.startswith(worker_field):
+            detail = exc.message.split(": ", 1)[-1]
+            return ApiError(
+                400, f"Invalid value for '{name}': {detail}", param=name, code="invalid_value"
+            )
+    return exc

@@ -80,7 +80,7 @@ def _check_adapter(adapter_path: str) -> None:
                 f"(holding {ADAPTER_FILES[0]} and {ADAPTER_FILES[1]})"
             )
         missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: "~user" with no such home
         raise InvalidArgument(f"LoadModel.adapter_path is not a usable path: {exc}") from exc
     if missing:
         raise InvalidArgument(

@@ -41,7 +41,7 @@ STEPS = 5.0
 """Seconds for "a few steps" on a loaded two-core machine (a step here takes milliseconds)."""
 PROBE_SLACK = 5.0
 """A worker is up in the fleet within its own start-up plus about one probe interval."""
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 class Load:

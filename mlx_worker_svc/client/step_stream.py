@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mlx_worker_svc.client.worker import ClientError, _client_error
+from mlx_worker_svc.client.errors import ClientError, client_error
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -106,7 +106,7 @@ class AsyncExecuteStream:
         try:
             await self._call.write(request)
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc, _METHOD) from exc
+            raise client_error(exc, _METHOD) from exc
         except asyncio.InvalidStateError as exc:  # the call has ended
             raise ClientError(grpc.StatusCode.CANCELLED, str(exc), _METHOD) from exc
 
@@ -114,7 +114,7 @@ class AsyncExecuteStream:
         try:
             message = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc, _METHOD) from exc
+            raise client_error(exc, _METHOD) from exc
         if not isinstance(message, pb.ExecuteStreamResponse):  # grpc.aio's EOF
             raise ClientError(grpc.StatusCode.UNAVAILABLE, "the stream ended", _METHOD)
         return message

@@ -62,6 +62,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from mlx_worker_svc.client import rpcs
+from mlx_worker_svc.client.errors import ClientError, client_error
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 if TYPE_CHECKING:
@@ -145,21 +146,6 @@ class ClientConfig:
         return random.uniform(ceiling / 2, ceiling)
 
 
-class ClientError(Exception):
-    """A WorkerService call failed (after any retries)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, method: str, attempts: int = 1) -> None:
-        self.code = code
-        self.details = details
-        self.method = method
-        self.attempts = attempts
-        tries = f" (after {attempts} attempts)" if attempts > 1 else ""
-        super().__init__(f"{method} failed with {code.name}{tries}: {details}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.code, self.details, self.method, self.attempts))
-
-
 def channel_credentials(
     ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
 ) -> grpc.ChannelCredentials:
@@ -181,11 +167,6 @@ def channel_credentials(
         private_key=read(key_file),
         certificate_chain=read(cert_file),
     )
-
-
-def _client_error(exc: grpc.RpcError, method: str, attempts: int = 1) -> ClientError:
-    call = cast(grpc.Call, exc)
-    return ClientError(call.code(), call.details() or "", method, attempts)
 
 
 class AsyncWorkerClient:
@@ -266,7 +247,7 @@ class AsyncWorkerClient:
                 return cast(RespT, await call(request, timeout=timeout, metadata=self._metadata))
             except grpc.aio.AioRpcError as exc:
                 if attempt == attempts or exc.code() not in _RETRYABLE:
-                    raise _client_error(exc, rpc.name, attempt) from exc
+                    raise client_error(exc, rpc.name, attempt) from exc
                 delay = self._config.backoff_delay(attempt - 1)
                 log.info(
                     "%s to %s: %s (%s); retry %d of %d in %.3fs",
@@ -324,7 +305,7 @@ class AsyncWorkerClient:
             async for message in call:
                 yield cast(pb.GenerateResponse, message)
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc, "Generate") from exc
+            raise client_error(exc, "Generate") from exc
         finally:
             call.cancel()
 

@@ -13,7 +13,11 @@ BENCH_GPU_ARGS ?=
 # products 10-30x faster. The tests and benchmarks run float32 models, so they
 # preload it where it exists. Best effort: elsewhere they only run slower.
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
-BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS))
+# OpenBLAS picks its kernels by CPU at run time, and the AVX-512 ones round some
+# batched products differently from the same rows alone; the tests compare such
+# products bit for bit, so x86_64 hosts pin one kernel family (AVX2) for them.
+BLAS_CORE := $(if $(filter x86_64,$(shell uname -m)),OPENBLAS_CORETYPE=Haswell)
+BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS)) $(BLAS_CORE)
 
 .PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench bench-gpu gpu-pack bench-gateway soak loadtest clean
 

@@ -444,13 +444,13 @@ def test_a_structured_output_spec_passes_through_and_survives_failover(
 def test_the_fleet_streams_every_token_as_sampled_through_execute_stream(
     pool: WorkerPool, start_fleet: Callable[..., Fleet]
 ) -> None:
-    """One step ahead (the default) gives unary Execute's tokens, one message a token,
+    """One step ahead (--steps-ahead 1) gives unary Execute's tokens, one message a token,
     with requests joining while others decode."""
     prompts = distinct_prompts(6, 9, seed=21)
     requests = [token_request(p, 12 + i) for i, p in enumerate(prompts)]
     unary = start_fleet(pool.targets[:1], "--steps-ahead", "0")
     expected = [tokens_of(s.messages) for s in run_streams(unary.stub, requests)]
-    ahead = start_fleet(pool.targets[:1])
+    ahead = start_fleet(pool.targets[:1], "--steps-ahead", "1")
     streams = run_streams(ahead.stub, requests)
     assert [tokens_of(s.messages) for s in streams] == expected
     for stream, request in zip(streams, requests, strict=True):

@@ -56,26 +56,26 @@ if [ ! -s "$cache/mlx-cuda-13.tar.xz" ]; then
   mv "$cache/mlx-cuda-13.tar.xz.tmp" "$cache/mlx-cuda-13.tar.xz"
 fi
 
-out="$repo/.gpupack"
-rm -rf "$out"
-mkdir -p "$out/call1" "$out/call2" "$out/split"
-split -b "$PART_SIZE" -d -a 2 "$cache/mlx-cuda-13.tar.xz" "$out/split/mlx-cuda-13.tar.xz.part"
-parts=("$out"/split/*.part*)
+dest="$repo/.gpupack"
+rm -rf "$dest"
+mkdir -p "$dest/call1" "$dest/call2" "$dest/split"
+split -b "$PART_SIZE" -d -a 2 "$cache/mlx-cuda-13.tar.xz" "$dest/split/mlx-cuda-13.tar.xz.part"
+parts=("$dest"/split/*.part*)
 if [ "${#parts[@]}" -ne 2 ]; then
   echo "expected 2 parts of $PART_SIZE, got ${#parts[@]}: set PART_SIZE" >&2
   exit 1
 fi
-mv "${parts[0]}" "$out/call1/"
-mv "${parts[1]}" "$out/call2/"
-rmdir "$out/split"
+mv "${parts[0]}" "$dest/call1/"
+mv "${parts[1]}" "$dest/call2/"
+rmdir "$dest/split"
 for w in "$cache"/wheels/*.whl; do
   case "$(basename "$w")" in mlx_cuda_13-*) continue ;; esac
-  cp "$w" "$out/call2/"
+  cp "$w" "$dest/call2/"
 done
-(cd "$out" && sha256sum call1/* call2/* | sed 's# call[12]/#  #' >MANIFEST)
-cp "$out/MANIFEST" "$out/call1/MANIFEST"
-cp "$out/MANIFEST" "$out/call2/MANIFEST"
-rm "$out/MANIFEST"
+(cd "$dest" && sha256sum call1/* call2/* | sed 's# call[12]/#  #' >MANIFEST)
+cp "$dest/MANIFEST" "$dest/call1/MANIFEST"
+cp "$dest/MANIFEST" "$dest/call2/MANIFEST"
+rm "$dest/MANIFEST"
 
 # What each transfer holds: the tree (tracked + untracked files git does not
 # ignore) plus that part's folder.
@@ -84,12 +84,12 @@ tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-stand
 echo "== the tree (tracked + untracked, not ignored): $((tree / 1024)) KiB"
 status=0
 for call in call1 call2; do
-  size=$(du -sb "$out/$call" | cut -f1)
+  size=$(du -sb "$dest/$call" | cut -f1)
   total=$((size + tree))
   awk -v c="$call" -v s="$size" -v t="$total" 'BEGIN {
     printf "%s: .gpupack/%s = %d bytes (%.1f MiB); with the tree %.1f MiB of 64 MiB\n",
       c, c, s, s / 1048576, t / 1048576 }'
-  ls -l "$out/$call" | tail -n +2 | awk '{printf "    %10d  %s\n", $5, $9}'
+  ls -l "$dest/$call" | tail -n +2 | awk '{printf "    %10d  %s\n", $5, $9}'
   if [ "$total" -gt "$LIMIT" ]; then
     echo "    OVER THE 64 MiB LIMIT" >&2
     status=1

@@ -10,7 +10,7 @@ fi
 # shellcheck disable=SC1091
 . "$MLXW/env.sh"
 cd "$(dirname "$0")/../.."
-out=${BENCH_OUT:-benchmarks/results}
-mkdir -p "$out"
+dest=${BENCH_OUT:-benchmarks/results}
+mkdir -p "$dest"
 set -o pipefail
-PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu.bench_gpu --out "$out" "$@" 2>&1 | tee "$out/bench-gpu.log"
+PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu.bench_gpu --out "$dest" "$@" 2>&1 | tee "$dest/bench-gpu.log"

@@ -41,7 +41,7 @@ class ExecuteStreamCall:
         self.in_flight = 0
         """Steps sent and not yet received."""
 
-    def _requests(self) -> Iterator[pb.ExecuteRequest]:
+    def _requests(self) -> Iterator[pb.ExecuteStreamRequest]:
         while True:
             item = self._outgoing.get()
             if item is _CLOSE:
@@ -49,7 +49,7 @@ class ExecuteStreamCall:
             yield item
 
     def send(self, request: pb.ExecuteRequest) -> None:
-        self._outgoing.put(request)
+        self._outgoing.put(pb.ExecuteStreamRequest(step=request))
         self.in_flight += 1
 
     def receive(self) -> pb.ExecuteStreamResponse:
@@ -104,7 +104,7 @@ class AsyncExecuteStream:
 
     async def send(self, request: pb.ExecuteRequest) -> None:
         try:
-            await self._call.write(request)
+            await self._call.write(pb.ExecuteStreamRequest(step=request))
         except grpc.aio.AioRpcError as exc:
             raise client_error(exc, _METHOD) from exc
         except asyncio.InvalidStateError as exc:  # the call has ended

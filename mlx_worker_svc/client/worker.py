@@ -198,7 +198,7 @@ class AsyncWorkerClient:
         )
         self._execute_stream_call = self._channel.stream_stream(
             rpcs.EXECUTE_STREAM_PATH,
-            pb.ExecuteRequest.SerializeToString,
+            pb.ExecuteStreamRequest.SerializeToString,
             pb.ExecuteStreamResponse.FromString,
         )
 

@@ -160,7 +160,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         return convert.step_result(result)
 
     def ExecuteStream(
-        self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext
+        self, request_iterator: Iterator[pb.ExecuteStreamRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ExecuteStreamResponse]:
         stream = self._worker.open_step_stream()
         context.add_callback(stream.close)  # cancelled, dropped or done: free what it made

@@ -5,9 +5,10 @@ room (fewer than `depth` steps read and not yet answered), converts it and
 submits it to the worker's `StepStream`, so the engine thread has the next
 step queued while the servicer's thread converts and sends the previous
 reply. Iterating the reader yields each step's outcome in the order the
-steps came. A step that does not convert (a bad field) gets its error in its
-own reply, as a failing step does. Past `depth`, the reader does not read:
-gRPC's flow control holds the scheduler's further steps.
+steps came. A step that does not convert (a bad field, or a message without
+its `step`) gets its error in its own reply, as a failing step does. Past
+`depth`, the reader does not read: gRPC's flow control holds the scheduler's
+further steps.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.core.errors import InvalidArgument, WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc import convert
 from mlx_worker_svc.worker.step_stream import StepStream, StreamedStep
@@ -32,7 +33,7 @@ class StepReader:
     """The steps of one stream, submitted as they arrive; iterate for the outcomes."""
 
     def __init__(
-        self, requests: Iterator[pb.ExecuteRequest], stream: StepStream, depth: int
+        self, requests: Iterator[pb.ExecuteStreamRequest], stream: StepStream, depth: int
     ) -> None:
         self._requests = requests
         self._stream = stream
@@ -67,10 +68,14 @@ class StepReader:
                 if request is None or self._stopped:
                     return
                 received = time.perf_counter_ns()
+                if not request.HasField("step"):
+                    missing = InvalidArgument("ExecuteStreamRequest.step is required")
+                    self._outcomes.put(StreamedStep(0, error=missing))
+                    continue
                 try:
-                    plan = convert.step_plan(request)
+                    plan = convert.step_plan(request.step)
                 except WorkerError as exc:
-                    self._outcomes.put(StreamedStep(request.step_id, error=exc))
+                    self._outcomes.put(StreamedStep(request.step.step_id, error=exc))
                     continue
                 self._outcomes.put(self._stream.submit(plan, received))
         except Exception:  # the call ended under the reader (cancelled, dropped)

@@ -70,7 +70,7 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
         "returns ( stream .mlx_worker.v1.GenerateResponse );"
     ) in described
     assert (
-        "rpc ExecuteStream ( stream .mlx_worker.v1.ExecuteRequest ) "
+        "rpc ExecuteStream ( stream .mlx_worker.v1.ExecuteStreamRequest ) "
         "returns ( stream .mlx_worker.v1.ExecuteStreamResponse );"
     ) in described
     assert described.count(" rpc ") == len(RPCS) + 2
@@ -294,7 +294,8 @@ def test_grpcurl_drives_execute_stream_from_standard_input(
         },
         {"step_id": 4, "worker_epoch": "1"},
     ]
-    first, second, third, fourth = grpcurl.stream_stdin("ExecuteStream", steps)
+    messages = [{"step": step} for step in steps]
+    first, second, third, fourth = grpcurl.stream_stdin("ExecuteStream", messages)
     assert [m["step_id"] for m in (first, second, third, fourth)] == ["1", "2", "3", "4"]
     [out] = first["result"]["outputs"]
     assert (out["num_computed_tokens"], len(out["sampled_token_ids"])) == (3, 1)

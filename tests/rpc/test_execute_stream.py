@@ -166,6 +166,22 @@ def test_bad_field_fails_only_its_step(worker: tuple[pb_grpc.WorkerServiceStub, 
     assert "worker_epoch" in replies[1].error.message
 
 
+def test_message_without_its_step_fails_only_itself(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """The raw stub: an empty ExecuteStreamRequest is answered (step_id 0), the next runs."""
+    stub, epoch, _ = worker
+    messages = [
+        pb.ExecuteStreamRequest(),
+        pb.ExecuteStreamRequest(step=pb.ExecuteRequest(step_id=5, worker_epoch=epoch)),
+    ]
+    first, second = list(stub.ExecuteStream(iter(messages), timeout=30))
+    assert (first.step_id, first.WhichOneof("outcome")) == (0, "error")
+    assert first.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert first.error.message == "ExecuteStreamRequest.step is required"
+    assert (second.step_id, second.WhichOneof("outcome")) == (5, "result")
+
+
 def test_cancelled_stream_frees_its_requests(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:

@@ -493,6 +493,12 @@ class StepError(_message.Message):
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class ExecuteStreamRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: ExecuteRequest
+    def __init__(self, step: _Optional[_Union[ExecuteRequest, _Mapping]] = ...) -> None: ...
+
 class ExecuteStreamResponse(_message.Message):
     __slots__ = ("step_id", "result", "error", "already_finished_req_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

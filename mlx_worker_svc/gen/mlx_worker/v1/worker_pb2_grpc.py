@@ -68,7 +68,7 @@ class WorkerServiceStub:
                 _registered_method=True)
         self.ExecuteStream = channel.stream_stream(
                 '/mlx_worker.v1.WorkerService/ExecuteStream',
-                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamRequest.SerializeToString,
                 response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.FromString,
                 _registered_method=True)
         self.CheckHealth = channel.unary_unary(
@@ -181,8 +181,9 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExecuteStream(self, request_iterator, context):
-        """Runs scheduler steps sent on one stream, in the order sent, one response
-        each in that order; the scheduler may send steps ahead of their responses
+        """Runs scheduler steps sent on one stream (each ExecuteStreamRequest.step is
+        an ExecuteRequest), in the order sent, one response each in that order;
+        the scheduler may send steps ahead of their responses
         (up to GetInfo.limits.max_steps_in_flight are read ahead). Each step is
         what an Execute call would run, with these rules:
         - Sent ahead: a step counts in num_computed_tokens what the earlier steps
@@ -329,7 +330,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
             ),
             'ExecuteStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ExecuteStream,
-                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.FromString,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamRequest.FromString,
                     response_serializer=mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.SerializeToString,
             ),
             'CheckHealth': grpc.unary_unary_rpc_method_handler(
@@ -581,7 +582,7 @@ class WorkerService:
             request_iterator,
             target,
             '/mlx_worker.v1.WorkerService/ExecuteStream',
-            mlx__worker_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamRequest.SerializeToString,
             mlx__worker_dot_v1_dot_worker__pb2.ExecuteStreamResponse.FromString,
             options,
             channel_credentials,

@@ -17,7 +17,9 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 # batched products differently from the same rows alone; the tests compare such
 # products bit for bit, so x86_64 hosts pin one kernel family (AVX2) for them.
 BLAS_CORE := $(if $(filter x86_64,$(shell uname -m)),OPENBLAS_CORETYPE=Haswell)
-BLAS_ENV := LD_PRELOAD=$(wildcard $(OPENBLAS)) $(BLAS_CORE)
+# Looked up by the shell when a recipe runs: make's own $(wildcard) caches the
+# directory as it was before the `blas` prerequisite installed the library.
+BLAS_ENV := LD_PRELOAD=$$(test -e $(OPENBLAS) && echo $(OPENBLAS)) $(BLAS_CORE)
 
 .PHONY: install proto proto-check buf-lint model blas serve demo test lint fmt bench bench-gpu gpu-pack bench-gateway soak loadtest clean
 

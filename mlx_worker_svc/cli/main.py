@@ -145,10 +145,16 @@ def _serve_worker(
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
     from mlx_worker_svc.cli.engine_flags import engine_options
     from mlx_worker_svc.core.limits import context_hint
+    from mlx_worker_svc.engine.profiler import profile_directory
     from mlx_worker_svc.rpc.security import SecurityError
     from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
     from mlx_worker_svc.worker.bring_up import BringUp, bring_up
 
+    try:
+        profile_dir = profile_directory(args.profile_dir) if args.profile_dir else None
+    except ValueError as exc:
+        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -160,6 +166,7 @@ def _serve_worker(
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         engine=engine_options(args),
+        profile_dir=profile_dir,
     )
     server = WorkerServer(config, group=group)
     if args.auto_init:
@@ -330,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
+    )
+    serve.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        help="turn on StartProfile/StopProfile, which write cProfiles of the engine thread "
+        "(and Metal GPU captures) under DIR, created if missing (default: off)",
     )
     _add_group_arguments(serve)
     from mlx_worker_svc.cli.engine_flags import add_engine_arguments

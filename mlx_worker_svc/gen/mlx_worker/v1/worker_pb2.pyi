@@ -44,6 +44,12 @@ class Parallelism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PARALLELISM_NONE: _ClassVar[Parallelism]
     PARALLELISM_TENSOR: _ClassVar[Parallelism]
     PARALLELISM_PIPELINE: _ClassVar[Parallelism]
+
+class ProfileSort(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROFILE_SORT_UNSPECIFIED: _ClassVar[ProfileSort]
+    PROFILE_SORT_CUMULATIVE: _ClassVar[ProfileSort]
+    PROFILE_SORT_OWN: _ClassVar[ProfileSort]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_NEW: WorkerState
 WORKER_STATE_DEVICE_READY: WorkerState
@@ -69,6 +75,9 @@ PARALLELISM_UNSPECIFIED: Parallelism
 PARALLELISM_NONE: Parallelism
 PARALLELISM_TENSOR: Parallelism
 PARALLELISM_PIPELINE: Parallelism
+PROFILE_SORT_UNSPECIFIED: ProfileSort
+PROFILE_SORT_CUMULATIVE: ProfileSort
+PROFILE_SORT_OWN: ProfileSort
 
 class InitDeviceRequest(_message.Message):
     __slots__ = ("device", "rank", "local_rank", "world_size", "distributed_init_method")
@@ -786,3 +795,63 @@ class ListLorasResponse(_message.Message):
     NAMES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("label", "gpu_capture")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    gpu_capture: bool
+    def __init__(self, label: _Optional[str] = ..., gpu_capture: _Optional[bool] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("label", "path", "gpu_capture_path")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_PATH_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    path: str
+    gpu_capture_path: str
+    def __init__(self, label: _Optional[str] = ..., path: _Optional[str] = ..., gpu_capture_path: _Optional[str] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ("top_entries", "sort")
+    TOP_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SORT_FIELD_NUMBER: _ClassVar[int]
+    top_entries: int
+    sort: ProfileSort
+    def __init__(self, top_entries: _Optional[int] = ..., sort: _Optional[_Union[ProfileSort, str]] = ...) -> None: ...
+
+class ProfileEntry(_message.Message):
+    __slots__ = ("function", "file", "line", "calls", "primitive_calls", "cumulative_seconds", "own_seconds")
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    PRIMITIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    function: str
+    file: str
+    line: int
+    calls: int
+    primitive_calls: int
+    cumulative_seconds: float
+    own_seconds: float
+    def __init__(self, function: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., calls: _Optional[int] = ..., primitive_calls: _Optional[int] = ..., cumulative_seconds: _Optional[float] = ..., own_seconds: _Optional[float] = ...) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("label", "path", "gpu_capture_path", "seconds", "entries", "num_functions")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    path: str
+    gpu_capture_path: str
+    seconds: float
+    entries: _containers.RepeatedCompositeFieldContainer[ProfileEntry]
+    num_functions: int
+    def __init__(self, label: _Optional[str] = ..., path: _Optional[str] = ..., gpu_capture_path: _Optional[str] = ..., seconds: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[ProfileEntry, _Mapping]]] = ..., num_functions: _Optional[int] = ...) -> None: ...

@@ -1,7 +1,7 @@
 """`mlx-worker fleet`, `gateway` and `generate`: the fleet scheduler from a shell.
 
 `fleet` serves `mlx_worker.v1.FleetService` in front of the given workers;
-`gateway` serves an OpenAI-compatible HTTP API (mlx_worker_svc.gateway) over
+`gateway` serves OpenAI's and Anthropic's HTTP APIs (mlx_worker_svc.gateway) over
 the same scheduler, in-process; `generate` runs the scheduler for one prompt
 and streams the text to the terminal.
 """
@@ -198,7 +198,11 @@ def add_commands(sub: Any) -> None:
 
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
-        ("gateway", "serve an OpenAI-compatible HTTP API in front of workers", _run_gateway),
+        (
+            "gateway",
+            "serve OpenAI's and Anthropic's HTTP APIs in front of workers",
+            _run_gateway,
+        ),
         ("generate", "stream one answer from the workers to the terminal", _run_generate),
     ):
         cmd = sub.add_parser(name, help=help_text)

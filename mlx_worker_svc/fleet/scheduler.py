@@ -275,6 +275,10 @@ class FleetScheduler:
         """The model's chat template (Jinja source; empty when it has none), from a worker up."""
         return (await self._some_link()).chat_template
 
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Tokenize on the least-loaded worker that is up (the fleet serves one model)."""
+        return await (await self._some_link()).client.tokenize(request)
+
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""
         return await (await self._some_link()).client.detokenize(request)

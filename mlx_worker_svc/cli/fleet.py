@@ -193,6 +193,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
 
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
+    from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments, add_worker_client_arguments
 
@@ -255,6 +256,8 @@ def add_commands(sub: Any) -> None:
             cmd.add_argument("--temperature", type=float, default=0.0)
             cmd.add_argument("--raw", action="store_true", help="no chat template")
         add_worker_client_arguments(cmd)
+        if name in COMMANDS:
+            add_config_arguments(cmd)
 
         def run(args: argparse.Namespace, runner: Any = runner) -> int:
             with contextlib.suppress(KeyboardInterrupt):

@@ -178,6 +178,8 @@ class Gateway:
         except asyncio.CancelledError:  # the client went away mid-stream
             self.metrics.disconnects.labels(route).inc()
             raise
+        finally:
+            await answer.stream.aclose()  # the fleet frees the request now, whatever ended it
         self.count(last)
         if reply.parsed.include_usage:
             yield sse(reply.usage_chunk(last))

@@ -18,7 +18,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import pytest
-from driver import ServeProcess
+from driver import ServeProcess, wait_until_idle
 from gateway_process import KEY, Gateway
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -179,6 +179,22 @@ def test_a_stop_sequence_ends_the_answer_and_is_named(
         message = create(client, **options)
     assert message.content[0].text == full[:start]
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_a_client_disconnect_mid_stream_frees_the_workers_kv(
+    gateway: Gateway, worker: ServeProcess, client: anthropic.Anthropic
+) -> None:
+    route = 'mlx_gateway_client_disconnects_total{route="/v1/messages"}'
+    before = gateway.metric(route)
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    with client.messages.stream(**_request({"max_tokens": 400})) as stream:
+        texts = iter(stream.text_stream)
+        for _ in range(3):
+            assert next(texts)
+        health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+        assert health.num_running_requests == 1 and health.kv.used_blocks > 0, health
+    wait_until_idle(stub, timeout=10)
+    assert gateway.metric(route) == before + 1
 
 
 # ---------------------------------------------------------- errors, keys

@@ -120,6 +120,8 @@ class MessagesApi:
         except asyncio.CancelledError:  # the client went away mid-stream
             self.metrics.disconnects.labels(route).inc()
             raise
+        finally:
+            await answer.stream.aclose()  # the fleet frees the request now, whatever ended it
         self.count(last)
         yield _send(reply.end(blocks, last))
 

@@ -47,10 +47,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Sets the defaults of the command in `argv` from its `--config` file, if it names one."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     pre.add_argument("--config")
     pre.add_argument("--config-section")
-    given, _ = pre.parse_known_args(argv)
+    try:
+        given, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return  # `--config` without its value: the command's own parser says so
     commands = _commands(parser)
     name = next((token for token in argv if token in commands), None)
     if given.config is None or name not in COMMANDS:

@@ -185,6 +185,9 @@ def test_a_missing_or_unknown_kind_of_file_is_refused(
     assert refusal(capsys, ["serve", "--config", str(ini)]).endswith(
         "a config file is .toml, .yaml, .yml, not .ini"
     )
+    assert refusal(capsys, ["serve", "--config"]).endswith(
+        "mlx-worker serve: error: argument --config: expected one argument"
+    )
     bad = tmp_path / "config.yaml"
     bad.write_text("serve: [1, 2\n")
     assert "not YAML" in refusal(capsys, ["serve", "--config", str(bad)])

@@ -6,7 +6,8 @@ With `--world-size N` it starts a worker group through `mlx.launch`
 (group_launch.py); `--group` is how each of the group's processes starts.
 `convert-gguf` turns a llama GGUF file into an MLX model directory, or, with
 no file, builds the embedded default model (SmolLM2-135M-Instruct).
-`fleet` and `generate` drive workers through the fleet scheduler (fleet_cli.py).
+`fleet`, `gateway` and `generate` drive workers through the fleet scheduler (fleet.py).
+`serve`, `fleet` and `gateway` also read their flags from `--config FILE` (config_file.py).
 """
 
 from __future__ import annotations
@@ -345,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(and Metal GPU captures) under DIR, created if missing (default: off)",
     )
     _add_group_arguments(serve)
+    from mlx_worker_svc.cli.config_file import add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_engine_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments
@@ -352,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(serve)
     add_metrics_arguments(serve)
     add_engine_arguments(serve)
+    add_config_arguments(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(
@@ -405,9 +408,18 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments, a `--config` file's read first (flags win over it)."""
+    from mlx_worker_svc.cli.config_file import apply_config
+
+    parser = build_parser()
+    apply_config(parser, argv)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv
     configure_logging(args.log_level, args.log_format)
     return int(args.func(args))

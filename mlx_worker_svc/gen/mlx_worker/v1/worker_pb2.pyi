@@ -745,7 +745,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens", "stop_string")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -754,6 +754,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -762,7 +763,8 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     request_id: str
     num_cached_prompt_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class AddLoraRequest(_message.Message):
     __slots__ = ("name", "path")

@@ -23,7 +23,7 @@ def _p50(step: dict[str, Any], key: str) -> str:
 PATHS = {
     "execute": "Execute",
     "multistep": "Execute, n steps a call",
-    "stream": "ExecuteStream, 1 step a call, 1 ahead",
+    "stream": "ExecuteStream, 1 step a call, --stream-depth steps in flight",
     "generate": "Generate streams",
 }
 
@@ -54,7 +54,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"MLX {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}, device {m.get('mlx_device')}, "
         f"Python {m.get('python')}; model: {results['model']['shape']}; "
         f"options: prompt {options['prompt_tokens']} tokens, "
-        f"{options['new_tokens']} new tokens, repeats {options['repeats']}",
+        f"{options['new_tokens']} new tokens, repeats {options['repeats']}, "
+        f"stream depth {options.get('stream_depth', '-')}",
         "",
         f"Worker variant {first}. Execute: one Execute RPC per step from the benchmarks' Python "
         f"scheduler; Execute, n steps a call: the same scheduler asking for n = {steps} decode "

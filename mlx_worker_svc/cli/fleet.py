@@ -16,18 +16,16 @@ import signal
 import sys
 from typing import Any
 
+from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-
-GATEWAY_KEY_ENV = "MLX_GATEWAY_API_KEY"
-"""Environment variable with one more API key for `gateway` (beside --api-key-file)."""
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
     """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options."""
+    from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
-    from mlx_worker_svc.rpc.security import worker_client_from_args
 
     credentials, token = worker_client_from_args(args)
     link = LinkConfig(
@@ -46,10 +44,11 @@ def _fleet_config(args: argparse.Namespace) -> Any:
 
 
 async def _run_fleet(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.fleet import FleetScheduler
     from mlx_worker_svc.fleet.server import serve_fleet
     from mlx_worker_svc.rpc.metrics import MetricsEndpoint
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
     try:  # before any worker is contacted
         security = server_security_from_args(args)
@@ -84,9 +83,10 @@ async def _run_fleet(args: argparse.Namespace) -> int:
 
 
 async def _run_gateway(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.fleet import FleetScheduler
     from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
     try:  # before any worker is contacted
         security = server_security_from_args(args)
@@ -194,8 +194,8 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
+    from mlx_worker_svc.cli.security_flags import add_server_arguments, add_worker_client_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
-    from mlx_worker_svc.rpc.security import add_server_arguments, add_worker_client_arguments
 
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
@@ -245,7 +245,7 @@ def add_commands(sub: Any) -> None:
             add_server_arguments(cmd)
             add_metrics_arguments(cmd)
         elif name == "gateway":
-            add_server_arguments(cmd, token_flag="--api-key-file", token_env=GATEWAY_KEY_ENV)
+            add_server_arguments(cmd, token_flag="--api-key-file", token_env=MLX_GATEWAY_API_KEY)
             cmd.add_argument(
                 "--served-model-name",
                 help="the model id clients use (default: the workers' model directory name)",

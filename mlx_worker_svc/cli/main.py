@@ -78,9 +78,10 @@ def _end_process(status: int) -> NoReturn:
 
 
 def _serve_status(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.core.errors import WorkerError
     from mlx_worker_svc.core.limits import AdmissionLimits
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
     try:  # before anything slow: an unsafe or broken setup exits at once
         security = server_security_from_args(args)
@@ -348,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_group_arguments(serve)
     from mlx_worker_svc.cli.config_file import add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_engine_arguments
+    from mlx_worker_svc.cli.security_flags import add_server_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
-    from mlx_worker_svc.rpc.security import add_server_arguments
 
     add_server_arguments(serve)
     add_metrics_arguments(serve)

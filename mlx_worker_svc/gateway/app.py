@@ -3,9 +3,11 @@
 Routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` (both with
 and without server-sent events), `/health` and `/metrics`. A completion is one
 `FleetScheduler.generate` call: the request is validated first
-(`schema.parse_request`), the fleet's first message is awaited before any
-header goes out (so a full queue is a 429 and a prompt past the context a 400,
-never a broken stream), and from then on every fleet message becomes a chunk.
+(`schema.parse_request`) and its model resolved (`Gateway.resolve_model`: every
+model of the fleet is served by its name, an unknown one is a 404), the fleet's
+first message is awaited before any header goes out (so a full queue is a 429
+and a prompt past the context a 400, never a broken stream), and from then on
+every fleet message becomes a chunk.
 
 When the client goes away, the generate iterator is cancelled, and the fleet
 frees the request on its worker (its KV with it) at the next step: while the
@@ -21,7 +23,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from prometheus_client import generate_latest
@@ -37,7 +39,7 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
-from mlx_worker_svc.gateway.errors import ApiError, from_grpc
+from mlx_worker_svc.gateway.errors import ApiError, from_grpc, invalid
 from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
@@ -60,7 +62,7 @@ class GatewayConfig:
     """What the app serves: the model name it answers to and the API keys (`security.tokens`)."""
 
     served_model_name: str | None = None
-    """The model id of /v1/models; default: the name of the workers' model directory."""
+    """The model id of a one-model fleet; default: the fleet's names for its models."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
@@ -89,7 +91,7 @@ class Gateway:
         self.fleet = fleet
         self.config = config
         self.metrics = GatewayMetrics()
-        self.texts = TokenTexts(fleet.detokenize)
+        self._texts_by_model: dict[str, TokenTexts] = {}
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -102,11 +104,33 @@ class Gateway:
 
     # ----------------------------------------------------------- models
     def model_names(self) -> list[str]:
-        """The served model: the configured name, or the workers' model directory names."""
+        """The served models: the configured name, or the fleet's (`FleetScheduler.models`)."""
         if self.config.served_model_name:
             return [self.config.served_model_name]
-        workers = self.fleet.status().workers
-        return sorted({Path(w.model).name for w in workers if w.up and w.model})
+        return self.fleet.models()
+
+    def resolve_model(self, asked: str | None) -> tuple[str, str]:
+        """(the id answers carry, the fleet's GenerateRequest.model) for a request's `model`.
+
+        Unknown: 404; unset while the fleet serves several: 400. With no worker
+        up yet (and nothing configured) the name cannot be checked: the fleet
+        waits for a worker and answers NOT_FOUND (404) itself.
+        """
+        names = self.model_names()
+        alias = self.config.served_model_name
+        if asked is None:
+            if len(names) > 1:
+                raise invalid("model", f"the gateway serves {len(names)} models: {names}")
+            return (names[0] if names else "unknown"), ""
+        if names and asked not in names:
+            raise _no_such_model(asked)
+        return asked, "" if alias else asked
+
+    def texts(self, model: str) -> TokenTexts:
+        """The token-text cache of one model (GenerateRequest.model)."""
+        if model not in self._texts_by_model:
+            self._texts_by_model[model] = TokenTexts(partial(self.fleet.detokenize, model=model))
+        return self._texts_by_model[model]
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "mlx-worker"}
@@ -123,13 +147,9 @@ class Gateway:
         return JSONResponse(self._model_card(name))
 
     def _model_for(self, parsed: ParsedRequest) -> str:
-        names = self.model_names()
-        if parsed.model is None:
-            return names[0] if names else "unknown"
-        # With no worker up yet the name cannot be checked; the fleet waits for one.
-        if names and parsed.model not in names:
-            raise _no_such_model(parsed.model)
-        return parsed.model
+        """Resolves the request's model and routes its GenerateRequest to it."""
+        shown, parsed.generate.model = self.resolve_model(parsed.model)
+        return shown
 
     # -------------------------------------------------- health, metrics
     async def health(self, request: Request) -> JSONResponse:
@@ -198,7 +218,7 @@ class Gateway:
         tools = parsed.tools
         if not tools.may_call:
             return None
-        fmt = tool_format(await self.fleet.chat_template())
+        fmt = tool_format(await self.fleet.chat_template(parsed.generate.model))
         parsed.generate.tools_json = tools.tools_json()
         if tools.forced:
             parallel = tools.parallel and tools.choice == "required"
@@ -272,7 +292,8 @@ class Gateway:
         if parsed.logprobs is None:
             return {}
         try:
-            return await self.texts.lookup(token_ids(lp for m in messages for lp in m.logprobs))
+            texts = self.texts(parsed.generate.model)
+            return await texts.lookup(token_ids(lp for m in messages for lp in m.logprobs))
         except (WorkerError, ClientError) as exc:
             raise _api_error(exc) from exc
 

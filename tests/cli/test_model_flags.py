@@ -1,0 +1,48 @@
+"""The many-model flags refuse what they cannot do, naming the flag, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_worker_svc.cli.main import main
+
+
+def test_serve_holds_one_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--max-loaded-models", "2"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--max-loaded-models: must be 1, got 2" in error and "--models" in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fleet", "--models", "a"], "--models: expected NAME=PATH, got 'a'"),
+        (["fleet", "--model", "m", "--models", "a=/m"], "not allowed with argument --model"),
+    ],
+)
+def test_bad_model_lists_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--worker", "127.0.0.1:1"])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fleet", "--models", "a=/m", "a=/n"], "--models names a more than once"),
+        (
+            ["gateway", "--models", "a=/m", "--served-model-name", "x"],
+            "--served-model-name names the fleet's only model",
+        ),
+    ],
+)
+def test_conflicting_model_flags_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([*argv, "--worker", "127.0.0.1:1", "--port", "0"]) == 2
+    assert message in capsys.readouterr().err

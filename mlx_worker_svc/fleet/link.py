@@ -12,7 +12,9 @@ fleet to continue elsewhere: a hang is found within
 `probe_misses x (probe_interval + probe_timeout)` seconds. The link then probes
 it with backoff until it is back. A worker bringing itself up
 (`serve --auto-init`, CheckHealth.bringing_up) is waited for, never driven;
-requests go to a worker only once it is READY or SERVING.
+requests go to a worker only once it is READY or SERVING. `swap_model` has an
+idle worker load another model (bring_up.py): it is down meanwhile, and back
+on its own model if the load fails.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class WorkerLink:
         """Loads model `name` (from `path`) in place of this idle worker's own, then serves it."""
         assert self.idle and self.up, "only an idle worker that is up changes its model"
         self.up, self.loading, self._swap = False, name, path
+        if self._pipe is not None:  # its ExecuteStream ends with the model
+            self._pipe.reset()
         self._wake.set()
 
     async def close(self) -> None:

@@ -195,7 +195,9 @@ def wait_for_workers(http: httpx.Client, count: int) -> None:
 def test_three_models_on_two_workers_load_on_demand(
     pool: WorkerPool, models: dict[str, Path]
 ) -> None:
-    fleet = start(pool, [0, 1], *model_flags(models, "abc"), "--metrics-port", "0")
+    # Through ExecuteStream, one step ahead: a swap ends the stream to the worker.
+    options = ["--metrics-port", "0", "--steps-ahead", "1"]
+    fleet = start(pool, [0, 1], *model_flags(models, "abc"), *options)
     try:
         metrics_port = int(fleet.proc.wait_for(r"fleet metrics on [\d.]+:(\d+)").group(1))
         requests = [ask(m, p) for p in PROMPTS[:2] for m in "abc"]
@@ -217,9 +219,12 @@ def test_three_models_on_two_workers_load_on_demand(
         loads = _series(text, "mlx_fleet_model_loads_total")
         assert sum(loads.values()) == sum(m.num_loads for m in status.models)
         seconds = _series(text, "mlx_fleet_time_to_first_token_after_load_seconds_sum")
+        load_seconds = _series(text, "mlx_fleet_model_load_seconds_sum")
         print(
-            "time to first token after a load: "
+            "time to first token after a load (mean, requests): "
             + ", ".join(f"{m} {seconds[m] / waited[m]:.2f} s ({waited[m]:.0f})" for m in waited)
+            + "; loads (count, mean s): "
+            + ", ".join(f"{m} {n:.0f} {load_seconds[m] / n:.2f}" for m, n in loads.items() if n)
         )
     finally:
         close(fleet)

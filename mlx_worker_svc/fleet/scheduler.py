@@ -199,10 +199,10 @@ class FleetScheduler:
         self._admitting += 1
         params = request.sampling_params
         try:
+            ask = check_forms(request)
             model = await self._resolve(request.model)
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed
-                ask = check_forms(request)
                 link = await self._some_link(model, want=False)
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:

@@ -233,3 +233,23 @@ def test_three_models_on_two_workers_load_on_demand(
 def _series(text: str, name: str) -> dict[str, float]:
     pattern = rf'^{name}{{model="([^"]+)"}} (\S+)$'
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+def test_a_model_that_does_not_load_fails_its_requests_and_the_worker_recovers(
+    pool: WorkerPool, models: dict[str, Path]
+) -> None:
+    fleet = start(pool, [0], "--models", f"a={models['a']}", "bad=/no/such/model")
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            fleet.generate(ask("bad", PROMPTS[0]))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "model 'bad' could not be loaded on worker" in str(failed.value.details())
+        assert "/no/such/model" in str(failed.value.details())
+        # The worker goes back to a model it can hold, and serves it.
+        answer = fleet.generate(ask("a", PROMPTS[0]))
+        assert len(tokens(answer)) == 8
+        status = fleet.status()
+        assert [w.model_name for w in status.workers] == ["a"]
+        assert {m.name: m.num_loads for m in status.models}["bad"] == 0
+    finally:
+        close(fleet)

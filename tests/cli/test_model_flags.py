@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from mlx_worker_svc.cli.main import main
+from mlx_worker_svc.cli.main import main, parse_args
 
 
 def test_serve_holds_one_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,3 +48,12 @@ def test_conflicting_model_flags_exit_2(
 ) -> None:
     assert main([*argv, "--worker", "127.0.0.1:1", "--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_config_file_lists_the_models(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[fleet]\nworker = ["127.0.0.1:1"]\nmodels = ["a=/m/a", "b=/m/b"]\n')
+    args = parse_args(["fleet", "--config", str(config)])
+    assert args.models == [("a", "/m/a"), ("b", "/m/b")]
+    args = parse_args(["fleet", "--config", str(config), "--models", "c=/m/c"])
+    assert args.models == [("c", "/m/c")]  # the command line wins

@@ -164,6 +164,12 @@ def test_the_gateway_lists_every_model_and_routes_by_name(
             unnamed = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2})
             assert unnamed.status_code == 400
             assert unnamed.json()["error"]["param"] == "model"
+            # Anthropic's Messages API resolves its model the same way.
+            chat = {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+            assert http.post("/v1/messages", json=chat | {"model": "b"}).json()["model"] == "b"
+            missing = http.post("/v1/messages", json=chat | {"model": "gpt-4"})
+            assert missing.status_code == 404
+            assert missing.json()["error"]["type"] == "not_found_error"
     finally:
         proc.reap()
     # Each text is its model's: the worker's own Generate names the model it holds.

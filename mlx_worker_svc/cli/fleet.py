@@ -22,11 +22,16 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
-    """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options."""
+    """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options,
+    ValueError for a model named twice."""
     from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
 
+    names = [name for name, _ in args.models or []]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--models names {', '.join(twice)} more than once")
     credentials, token = worker_client_from_args(args)
     link = LinkConfig(
         model=args.model or "",
@@ -40,7 +45,9 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         lifecycle_timeout=args.lifecycle_timeout_s,
         client=ClientConfig(credentials=credentials, token=token),
     )
-    return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
+    return FleetConfig(
+        link=link, queue_capacity=args.queue, routing=args.routing, models=dict(args.models or [])
+    )
 
 
 async def _run_fleet(args: argparse.Namespace) -> int:
@@ -53,7 +60,7 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         config = _fleet_config(args)
-    except SecurityError as exc:
+    except (SecurityError, ValueError) as exc:
         print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -88,6 +95,14 @@ async def _run_gateway(args: argparse.Namespace) -> int:
     from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
     from mlx_worker_svc.rpc.security import SecurityError
 
+    if args.served_model_name and args.models:
+        print(
+            "mlx-worker gateway: --served-model-name names the fleet's only model; with "
+            "--models each model is served by the name given there",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         fleet_config = _fleet_config(args)
@@ -96,7 +111,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
             FleetScheduler(args.worker, fleet_config), args.host, args.port, config
         )
         await server.start()  # the app's lifespan starts the fleet
-    except (OSError, SecurityError) as exc:
+    except (OSError, SecurityError, ValueError) as exc:
         print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
@@ -113,7 +128,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
     try:
         config = _fleet_config(args)
-    except SecurityError as exc:
+    except (SecurityError, ValueError) as exc:
         print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -136,6 +151,13 @@ async def _run_generate(args: argparse.Namespace) -> int:
     finally:
         await fleet.stop()
     return code
+
+
+def _model_entry(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _decode_steps(text: str) -> int:
@@ -210,7 +232,18 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument(
             "--worker", action="append", required=True, metavar="HOST:PORT", help="repeatable"
         )
-        cmd.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        which = cmd.add_mutually_exclusive_group()
+        which.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        which.add_argument(
+            "--models",
+            nargs="+",
+            type=_model_entry,
+            metavar="NAME=PATH",
+            help="the models to serve, by the name requests give (GenerateRequest.model, the "
+            "API's model); workers with none loaded load them in turn, and a request for one "
+            "that no worker holds loads it on the idle worker used least recently, in place "
+            "of its model (docs/fleet.md#many-models)",
+        )
         cmd.add_argument("--max-num-seqs", type=int, default=64)
         cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
         cmd.add_argument(
@@ -248,7 +281,8 @@ def add_commands(sub: Any) -> None:
             add_server_arguments(cmd, token_flag="--api-key-file", token_env=MLX_GATEWAY_API_KEY)
             cmd.add_argument(
                 "--served-model-name",
-                help="the model id clients use (default: the workers' model directory name)",
+                help="the model id clients use when the fleet serves one model (default: the "
+                "workers' model directory name; with --models, the names given there)",
             )
         else:
             cmd.add_argument("prompt")

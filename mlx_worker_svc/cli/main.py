@@ -285,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run InitDevice..WarmUp at start so Generate works at once",
     )
+    serve.add_argument(
+        "--max-loaded-models",
+        type=_max_loaded_models,
+        default=1,
+        metavar="N",
+        help="models the worker holds at once: 1, the only value (LoadModel replaces the "
+        "model; a fleet with --models swaps models between workers, docs/fleet.md)",
+    )
     serve.add_argument("--device", choices=[k.value for k in DeviceKind], default="auto")
     serve.add_argument("--max-model-len", type=int, default=0, help="cap the context length")
     serve.add_argument(
@@ -407,6 +415,15 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="this process is one rank of a group started by mlx.launch",
     )
+
+
+def _max_loaded_models(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            f"must be 1, got {text}: a worker holds one model at a time; to serve several, "
+            "run a fleet with --models NAME=PATH, which loads them on its workers on demand"
+        )
+    return 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -415,8 +415,15 @@ class FleetScheduler:
         return stop is not None
 
     async def _detokenize(self, link: WorkerLink, r: FleetRequest) -> str | None:
+        """The request's text, from its worker or, failing that, another of its model.
+
+        Each worker gets one probe timeout, not the client's retried deadline: a
+        worker that hangs just after a step must not hold the request's stream
+        longer than hang detection does.
+        """
         ask = pb.DetokenizeRequest(token_ids=r.generated, skip_special_tokens=r.skip_special_tokens)
+        wait = self.config.link.probe_timeout
         for candidate in [link, *(other for other in self._up(r.model) if other is not link)]:
-            with contextlib.suppress(ClientError):
-                return (await candidate.client.detokenize(ask)).text
+            with contextlib.suppress(ClientError, TimeoutError):
+                return (await asyncio.wait_for(candidate.client.detokenize(ask), wait)).text
         return None

@@ -258,10 +258,10 @@ def add_commands(sub: Any) -> None:
             "--steps-ahead",
             type=int,
             choices=range(8),
-            default=0,
+            default=1,
             metavar="N",
             help="steps sent to each worker ahead of the oldest reply, through ExecuteStream "
-            "(0-7, default 0: unary Execute, one step at a time)",
+            "(0-7, default 1); 0 drives workers through unary Execute, one step at a time",
         )
         _add_probe_arguments(cmd)
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")

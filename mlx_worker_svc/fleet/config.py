@@ -16,8 +16,8 @@ class LinkConfig:
     # (ExecuteRequest.num_decode_steps): fewer round trips, coarser streaming.
     decode_steps: int = 1
     # Steps sent ahead of the oldest reply through ExecuteStream (pipeline.py);
-    # 0 (the default): one unary Execute at a time.
-    steps_ahead: int = 0
+    # 0: one unary Execute at a time.
+    steps_ahead: int = 1
     num_blocks: int = 0  # 0: the worker's suggestion
     # A lost worker is probed again after retry_backoff s, doubling to max_backoff.
     retry_backoff: float = 0.5

@@ -369,11 +369,11 @@ class WorkerLink:
         sent, reply = outcome
         error = step_error(reply)
         if error is None:
+            pipe.settled(failed=False)
             await self._deliver(reply.result)
-        elif pipe.resyncing:  # it counted on an earlier failed step: send it again
+        elif pipe.settled(failed=True):  # it counted on an earlier failed step: plan it again
             self._undo(sent)
         else:
-            pipe.resyncing = bool(pipe.in_flight)
             self._step_failed(error, sent.request, sent.started)
 
     def _undo(self, sent: Sent) -> None:

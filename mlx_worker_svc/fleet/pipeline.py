@@ -9,9 +9,10 @@ hit may move it). A finish is never predicted: the worker leaves a finished
 request out of later steps (already_finished_req_ids).
 
 After a failed step the pipeline stops sending until the steps in flight are
-answered (`resyncing`): the later ones that counted on the failed one fail
-too, and the link undoes them quietly; the first failure is handled as a
-failed Execute is.
+answered (`resyncing`, cleared by `settled` once the last of them is
+handled): the later ones that counted on the failed one fail too, and the
+link undoes them quietly; the first failure is handled as a failed Execute
+is.
 """
 
 from __future__ import annotations
@@ -103,10 +104,20 @@ class Pipeline:
             response = read.result()
         except ClientError as exc:  # the stream ended: the worker freed its requests
             return f"{exc.code.name}: {exc.details}"
-        sent = self.in_flight.popleft()
-        if not self.in_flight:
+        return self.in_flight.popleft(), response
+
+    def settled(self, failed: bool) -> bool:
+        """After a reply: whether it failed behind an earlier failure (so is undone).
+
+        `failed` says whether the reply is an error. A first failure starts a
+        resync while later steps are in flight; the resync ends with the last.
+        """
+        behind = failed and self.resyncing
+        if failed and not behind:
+            self.resyncing = bool(self.in_flight)
+        elif not self.in_flight:
             self.resyncing = False
-        return sent, response
+        return behind
 
     def reset(self) -> None:
         """Drops the stream (the worker frees what it created) and what was in flight."""

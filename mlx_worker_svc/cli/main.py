@@ -86,6 +86,13 @@ def _serve_status(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
         return 2
+    from mlx_worker_svc.cli.engine_flags import kv_format
+
+    try:
+        kv_format(args)
+    except WorkerError as exc:
+        print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     model = args.model
     if model is None:
         from mlx_worker_svc.cli.envs import cache_root
@@ -143,7 +150,7 @@ def _serve_worker(
     group: GroupChannel | None,
 ) -> int:
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
-    from mlx_worker_svc.cli.engine_flags import engine_options
+    from mlx_worker_svc.cli.engine_flags import engine_options, kv_format
     from mlx_worker_svc.core.limits import context_hint
     from mlx_worker_svc.rpc.security import SecurityError
     from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -186,6 +193,7 @@ def _serve_worker(
             num_blocks=args.num_blocks,
             prefix_caching=not args.no_prefix_caching,
             memory_limit_bytes=args.memory_limit_bytes,
+            kv=kv_format(args),
         )
         try:
             up = bring_up(server.worker, plan)
@@ -203,7 +211,8 @@ def _serve_worker(
             f"({up.device.kind.value}), {up.cache.num_blocks} KV blocks of "
             f"{up.profile.block_size} tokens, prefix cache "
             f"{'on' if up.cache.prefix_caching else 'off'}, "
-            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB",
+            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB, "
+            f"{up.cache.kv.describe()} KV",
             flush=True,
         )
     server.wait()
@@ -332,13 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
     _add_group_arguments(serve)
-    from mlx_worker_svc.cli.engine_flags import add_engine_arguments
+    from mlx_worker_svc.cli.engine_flags import add_engine_arguments, add_kv_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments
 
     add_server_arguments(serve)
     add_metrics_arguments(serve)
     add_engine_arguments(serve)
+    add_kv_arguments(serve, "auto-init")
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(

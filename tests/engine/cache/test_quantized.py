@@ -8,6 +8,7 @@ and quantized_kv_start=0.
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tiny_model import build_tiny_model
 from mlx_worker_svc.client.execute_loop import run_prompts
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 Stub = pb_grpc.WorkerServiceStub
 BITS, GROUP = 8, 64
@@ -46,8 +48,7 @@ def mlx_lm_quantized(model: Path, prompts: list[list[int]], bits: int) -> list[l
     loaded, _ = load(str(model))
     kv = {"kv_bits": bits, "kv_group_size": GROUP, "quantized_kv_start": 0}
     return [
-        [t for t, _ in generate_step(mx.array(p), loaded, max_tokens=TOKENS, **kv)]  # type: ignore[arg-type]
-        for p in prompts
+        [t for t, _ in generate_step(mx.array(p), loaded, max_tokens=TOKENS, **kv)] for p in prompts
     ]
 
 
@@ -59,16 +60,23 @@ def reference(kv_model: Path) -> list[list[int]]:
 def bring_up(stub: Stub, model: Path, bits: int = BITS, num_blocks: int = 4096) -> int:
     stub.InitDevice(pb.InitDeviceRequest())
     epoch = int(stub.LoadModel(pb.LoadModelRequest(model=str(model))).worker_epoch)
-    kv = {"kv_bits": bits, "kv_group_size": GROUP if bits else 0}
-    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=64, **kv))
-    stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, **kv))
+    group = GROUP if bits else 0
+    profile = pb.DetermineMemoryRequest(max_num_batched_tokens=64, kv_bits=bits)
+    profile.kv_group_size = group
+    stub.DetermineMemory(profile)
+    stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, kv_bits=bits, kv_group_size=group))
     return epoch
 
 
 @pytest.fixture(scope="module")
-def worker(kv_model: Path) -> Iterator[tuple[Stub, int]]:
-    with live_server() as (_, stub):
-        yield stub, bring_up(stub, kv_model)
+def server(kv_model: Path) -> Iterator[tuple[WorkerServer, Stub, int]]:
+    with live_server(ServerConfig(port=0, metrics_port=0)) as (srv, stub):
+        yield srv, stub, bring_up(stub, kv_model)
+
+
+@pytest.fixture(scope="module")
+def worker(server: tuple[WorkerServer, Stub, int]) -> tuple[Stub, int]:
+    return server[1], server[2]
 
 
 def params() -> pb.SamplingParams:
@@ -186,9 +194,13 @@ def test_preempted_and_resumed_request(
 
 
 def test_the_format_is_reported_and_survives_sleep(
-    worker: tuple[Stub, int], reference: list[list[int]]
+    server: tuple[WorkerServer, Stub, int], reference: list[list[int]]
 ) -> None:
-    stub, _ = worker
+    srv, stub, _ = server
+    url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert "\nmlx_worker_kv_bits 8.0\n" in text and "\nmlx_worker_kv_group_size 64.0\n" in text
     for kv in (
         stub.GetInfo(pb.GetInfoRequest()).kv,
         stub.CheckHealth(pb.CheckHealthRequest()).kv,

@@ -52,3 +52,12 @@ def test_auto_init_brings_up_quantized_kv(
         assert sum(len(r.token_ids) for r in reply) == 4
     finally:
         worker.reap()
+
+
+def test_fleet_refuses_a_bad_kv_width_before_any_worker_is_contacted() -> None:
+    command = [sys.executable, "-m", "mlx_worker_svc", "fleet", "--worker", "127.0.0.1:9"]
+    command += ["--port", "0", "--kv-bits", "7"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mlx-worker fleet: --kv-bits 7 is not a width")

@@ -61,13 +61,19 @@ def bytes_per_block(
     return _filled_bytes(cache)
 
 
-def _forward_peak(model: nn.Module, tokens: int) -> int:
-    """Bytes a fresh forward of `tokens` tokens allocates above what is live."""
+def _forward_peak(model: nn.Module, tokens: int, kv: KVFormat = FLOAT_KV) -> int:
+    """Bytes a fresh forward of `tokens` tokens allocates above what is live.
+
+    With quantized KV the forward attends through a quantized cache from its
+    first token, as every chunk after a prompt's first does: mlx-lm's quantized
+    attention holds the whole score matrix, which MLX's fused float attention
+    never does, so this is the larger peak of the two.
+    """
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    cache = make_prompt_cache(model)
+    cache = quantized.empty(model, kv)
     logits = model(mx.zeros((1, tokens), dtype=mx.uint32), cache=cache)
     mx.eval(logits, [c.state for c in cache])
     peak = mx.get_peak_memory()
@@ -114,7 +120,7 @@ def profile(
         },
         reverse=True,
     )
-    points = [(size, _forward_peak(model, size)) for size in sizes]
+    points = [(size, _forward_peak(model, size, kv)) for size in sizes]
     activation = points[0][1]
     fixed, per_token, per_pair = (
         fit_activations(points)

@@ -18,9 +18,13 @@ import pytest
 from driver import code_of, details_of, drive, greedy, live_server, mlx_lm_tokens
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from tiny_model import build_tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_model import build_tiny_model, random_llama
 
 from mlx_worker_svc.client.execute_loop import run_prompts
+from mlx_worker_svc.core.domain import KVFormat
+from mlx_worker_svc.engine.cache import quantized
+from mlx_worker_svc.engine.cache.batch import merge_caches
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -254,3 +258,22 @@ def test_bytes_per_block_and_refusals(kv_model: Path) -> None:
         assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_MEMORY_PROFILED
         done = stub.InitCache(pb.InitCacheRequest(num_blocks=64, kv_bits=4))
         assert (done.kv_bits, done.kv_group_size) == (4, GROUP)
+
+
+def test_quantized_rows_merge_as_aligned_batches_unless_turned_off() -> None:
+    model = random_llama("float32", head_dim=64)
+
+    def row(prompt: list[int]) -> list[object]:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        return quantized.quantize(cache, KVFormat(BITS, GROUP))
+
+    same = merge_caches([row([1, 2, 3]), row([4, 5, 6])])
+    assert isinstance(same[0], quantized.QuantizedBatchKVCache) and not same[0].padded
+    assert same[0].make_mask(1) is None
+    masked = merge_caches([row([1, 2, 3]), row([4, 5, 6])], aligned=False)
+    assert masked[0].padded and isinstance(masked[0].make_mask(1), mx.array)
+    ragged = merge_caches([row([1, 2, 3]), row([4, 5])])
+    assert ragged[0].padded
+    # Two rows of 3 tokens' triplets: 2 KV heads x (64 bytes + float32 scale and bias).
+    assert ragged[0].nbytes == 2 * 3 * 2 * 2 * (64 + 8)

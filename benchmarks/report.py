@@ -279,10 +279,10 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
 def panels(results: dict[str, Any]) -> list[Panel]:
     s = results["sections"]
-    return _panels_a_to_h(s) + ([_kv_panel(s["j"])] if "j" in s else [])
+    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else [])
 
 
-def _panels_a_to_h(s: dict[str, Any]) -> list[Panel]:
+def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:
     out: list[Panel] = []
     if "a" in s or "b" in s:
         bars: list[Bar] = []
@@ -353,14 +353,9 @@ def _panels_a_to_h(s: dict[str, Any]) -> list[Panel]:
             f"tiny model, {g['cpu_count']} CPUs"
         )
         out.append(Panel(title, bars))
-    if "h" in s:
-        h = s["h"]
-        bars = []
-        for steps in (1, 8):
-            value = h[f"decode_steps_{steps}"]["ratio_constrained_vs_free"]
-            bars.append(Bar(f"(h) {steps} step(s) a call", value, _num(value, 3)))
-        title = f"Decode tok/s, {h['batch']} rows under JSON schemas / free, tiny model"
-        out.append(Panel(title, bars, h["target_ratio"], f">= {h['target_ratio']}"))
+    out.extend(
+        make(s[key]) for key, make in (("h", _structured_panel), ("i", _stream_panel)) if key in s
+    )
     return out
 
 
@@ -376,3 +371,28 @@ def _kv_panel(j: dict[str, Any]) -> Panel:
         value = j["quality"][f"kv{bits}_share_equal"]
         bars.append(Bar(f"(j) {bits}-bit tokens equal to float16", value, _num(value, 3)))
     return Panel("Quantized KV against float16 KV, SmolLM2 float16", bars)
+
+
+def _stream_panel(i: dict[str, Any]) -> Panel:
+    """Section (i): ExecuteStream against multi-step Execute, one bar a batch size."""
+    bars = []
+    for row in i["rows"]:
+        value = row["ratio_stream_vs_multi_step"]
+        label = f"(i) B={row['batch']} stream / {i['decode_steps']} steps"
+        bars.append(Bar(label, value, _num(value, 3)))
+    title = (
+        f"Decode tok/s, ExecuteStream (depth {i['depth']}) / Execute with "
+        f"{i['decode_steps']} steps a call, {i['generated_tokens_per_request']} tokens, tiny"
+    )
+    target = i["target_ratio_stream_vs_multi_step"]
+    return Panel(title, bars, target, f">= {target}")
+
+
+def _structured_panel(h: dict[str, Any]) -> Panel:
+    """Section (h): constrained rows against free ones, at 1 and 8 steps a call."""
+    bars = []
+    for steps in (1, 8):
+        value = h[f"decode_steps_{steps}"]["ratio_constrained_vs_free"]
+        bars.append(Bar(f"(h) {steps} step(s) a call", value, _num(value, 3)))
+    title = f"Decode tok/s, {h['batch']} rows under JSON schemas / free, tiny model"
+    return Panel(title, bars, h["target_ratio"], f">= {h['target_ratio']}")

@@ -5,7 +5,9 @@ Execute one decode step a call, unary Execute `decode_steps` (8) a call, and
 ExecuteStream one decode step a call, `depth` (2) steps in flight. Decode tok/s
 from the first token to the last, greedy, EOS ignored; every path must give
 the same tokens. The stream is meant to stream every token at the multi-step
-path's speed (target >= 0.9x).
+path's speed (target >= 0.9x). Every path must generate `tokens` (--stream-tokens)
+for every request: a run where one did not stops with an error instead of
+reporting a ratio over different work.
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ def section_i(
         multi = run_execute(worker, batch, tokens, decode_steps=decode_steps)
         ahead = run_execute_stream(worker, batch, tokens, depth=depth)
         o, m, a = (r.timeline.stats() for r in (one, multi, ahead))
+        paths = {
+            "execute_one_step": o,
+            f"execute_{decode_steps}_steps": m,
+            f"stream_depth{depth}_one_step": a,
+        }
+        _check_tokens(paths, size, tokens)
         rows.append(
             {
                 "batch": size,
-                "execute_one_step": o,
-                f"execute_{decode_steps}_steps": m,
-                f"stream_depth{depth}_one_step": a,
+                **paths,
                 "ratio_stream_vs_multi_step": ratio(a["decode_tok_s"] or 0, m["decode_tok_s"] or 0),
                 "ratio_stream_vs_one_step": ratio(a["decode_tok_s"] or 0, o["decode_tok_s"] or 0),
                 "tokens_match": one.tokens == multi.tokens == ahead.tokens,
@@ -57,3 +63,15 @@ def section_i(
         "target_ratio_stream_vs_multi_step": 0.9,
         "rows": rows,
     }
+
+
+def _check_tokens(paths: dict[str, dict[str, Any]], size: int, tokens: int) -> None:
+    """Every path generated `tokens` for each of the `size` requests, or the run is void."""
+    wrong = {
+        name: stats["tokens"] for name, stats in paths.items() if stats["tokens"] != size * tokens
+    }
+    if wrong:
+        raise RuntimeError(
+            f"section (i), batch {size}: every path must generate {tokens} tokens a request "
+            f"({size * tokens} in all); these did not: {wrong}"
+        )

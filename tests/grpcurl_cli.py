@@ -36,6 +36,8 @@ RPCS = (
     "AddLora",
     "RemoveLora",
     "ListLoras",
+    "StartProfile",
+    "StopProfile",
 )
 
 Json = dict[str, Any]

@@ -1,7 +1,7 @@
 """`mlx-worker fleet`, `gateway` and `generate`: the fleet scheduler from a shell.
 
 `fleet` serves `mlx_worker.v1.FleetService` in front of the given workers;
-`gateway` serves an OpenAI-compatible HTTP API (mlx_worker_svc.gateway) over
+`gateway` serves OpenAI's and Anthropic's HTTP APIs (mlx_worker_svc.gateway) over
 the same scheduler, in-process; `generate` runs the scheduler for one prompt
 and streams the text to the terminal.
 """
@@ -201,13 +201,18 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
 
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
+    from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_kv_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments, add_worker_client_arguments
 
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
-        ("gateway", "serve an OpenAI-compatible HTTP API in front of workers", _run_gateway),
+        (
+            "gateway",
+            "serve OpenAI's and Anthropic's HTTP APIs in front of workers",
+            _run_gateway,
+        ),
         ("generate", "stream one answer from the workers to the terminal", _run_generate),
     ):
         cmd = sub.add_parser(name, help=help_text)
@@ -261,6 +266,8 @@ def add_commands(sub: Any) -> None:
             cmd.add_argument("--temperature", type=float, default=0.0)
             cmd.add_argument("--raw", action="store_true", help="no chat template")
         add_worker_client_arguments(cmd)
+        if name in COMMANDS:
+            add_config_arguments(cmd)
 
         def run(args: argparse.Namespace, runner: Any = runner) -> int:
             with contextlib.suppress(KeyboardInterrupt):

@@ -6,7 +6,8 @@ With `--world-size N` it starts a worker group through `mlx.launch`
 (group_launch.py); `--group` is how each of the group's processes starts.
 `convert-gguf` turns a llama GGUF file into an MLX model directory, or, with
 no file, builds the embedded default model (SmolLM2-135M-Instruct).
-`fleet` and `generate` drive workers through the fleet scheduler (fleet_cli.py).
+`fleet`, `gateway` and `generate` drive workers through the fleet scheduler (fleet.py).
+`serve`, `fleet` and `gateway` also read their flags from `--config FILE` (config_file.py).
 """
 
 from __future__ import annotations
@@ -152,10 +153,16 @@ def _serve_worker(
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
     from mlx_worker_svc.cli.engine_flags import engine_options, kv_format
     from mlx_worker_svc.core.limits import context_hint
+    from mlx_worker_svc.engine.profiler import profile_directory
     from mlx_worker_svc.rpc.security import SecurityError
     from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
     from mlx_worker_svc.worker.bring_up import BringUp, bring_up
 
+    try:
+        profile_dir = profile_directory(args.profile_dir) if args.profile_dir else None
+    except ValueError as exc:
+        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -167,6 +174,7 @@ def _serve_worker(
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         engine=engine_options(args),
+        profile_dir=profile_dir,
     )
     server = WorkerServer(config, group=group)
     if args.auto_init:
@@ -340,7 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
+    serve.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        help="turn on StartProfile/StopProfile, which write cProfiles of the engine thread "
+        "(and Metal GPU captures) under DIR, created if missing (default: off)",
+    )
     _add_group_arguments(serve)
+    from mlx_worker_svc.cli.config_file import add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_engine_arguments, add_kv_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
     from mlx_worker_svc.rpc.security import add_server_arguments
@@ -349,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(serve)
     add_engine_arguments(serve)
     add_kv_arguments(serve, "auto-init")
+    add_config_arguments(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser(
@@ -402,9 +418,18 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments, a `--config` file's read first (flags win over it)."""
+    from mlx_worker_svc.cli.config_file import apply_config
+
+    parser = build_parser()
+    apply_config(parser, argv)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv
     configure_logging(args.log_level, args.log_format)
     return int(args.func(args))

@@ -155,6 +155,20 @@ LIST_LORAS = _rpc(
     True,
     "Lists loaded LoRA adapters (retried).",
 )
+START_PROFILE = _rpc(
+    "StartProfile",
+    pb.StartProfileRequest,
+    pb.StartProfileResponse,
+    False,
+    "Starts a profile of the engine thread (never retried).",
+)
+STOP_PROFILE = _rpc(
+    "StopProfile",
+    pb.StopProfileRequest,
+    pb.StopProfileResponse,
+    False,
+    "Stops the profile and returns its file and top entries (never retried).",
+)
 HEALTH_CHECK: Rpc[Any, Any] = Rpc(
     "Health.Check",
     "/grpc.health.v1.Health/Check",
@@ -181,6 +195,8 @@ UNARY: tuple[Rpc[Any, Any], ...] = (
     ADD_LORA,
     REMOVE_LORA,
     LIST_LORAS,
+    START_PROFILE,
+    STOP_PROFILE,
     HEALTH_CHECK,
 )
 GENERATE_PATH = "/mlx_worker.v1.WorkerService/Generate"

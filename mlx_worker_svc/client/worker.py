@@ -28,9 +28,10 @@ Retries
     in progress, or gets the result of the one just done, instead of queueing
     more work), the read-only calls (CheckHealth, GetInfo, Tokenize, Detokenize,
     ListLoras, the grpc.health.v1 Check), WakeUp (a no-op when awake) and
-    ResetPrefixCache. Execute, Generate, Sleep, Shutdown, AddLora and
-    RemoveLora change state in ways a blind repeat could double (a step run
-    twice, a stream restarted, requests aborted twice), so they are tried once
+    ResetPrefixCache. Execute, Generate, Sleep, Shutdown, AddLora, RemoveLora,
+    StartProfile and StopProfile change state in ways a blind repeat could
+    double or lose (a step run twice, a stream restarted, requests aborted
+    twice, a profile's report), so they are tried once
     and the caller (the scheduler) decides. Any other status code fails at
     once. Every failure, after the retries, is a `ClientError` carrying the
     status code, the server's details, the RPC name and the attempts made.
@@ -280,6 +281,8 @@ class AsyncWorkerClient:
     add_lora = rpcs.AsyncMethod(rpcs.ADD_LORA)
     remove_lora = rpcs.AsyncMethod(rpcs.REMOVE_LORA)
     list_loras = rpcs.AsyncMethod(rpcs.LIST_LORAS)
+    start_profile = rpcs.AsyncMethod(rpcs.START_PROFILE)
+    stop_profile = rpcs.AsyncMethod(rpcs.STOP_PROFILE)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """grpc.health.v1 Check: a `HealthCheckResponse.ServingStatus` value (retried).
@@ -406,6 +409,8 @@ class WorkerClient:
     add_lora = rpcs.SyncMethod(rpcs.ADD_LORA)
     remove_lora = rpcs.SyncMethod(rpcs.REMOVE_LORA)
     list_loras = rpcs.SyncMethod(rpcs.LIST_LORAS)
+    start_profile = rpcs.SyncMethod(rpcs.START_PROFILE)
+    stop_profile = rpcs.SyncMethod(rpcs.STOP_PROFILE)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """See `AsyncWorkerClient.health`."""

@@ -77,25 +77,26 @@ class FleetRequest:
         return self.tokens, params
 
     # ------------------------------------------------------------- stream
-    def new_text(self, full: str) -> tuple[str, bool]:
-        """Takes the detokenized output; returns (text to stream now, stop string hit).
+    def new_text(self, full: str) -> tuple[str, str | None]:
+        """Takes the detokenized output; returns (text to stream now, the stop string hit).
 
         Text is held back while it ends in a partial character or could be
         the start of a stop string, so a stop string never leaks out.
         """
         self.text = full
-        cut = _first_stop(full, self.stop, self.sent_text)
-        if cut is not None:
+        found = _first_stop(full, self.stop, self.sent_text)
+        if found is not None:
+            cut, stop = found
             piece = full[self.sent_text : cut]
             self.sent_text = cut
-            return piece, True
+            return piece, stop
         end = len(full)
         if full.endswith("\ufffd"):
             end = len(full.rstrip("\ufffd"))
         end = min(end, _safe_end(full, self.stop))
         piece = full[self.sent_text : max(end, self.sent_text)]
         self.sent_text = max(end, self.sent_text)
-        return piece, False
+        return piece, None
 
     def flush(self) -> str:
         """The rest of the text, at the end of a request that did not stop on a string."""
@@ -111,13 +112,16 @@ class FleetRequest:
         return out, logprobs
 
 
-def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    """Where the earliest stop string begins in text[start - longest:], if any."""
-    found: int | None = None
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """Where the earliest stop string begins in text[start - longest:], and which, if any.
+
+    Of two beginning at the same character, the first listed wins.
+    """
+    found: tuple[int, str] | None = None
     for stop in stops:
         at = text.find(stop, max(start - len(stop) + 1, 0))
-        if at != -1 and (found is None or at < found):
-            found = at
+        if at != -1 and (found is None or at < found[0]):
+            found = (at, stop)
     return found
 
 

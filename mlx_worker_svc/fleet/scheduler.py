@@ -275,6 +275,10 @@ class FleetScheduler:
         """The model's chat template (Jinja source; empty when it has none), from a worker up."""
         return (await self._some_link()).chat_template
 
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Tokenize on the least-loaded worker that is up (the fleet serves one model)."""
+        return await (await self._some_link()).client.tokenize(request)
+
     async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""
         return await (await self._some_link()).client.detokenize(request)
@@ -350,10 +354,10 @@ class FleetScheduler:
     async def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
         """Streams what a step gave `r`; returns whether a stop string ended it."""
         full = await self._detokenize(link, r)
-        stopped = False
+        stop: str | None = None
         piece = ""
         if full is not None:
-            piece, stopped = r.new_text(full)
+            piece, stop = r.new_text(full)
         tokens, logprobs = r.take_tokens()
         message = pb.GenerateResponse(
             token_ids=tokens, text=piece, logprobs=logprobs, request_id=r.request_id
@@ -363,9 +367,10 @@ class FleetScheduler:
             r.streamed = True
             message.num_cached_prompt_tokens = r.cached_tokens
             self.metrics.time_to_first_token.observe(time.monotonic() - r.admitted)
-        if stopped or r.phase is Phase.DONE:
-            if stopped:
+        if stop is not None or r.phase is Phase.DONE:
+            if stop is not None:
                 message.finish_reason = pb.FINISH_REASON_STOP_STRING
+                message.stop_string = stop
             else:
                 message.finish_reason = r.finish_reason
                 message.text += r.flush()
@@ -383,7 +388,7 @@ class FleetScheduler:
             )
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
-        return stopped
+        return stop is not None
 
     async def _detokenize(self, link: WorkerLink, r: FleetRequest) -> str | None:
         ask = pb.DetokenizeRequest(token_ids=r.generated, skip_special_tokens=r.skip_special_tokens)

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP gateway over an in-process fleet scheduler
+"""An OpenAI- and Anthropic-compatible HTTP gateway over an in-process fleet scheduler
 (`mlx-worker gateway`): routes, request validation, responses, API keys, metrics.
 
 Imports fleet, client, core, the generated code and rpc's `security` and `status`;

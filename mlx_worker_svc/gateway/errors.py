@@ -1,9 +1,11 @@
-"""Errors in OpenAI's shape, and the HTTP status each gRPC status of the fleet becomes.
+"""Errors in OpenAI's and Anthropic's shapes, and the HTTP status each gRPC status becomes.
 
-Every error the gateway answers is `{"error": {"message", "type", "param",
-"code"}}` with a status code the OpenAI SDKs map to their exception classes
-(400 `BadRequestError`, 401 `AuthenticationError`, 404 `NotFoundError`, 429
-`RateLimitError`, 5xx `InternalServerError`).
+An error on an OpenAI route is `{"error": {"message", "type", "param",
+"code"}}`; on Anthropic's (`/v1/messages...`) it is `{"type": "error",
+"error": {"type", "message"}}`, the type following the status as Anthropic's
+does (`error_body`). The status codes are those the SDKs map to their
+exception classes (400 `BadRequestError`, 401 `AuthenticationError`, 404
+`NotFoundError`, 429 `RateLimitError`, 5xx `InternalServerError`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ _FROM_GRPC: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     _S.ABORTED: (503, "server_error", "service_unavailable"),
     _S.FAILED_PRECONDITION: (503, "server_error", "service_unavailable"),
     _S.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's routes: this one and those below it
+# HTTP status -> Anthropic's error type; any other 4xx is invalid_request_error, 5xx api_error.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 
@@ -60,6 +73,22 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape."""
+        fallback = "invalid_request_error" if self.status < 500 else "api_error"
+        kind = _ANTHROPIC_TYPES.get(self.status, fallback)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether a route is one of Anthropic's API."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    """The error in the shape of the API that `path` belongs to."""
+    return error.anthropic_body() if is_anthropic(path) else error.body()
 
 
 def invalid(param: str, why: str) -> ApiError:

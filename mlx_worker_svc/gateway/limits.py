@@ -29,7 +29,7 @@ def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary) -> ApiError:
     if isinstance(exc, OutOfVocabulary):
         param = _PARAMS.get(exc.field, exc.field)
         return invalid(param, f"token {exc.token} is out of the vocabulary (size {exc.vocab_size})")
-    where = "messages" if kind == "chat" else "prompt"
+    where = "prompt" if kind == "completion" else "messages"
     message = f"This model's maximum context length is {exc.context_length} tokens. However, "
     if exc.max_tokens is None:
         message += (

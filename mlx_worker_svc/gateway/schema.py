@@ -26,7 +26,8 @@ from mlx_worker_svc.gateway.structured import FIELDS, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
-Kind = Literal["chat", "completion"]
+OpenAIKind = Literal["chat", "completion"]
+Kind = OpenAIKind | Literal["messages"]  # messages: Anthropic's (anthropic/schema.py)
 MAX_LOGPROBS = 20  # the workers' bound on top-n
 MAX_STOP = 4  # OpenAI's bound on stop strings
 _UINT32 = 2**32 - 1
@@ -71,7 +72,7 @@ _COMMON = {
     "stop_token_ids",
     *FIELDS,
 }
-_KNOWN: dict[Kind, set[str]] = {
+_KNOWN: dict[OpenAIKind, set[str]] = {
     "chat": _COMMON
     | {
         "messages",
@@ -96,7 +97,7 @@ _UNSUPPORTED = {
 }
 
 
-class _Fields:
+class Fields:
     """Typed reads of a JSON object's fields; every failure names the field."""
 
     def __init__(self, body: dict[str, Any], where: str = "") -> None:
@@ -114,7 +115,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise invalid(self._param(name), f"expected a boolean, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected a boolean, got {json_type(value)}")
         return value
 
     def number(self, name: str, low: float, high: float) -> float | None:
@@ -122,7 +123,7 @@ class _Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(self._param(name), f"expected a number, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected a number, got {json_type(value)}")
         if not (math.isfinite(value) and low <= value <= high):
             raise invalid(self._param(name), f"{value} is not in [{low:g}, {high:g}]")
         return float(value)
@@ -132,13 +133,13 @@ class _Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(self._param(name), f"expected an integer, got {_json_type(value)}")
+            raise invalid(self._param(name), f"expected an integer, got {json_type(value)}")
         if not low <= value <= high:
             raise invalid(self._param(name), f"{value} is not in [{low}, {high}]")
         return value
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     names |= {list: "an array", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
@@ -168,7 +169,7 @@ def parse_body(raw: bytes) -> Any:
     return body
 
 
-def parse_request(kind: Kind, body: Any) -> ParsedRequest:
+def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     """Validates an OpenAI request body; raises `ApiError` (400) naming the bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
@@ -182,10 +183,10 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
                 param=name,
                 code="unrecognized_argument",
             )
-    fields = _Fields(body)
+    fields = Fields(body)
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
-        raise invalid("model", f"expected a string, got {_json_type(model)}")
+        raise invalid("model", f"expected a string, got {json_type(model)}")
     if fields.integer("n", 1, 1_000_000) not in (None, 1):
         raise ApiError(400, "Only n = 1 is supported", param="n", code="invalid_value")
     stream = fields.boolean("stream")
@@ -227,22 +228,22 @@ def parse_request(kind: Kind, body: Any) -> ParsedRequest:
     )
 
 
-def _new_id(kind: Kind) -> str:
+def _new_id(kind: OpenAIKind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _stream_options(fields: _Fields, stream: bool) -> bool:
+def _stream_options(fields: Fields, stream: bool) -> bool:
     options = fields.get("stream_options")
     if options is None:
         return False
     if not stream:
         raise invalid("stream_options", "only allowed when 'stream' is true")
     if not isinstance(options, dict):
-        raise invalid("stream_options", f"expected an object, got {_json_type(options)}")
-    return _Fields(options, "stream_options").boolean("include_usage")
+        raise invalid("stream_options", f"expected an object, got {json_type(options)}")
+    return Fields(options, "stream_options").boolean("include_usage")
 
 
-def _sampling(kind: Kind, fields: _Fields) -> pb.SamplingParams:
+def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
     params = pb.SamplingParams()
     max_tokens = fields.integer("max_tokens", 1, _UINT32)
     if kind == "chat":
@@ -300,12 +301,12 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise invalid("logit_bias", f"expected an object, got {_json_type(value)}")
+        raise invalid("logit_bias", f"expected an object, got {json_type(value)}")
     bias: dict[int, float] = {}
     for key in value:
         if not (isinstance(key, str) and key.isdigit() and int(key) <= _UINT32):
             raise invalid("logit_bias", f"{key!r} is not a token id")
-        number = _Fields(value, "logit_bias").number(key, -100.0, 100.0)
+        number = Fields(value, "logit_bias").number(key, -100.0, 100.0)
         if number is None:
             raise invalid("logit_bias", f"no bias given for token {key}")
         bias[int(key)] = number
@@ -319,7 +320,7 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise invalid(where, f"expected an object, got {_json_type(message)}")
+            raise invalid(where, f"expected an object, got {json_type(message)}")
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role", f"{role!r} is not one of {sorted(_ROLES)}")
@@ -345,7 +346,7 @@ def _content(value: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_logprobs(fields: _Fields) -> int | None:
+def _chat_logprobs(fields: Fields) -> int | None:
     top = fields.integer("top_logprobs", 0, MAX_LOGPROBS)
     if not fields.boolean("logprobs"):
         if top:

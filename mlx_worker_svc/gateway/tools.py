@@ -126,16 +126,19 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise invalid(f"{where}.function", "expected an object")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise invalid(
-                f"{where}.function.name", "expected a string of a-z, A-Z, 0-9, _ and -, at most 64"
-            )
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise invalid(f"{where}.function.parameters", "expected a JSON Schema object")
+        check_function(function, f"{where}.function", "parameters")
         out.append(function)
     return tuple(out)
+
+
+def check_function(function: dict[str, Any], where: str, schema_field: str) -> None:
+    """Refuses a tool whose name or parameter schema (at `schema_field`) is not usable."""
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(f"{where}.name", "expected a string of a-z, A-Z, 0-9, _ and -, at most 64")
+    parameters = function.get(schema_field)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid(f"{where}.{schema_field}", "expected a JSON Schema object")
 
 
 def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:

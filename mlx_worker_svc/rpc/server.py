@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -80,6 +81,8 @@ class ServerConfig:
     """Prometheus metrics over HTTP on this port (0: any free one); None: not served."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """The engine's options (engine/options.py), the same for every runner it builds."""
+    profile_dir: Path | None = None
+    """Where StartProfile/StopProfile write profiles; None: profiling is off."""
 
     @property
     def message_bytes(self) -> int:
@@ -100,6 +103,7 @@ class WorkerServer:
             limits=config.limits,
             group=group,
             options=config.engine,
+            profile_dir=config.profile_dir,
         )
         self.engine_died = threading.Event()
         self.metrics: WorkerMetrics = self.worker.metrics

@@ -19,6 +19,7 @@ import grpc
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.core.profiling import ProfileSort
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert
@@ -28,6 +29,11 @@ from mlx_worker_svc.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+_PROFILE_SORT = {
+    pb.PROFILE_SORT_UNSPECIFIED: ProfileSort.CUMULATIVE,
+    pb.PROFILE_SORT_CUMULATIVE: ProfileSort.CUMULATIVE,
+    pb.PROFILE_SORT_OWN: ProfileSort.OWN,
+}
 
 
 # Status messages travel in a header; gRPC refuses headers past 8 KiB, and a
@@ -297,3 +303,42 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.ListLorasRequest, context: grpc.ServicerContext
     ) -> pb.ListLorasResponse:
         raise Unimplemented("ListLoras is not implemented yet")
+
+    @_unary
+    def StartProfile(
+        self, request: pb.StartProfileRequest, context: grpc.ServicerContext
+    ) -> pb.StartProfileResponse:
+        started = self._worker.start_profile(request.label, request.gpu_capture)
+        return pb.StartProfileResponse(
+            label=started.label, path=started.path, gpu_capture_path=started.gpu_capture_path
+        )
+
+    @_unary
+    def StopProfile(
+        self, request: pb.StopProfileRequest, context: grpc.ServicerContext
+    ) -> pb.StopProfileResponse:
+        if request.sort not in _PROFILE_SORT:
+            raise InvalidArgument(
+                f"StopProfileRequest.sort {request.sort} is not a known ProfileSort "
+                "(PROFILE_SORT_CUMULATIVE or PROFILE_SORT_OWN)"
+            )
+        report = self._worker.stop_profile(request.top_entries, _PROFILE_SORT[request.sort])
+        return pb.StopProfileResponse(
+            label=report.label,
+            path=report.path,
+            gpu_capture_path=report.gpu_capture_path,
+            seconds=report.seconds,
+            entries=[
+                pb.ProfileEntry(
+                    function=e.function,
+                    file=e.file,
+                    line=e.line,
+                    calls=e.calls,
+                    primitive_calls=e.primitive_calls,
+                    cumulative_seconds=e.cumulative_seconds,
+                    own_seconds=e.own_seconds,
+                )
+                for e in report.entries
+            ],
+            num_functions=report.num_functions,
+        )

@@ -4,17 +4,20 @@
 state, the engine thread and Generate scheduling) and the parts that take
 it: `Lifecycle` (InitDevice..WarmUp, Sleep, WakeUp, drain, close; its way-up
 calls one at a time through the core's `LifecycleCalls`) and
-`GenerateCalls` (Tokenize, Detokenize, Generate); it runs Execute steps and
-answers the queries itself. Invariants: every state change and every MLX
+`GenerateCalls` (Tokenize, Detokenize, Generate); it runs Execute steps,
+answers the queries and starts and stops profiles (engine/profiler.py, with
+`profile_dir`) itself. Invariants: every state change and every MLX
 call runs on the engine thread, one at a time; the queries (CheckHealth,
 metrics) read copies and never wait for a step, except a deep check.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
@@ -37,10 +40,18 @@ from mlx_worker_svc.core.domain import (
 from mlx_worker_svc.core.errors import FailedPrecondition
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.limits import AdmissionLimits
+from mlx_worker_svc.core.profiling import (
+    ProfileReport,
+    ProfileSort,
+    ProfileStarted,
+    check_label,
+    check_top,
+)
 from mlx_worker_svc.engine.group.channel import GroupChannel
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
+from mlx_worker_svc.engine.profiler import EngineProfiler
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import GaveUp, Lifecycle
@@ -49,6 +60,7 @@ from mlx_worker_svc.worker.metrics import WorkerMetrics
 from mlx_worker_svc.worker.step_stream import StepStream
 
 S = WorkerState
+log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -63,6 +75,7 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         group: GroupChannel | None = None,
         options: EngineOptions | None = None,
+        profile_dir: Path | None = None,
     ) -> None:
         self.core = WorkerCore(
             on_state=on_state,
@@ -74,6 +87,7 @@ class Worker:
         )
         self.states = Lifecycle(self.core)
         self.text = GenerateCalls(self.core)
+        self.profiler = EngineProfiler(profile_dir) if profile_dir is not None else None
 
     # ------------------------------------------------------------- facts
     @property
@@ -254,6 +268,31 @@ class Worker:
             core.set_state(S.SERVING)
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, core.epoch, outputs, timings)
+
+    # ---------------------------------------------------------- profiling
+    def start_profile(self, label: str, gpu_capture: bool) -> ProfileStarted:
+        """Starts profiling the engine thread (in a group: rank 0's, which drives the rest)."""
+        profiler = self._need_profiler("StartProfile")
+        label = check_label(label)
+        started = self.core.engine.call(lambda: profiler.start(label, gpu_capture))
+        log.info("profile started", extra={"label": label, "path": started.path})
+        return started
+
+    def stop_profile(self, top_entries: int, sort: ProfileSort) -> ProfileReport:
+        """Stops the running profile, writes it and returns its top entries."""
+        profiler = self._need_profiler("StopProfile")
+        top = check_top(top_entries)
+        report = self.core.engine.call(profiler.stop).report(top, sort)
+        log.info("profile written", extra={"label": report.label, "path": report.path})
+        return report
+
+    def _need_profiler(self, call: str) -> EngineProfiler:
+        if self.profiler is None:
+            raise FailedPrecondition(
+                f"{call}: profiling is off; start the worker with --profile-dir DIR "
+                "(the directory the profiles are written to) to turn it on"
+            )
+        return self.profiler
 
     # ------------------------------------------------------------ queries
     def health(self, deep: bool) -> HealthReport:

@@ -165,9 +165,12 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
     )
     stop = full[start : start + 3]
 
-    messages = fleet.generate(token_request(prompt, 32, stop=[stop]))
+    # The last message names the stop string that matched, not one that never did.
+    messages = fleet.generate(token_request(prompt, 32, stop=["\x00absent", stop]))
     *head, last = messages
     assert last.finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert last.stop_string == stop
+    assert unstopped[-1].stop_string == ""
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in head)
     assert text_of(messages) == full[:start]
     tokens = tokens_of(messages)

@@ -28,13 +28,6 @@ from mlx_worker_svc.rpc.server import WorkerServer
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
-    proc = ServeProcess(tiny_dir, 1.0)
-    yield proc
-    proc.reap()
-
-
-@pytest.fixture(scope="module")
 def worker_stub(worker: ServeProcess) -> pb_grpc.WorkerServiceStub:
     return pb_grpc.WorkerServiceStub(worker.channel())
 
@@ -46,12 +39,6 @@ def gateway(worker: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> I
     gw = Gateway(worker.port, "--api-key-file", str(keys))
     yield gw
     gw.close()
-
-
-@pytest.fixture(scope="module")
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with gateway.client() as c:
-        yield c
 
 
 def worker_generate(stub: pb_grpc.WorkerServiceStub, **request: Any) -> tuple[str, int, int]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,28 +35,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_dir: Path) -> Iterator[ServeProcess]:
-    proc = ServeProcess(tiny_dir, 1.0)
-    yield proc
-    proc.reap()
-
-
-@pytest.fixture(scope="module")
 def model(worker: ServeProcess) -> pb.GetInfoResponse:
     return pb_grpc.WorkerServiceStub(worker.channel()).GetInfo(pb.GetInfoRequest(), timeout=30)
-
-
-@pytest.fixture(scope="module")
-def gateway(worker: ServeProcess) -> Iterator[Gateway]:
-    gw = Gateway(worker.port)
-    yield gw
-    gw.close()
-
-
-@pytest.fixture(scope="module")
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with gateway.client() as c:
-        yield c
 
 
 def post(gateway: Gateway, route: str, body: dict[str, Any]) -> httpx.Response:

@@ -81,19 +81,6 @@ def worker(tiny_tools_dir: Path) -> Iterator[ServeProcess]:
     proc.reap()
 
 
-@pytest.fixture(scope="module")
-def gateway(worker: ServeProcess) -> Iterator[Gateway]:
-    gw = Gateway(worker.port)
-    yield gw
-    gw.close()
-
-
-@pytest.fixture(scope="module")
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with gateway.client() as c:
-        yield c
-
-
 Answer = tuple[str | None, str | None]  # (content, finish_reason)
 
 

@@ -44,6 +44,12 @@ class Parallelism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PARALLELISM_NONE: _ClassVar[Parallelism]
     PARALLELISM_TENSOR: _ClassVar[Parallelism]
     PARALLELISM_PIPELINE: _ClassVar[Parallelism]
+
+class ProfileSort(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROFILE_SORT_UNSPECIFIED: _ClassVar[ProfileSort]
+    PROFILE_SORT_CUMULATIVE: _ClassVar[ProfileSort]
+    PROFILE_SORT_OWN: _ClassVar[ProfileSort]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_NEW: WorkerState
 WORKER_STATE_DEVICE_READY: WorkerState
@@ -69,6 +75,9 @@ PARALLELISM_UNSPECIFIED: Parallelism
 PARALLELISM_NONE: Parallelism
 PARALLELISM_TENSOR: Parallelism
 PARALLELISM_PIPELINE: Parallelism
+PROFILE_SORT_UNSPECIFIED: ProfileSort
+PROFILE_SORT_CUMULATIVE: ProfileSort
+PROFILE_SORT_OWN: ProfileSort
 
 class InitDeviceRequest(_message.Message):
     __slots__ = ("device", "rank", "local_rank", "world_size", "distributed_init_method")
@@ -756,7 +765,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens", "stop_string")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -765,6 +774,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -773,7 +783,8 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     request_id: str
     num_cached_prompt_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class AddLoraRequest(_message.Message):
     __slots__ = ("name", "path")
@@ -806,3 +817,63 @@ class ListLorasResponse(_message.Message):
     NAMES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("label", "gpu_capture")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    gpu_capture: bool
+    def __init__(self, label: _Optional[str] = ..., gpu_capture: _Optional[bool] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("label", "path", "gpu_capture_path")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_PATH_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    path: str
+    gpu_capture_path: str
+    def __init__(self, label: _Optional[str] = ..., path: _Optional[str] = ..., gpu_capture_path: _Optional[str] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ("top_entries", "sort")
+    TOP_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SORT_FIELD_NUMBER: _ClassVar[int]
+    top_entries: int
+    sort: ProfileSort
+    def __init__(self, top_entries: _Optional[int] = ..., sort: _Optional[_Union[ProfileSort, str]] = ...) -> None: ...
+
+class ProfileEntry(_message.Message):
+    __slots__ = ("function", "file", "line", "calls", "primitive_calls", "cumulative_seconds", "own_seconds")
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    PRIMITIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    function: str
+    file: str
+    line: int
+    calls: int
+    primitive_calls: int
+    cumulative_seconds: float
+    own_seconds: float
+    def __init__(self, function: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., calls: _Optional[int] = ..., primitive_calls: _Optional[int] = ..., cumulative_seconds: _Optional[float] = ..., own_seconds: _Optional[float] = ...) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("label", "path", "gpu_capture_path", "seconds", "entries", "num_functions")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GPU_CAPTURE_PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    path: str
+    gpu_capture_path: str
+    seconds: float
+    entries: _containers.RepeatedCompositeFieldContainer[ProfileEntry]
+    num_functions: int
+    def __init__(self, label: _Optional[str] = ..., path: _Optional[str] = ..., gpu_capture_path: _Optional[str] = ..., seconds: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[ProfileEntry, _Mapping]]] = ..., num_functions: _Optional[int] = ...) -> None: ...

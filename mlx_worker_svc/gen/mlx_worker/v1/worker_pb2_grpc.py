@@ -131,6 +131,16 @@ class WorkerServiceStub:
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ListLorasRequest.SerializeToString,
                 response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ListLorasResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/mlx_worker.v1.WorkerService/StartProfile',
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/mlx_worker.v1.WorkerService/StopProfile',
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -295,6 +305,36 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Starts a profile of the engine thread (vLLM's start_profile): a cProfile
+        of the thread that runs every forward and, when asked on Metal, MLX's GPU
+        capture. Off unless the worker was started with `serve --profile-dir DIR`
+        (FAILED_PRECONDITION naming --profile-dir otherwise); the files go under
+        DIR only, named after the request's label, never after a path sent here.
+        One profile at a time: StartProfile while one runs is FAILED_PRECONDITION
+        naming the running profile's label (call StopProfile first). Works in
+        any state, on the engine thread after the step in progress; a profile
+        still running when the worker stops is discarded. In a worker group the
+        profile is rank 0's, whose engine thread drives every step of the group.
+        Never retried by the client SDK. docs/operations.md ("Profiling") has an
+        example.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops the running profile (vLLM's stop_profile), writes it and returns
+        its file and top entries. Without a running profile: FAILED_PRECONDITION
+        ("StopProfile: no profile is running: call StartProfile first"). A bad
+        top_entries or sort is INVALID_ARGUMENT and leaves the profile running.
+        MLX is lazy: a model's __call__ entries count building the graph, and
+        the compute is the own time of the engine function that evaluates it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +432,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ListLoras,
                     request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.ListLorasRequest.FromString,
                     response_serializer=mlx__worker_dot_v1_dot_worker__pb2.ListLorasResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.StartProfileRequest.FromString,
+                    response_serializer=mlx__worker_dot_v1_dot_worker__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.StopProfileRequest.FromString,
+                    response_serializer=mlx__worker_dot_v1_dot_worker__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -908,6 +958,60 @@ class WorkerService:
             '/mlx_worker.v1.WorkerService/ListLoras',
             mlx__worker_dot_v1_dot_worker__pb2.ListLorasRequest.SerializeToString,
             mlx__worker_dot_v1_dot_worker__pb2.ListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlx_worker.v1.WorkerService/StartProfile',
+            mlx__worker_dot_v1_dot_worker__pb2.StartProfileRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlx_worker.v1.WorkerService/StopProfile',
+            mlx__worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

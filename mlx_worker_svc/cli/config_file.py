@@ -1,0 +1,176 @@
+"""`--config FILE`: the flags of `serve`, `fleet` and `gateway` read from one TOML or YAML file.
+
+The file has a section per command (`[serve]`, `[fleet]`, `[gateway]`) whose
+keys are the command's long flags without the dashes (`max-num-seqs = 64`;
+`max_num_seqs` is the same key), so one file can describe a whole fleet. A
+section may hold named sub-sections (`[serve.mac1]`) for processes of one
+command that differ (each worker's port, say): `--config-section mac1` takes
+the section's keys, then the sub-section's over them; a section with
+sub-sections needs `--config-section`. A value is what the flag takes:
+`true`/`false` for a switch (`auto-init = true`), a list for a repeatable
+flag (`worker = ["a:1", "b:2"]`), else a string or a number, converted and
+checked as the flag's text would be. Flags given on the command line win: a
+flag there replaces the file's value (a repeatable one its whole list). An
+unknown section or key, or a value the flag refuses, exits with status 2 and a
+message naming it. `.toml` files are read with the standard library's
+`tomllib`, `.yaml`/`.yml` files with PyYAML (`yaml.safe_load`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+COMMANDS = ("serve", "fleet", "gateway")
+_SUFFIXES = (".toml", ".yaml", ".yml")
+_NOT_KEYS = {"help", "config", "config-section"}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--config` and `--config-section` on one of `COMMANDS`."""
+    group = parser.add_argument_group("config file (see docs/config.md)")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read flags from this TOML or YAML file's section for the command; flags "
+        "given here win",
+    )
+    group.add_argument(
+        "--config-section",
+        metavar="NAME",
+        help="the named sub-section of the command's section (e.g. [serve.NAME]) to add",
+    )
+
+
+def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Sets the defaults of the command in `argv` from its `--config` file, if it names one."""
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--config")
+    pre.add_argument("--config-section")
+    try:
+        given, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return  # `--config` without its value: the command's own parser says so
+    commands = _commands(parser)
+    name = next((token for token in argv if token in commands), None)
+    if given.config is None or name not in COMMANDS:
+        return
+    command = commands[name]
+    path = Path(given.config)
+    try:
+        values, where = _section(_load(path), name, given.config_section)
+    except ValueError as exc:
+        command.error(f"{path}: {exc}")
+    flags = {
+        option.removeprefix("--"): action
+        for action in command._actions
+        for option in action.option_strings
+        if option.startswith("--")
+    }
+    for key, value in values.items():
+        flag = key.replace("_", "-")
+        action = flags.get(flag)
+        if action is None or flag in _NOT_KEYS:
+            known = [f for f in flags if f not in _NOT_KEYS]
+            close = difflib.get_close_matches(flag, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            command.error(f"{path}: unknown key '{key}' in [{where}]{hint}")
+        if _on_command_line(action, argv):
+            continue
+        try:
+            converted = _convert(action, value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            command.error(f"{path}: [{where}] {key} = {value!r}: {exc}")
+        command.set_defaults(**{action.dest: converted})
+        action.required = False
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _load(path: Path) -> Any:
+    if path.suffix not in _SUFFIXES:
+        raise ValueError(f"a config file is {', '.join(_SUFFIXES)}, not {path.suffix or 'bare'}")
+    try:
+        if path.suffix == ".toml":
+            with path.open("rb") as file:
+                return tomllib.load(file)
+        import yaml
+
+        with path.open(encoding="utf-8") as file:
+            return yaml.safe_load(file)
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror})") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not TOML ({_one_line(exc)})") from exc
+    except Exception as exc:  # yaml.YAMLError, without importing yaml for TOML files
+        raise ValueError(f"not YAML ({_one_line(exc)})") from exc
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], str]:
+    """The keys for command `name` (with sub-section `sub`), and where they come from."""
+    if not isinstance(data, dict):
+        raise ValueError("expected sections [serve], [fleet] and/or [gateway]")
+    for section, value in data.items():
+        if section not in COMMANDS or not isinstance(value, dict):
+            raise ValueError(f"unknown section '{section}' (sections: {', '.join(COMMANDS)})")
+    if name not in data:
+        raise ValueError(f"no [{name}] section")
+    keys = {k: v for k, v in data[name].items() if not isinstance(v, dict)}
+    subs = {k: v for k, v in data[name].items() if isinstance(v, dict)}
+    if sub is None:
+        if subs:
+            names = ", ".join(subs)
+            raise ValueError(f"[{name}] has sub-sections ({names}): pick one with --config-section")
+        return keys, name
+    if sub not in subs:
+        have = f" (it has: {', '.join(subs)})" if subs else ""
+        raise ValueError(f"no [{name}.{sub}] section{have}")
+    for key, value in subs[sub].items():
+        if isinstance(value, dict):
+            raise ValueError(f"[{name}.{sub}] {key}: sections do not nest further")
+    return keys | subs[sub], f"{name}.{sub}"
+
+
+def _on_command_line(action: argparse.Action, argv: list[str]) -> bool:
+    return any(
+        token == option or token.startswith(option + "=")
+        for token in argv
+        for option in action.option_strings
+    )
+
+
+def _convert(action: argparse.Action, value: Any) -> Any:
+    """What the flag would hold, given `value` from the file; raises ValueError."""
+    if action.nargs == 0:  # a switch: store_true, store_false, store_const
+        if not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        return action.const if value else action.default
+    if isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        return [_scalar(action, item) for item in items]
+    return _scalar(action, value)
+
+
+def _scalar(action: argparse.Action, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError("expected a string or a number")
+    text = value if isinstance(value, str) else str(value)
+    converted = action.type(text) if callable(action.type) else text
+    choices = action.choices
+    if choices is not None and converted not in choices:
+        if isinstance(choices, range):
+            raise ValueError(f"not in [{choices.start}, {choices.stop - 1}]")
+        raise ValueError(f"not one of {', '.join(map(str, choices))}")
+    return converted

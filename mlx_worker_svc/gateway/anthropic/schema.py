@@ -1,0 +1,312 @@
+"""Anthropic Messages bodies in, a fleet `GenerateRequest` out, or an `ApiError` naming the field.
+
+`/v1/messages` takes `model`, `messages` and `max_tokens` (required, as
+Anthropic's API requires them), `system` (a string or text blocks),
+`stop_sequences`, `stream`, `temperature` (0 to 1), `top_p`, `top_k`,
+`metadata` (`user_id`), `tools` and `tool_choice`; `/v1/messages/count_tokens`
+takes `model`, `messages`, `system`, `tools` and `tool_choice`. Content is a
+string or an array of blocks: `text` (with `cache_control`, which changes
+nothing: the workers' prefix cache reuses every prompt), `tool_use` (an
+assistant's calls) and `tool_result` (a user's answers to them, their
+content text). A final assistant message is a prefill: the answer continues
+its text. As with the OpenAI routes, a field the endpoint does not know is a
+400 naming it, and one it knows but cannot honour (images, documents,
+thinking, server tools) is a 400 that says so.
+
+The chat becomes the workers' `ChatMessage`s: a user's `tool_result` blocks
+become `tool` messages (`tool_call_id`, and the `name` of the call they
+answer), an assistant's `tool_use` blocks its `tool_calls_json`. Tools map
+onto the OpenAI routes' `ToolRequest`: `input_schema` is a function's
+`parameters`, and `tool_choice` `auto`, `any`, `tool` and `none` are OpenAI's
+`auto`, `required`, a named function and `none`
+(`disable_parallel_tool_use`: `parallel_tool_calls: false`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gateway.schema import Fields, ParsedRequest, json_type
+from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+MAX_STOP_SEQUENCES = 16
+_UINT32 = 2**32 - 1
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+_CREATE_FIELDS = _COUNT_FIELDS | {
+    "max_tokens",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "metadata",
+    "service_tier",
+}
+# Known to Anthropic, not honoured here (None/absent is fine).
+_UNSUPPORTED = {
+    "container": "containers are not supported by this server",
+    "mcp_servers": "MCP servers are not supported by this server",
+    "context_management": "context management is not supported by this server",
+}
+_CHOICES: dict[str, Choice] = {
+    "auto": "auto",
+    "any": "required",
+    "tool": "function",
+    "none": "none",
+}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """One Anthropic request: the fleet request, and the assistant text it continues."""
+
+    parsed: ParsedRequest
+    prefill: str  # the text of a final assistant message ("" when there is none)
+
+
+def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
+    """Validates a `/v1/messages` body (`count`: a count_tokens body); raises `ApiError`."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    known = _COUNT_FIELDS if count else _CREATE_FIELDS
+    for name in body:
+        if name in _UNSUPPORTED and body[name] is not None:
+            raise ApiError(400, f"{name}: {_UNSUPPORTED[name]}", param=name)
+        if name not in known and name not in _UNSUPPORTED:
+            raise ApiError(400, f"{name}: Extra inputs are not permitted", param=name)
+    fields = Fields(body)
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "Field required (a non-empty string)")
+    _thinking(fields.get("thinking"))
+    tools = _tools(fields.get("tools"), fields.get("tool_choice"))
+    names: dict[str, str] = {}  # tool_use id -> tool name, for the tool results that answer them
+    messages = _system(fields.get("system"))
+    turns = fields.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise invalid("messages", "expected a non-empty array of messages")
+    prefill = ""
+    for i, turn in enumerate(turns):
+        last = i == len(turns) - 1
+        if last and isinstance(turn, dict) and turn.get("role") == "assistant":
+            prefill = _prefill(turn, f"messages[{i}]")
+        else:
+            messages += _turn(turn, f"messages[{i}]", names)
+    if not any(m.role != "system" for m in messages):
+        raise invalid("messages", "a user message must come before the assistant's prefill")
+    params = pb.SamplingParams() if count else _sampling(fields)
+    request = pb.GenerateRequest(
+        messages=messages, sampling_params=params, request_id=f"msg_{uuid.uuid4().hex}"
+    )
+    parsed = ParsedRequest(
+        kind="messages",
+        id=request.request_id,
+        model=model,
+        generate=request,
+        stream=False if count else fields.boolean("stream"),
+        include_usage=False,
+        logprobs=None,
+        tools=tools,
+    )
+    return MessagesRequest(parsed, prefill)
+
+
+def _sampling(fields: Fields) -> pb.SamplingParams:
+    params = pb.SamplingParams()
+    max_tokens = fields.integer("max_tokens", 1, _UINT32)
+    if max_tokens is None:
+        raise invalid("max_tokens", "Field required")
+    params.max_tokens = max_tokens
+    # Anthropic's default temperature is 1, which is also the workers'.
+    temperature = fields.number("temperature", 0.0, 1.0)
+    if temperature is not None:
+        params.temperature = temperature
+    top_p = fields.number("top_p", 0.0, 1.0)
+    if top_p is not None:
+        if top_p == 0:
+            raise invalid("top_p", "must be greater than 0")
+        params.top_p = top_p
+    params.top_k = fields.integer("top_k", 0, _UINT32 >> 1) or 0
+    stops = fields.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop_sequences", "expected an array of non-empty strings")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise invalid("stop_sequences", f"at most {MAX_STOP_SEQUENCES}, got {len(stops)}")
+    params.stop.extend(stops)
+    _metadata(fields.get("metadata"))
+    tier = fields.get("service_tier")
+    if tier not in (None, "auto", "standard_only"):
+        raise invalid("service_tier", f"{tier!r} is not one of ['auto', 'standard_only']")
+    return params
+
+
+def _metadata(value: Any) -> None:
+    """`metadata` identifies the caller (`user_id`, for logs); it changes nothing."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("metadata", f"expected an object, got {json_type(value)}")
+    for key, item in value.items():
+        if key != "user_id":
+            raise invalid(f"metadata.{key}", "Extra inputs are not permitted")
+        if item is not None and not isinstance(item, str):
+            raise invalid("metadata.user_id", "expected a string")
+
+
+def _thinking(value: Any) -> None:
+    if value is None or value == {"type": "disabled"}:
+        return
+    raise ApiError(
+        400, "thinking: extended thinking is not supported by this server", param="thinking"
+    )
+
+
+def _system(value: Any) -> list[pb.ChatMessage]:
+    if value is None:
+        return []
+    text = value if isinstance(value, str) else _texts(value, "system")
+    return [pb.ChatMessage(role="system", content=text)] if text else []
+
+
+def _texts(value: Any, where: str) -> str:
+    """The text of an array of text blocks, joined by newlines."""
+    if not isinstance(value, list):
+        raise invalid(where, "expected a string or an array of text blocks")
+    texts = []
+    for j, block in enumerate(value):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise invalid(
+                f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"
+            )
+        texts.append(_text(block, f"{where}[{j}]"))
+    return "\n".join(texts)
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text", "expected a string")
+    if block.get("citations") is not None:
+        raise invalid(f"{where}.citations", "citations are not supported by this server")
+    return text
+
+
+def _kind(block: Any) -> str:
+    return repr(block.get("type")) if isinstance(block, dict) else json_type(block)
+
+
+def _turn(turn: Any, where: str, names: dict[str, str]) -> list[pb.ChatMessage]:
+    """The ChatMessages of one user or assistant message."""
+    if not isinstance(turn, dict):
+        raise invalid(where, f"expected an object, got {json_type(turn)}")
+    role = turn.get("role")
+    if role not in ("user", "assistant"):
+        raise invalid(f"{where}.role", f"{role!r} is not one of ['assistant', 'user']")
+    content = turn.get("content")
+    if isinstance(content, str):
+        return [pb.ChatMessage(role=role, content=content)]
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content", "expected a string or an array of content blocks")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    out: list[pb.ChatMessage] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at, names))
+        elif kind == "tool_result" and role == "user":
+            out.append(_tool_result(block, at, names))
+        else:
+            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            raise invalid(at, f"{_kind(block)} blocks are not supported here ({allowed} are)")
+    if texts or calls or not out:
+        message = pb.ChatMessage(role=role, content="\n".join(texts))
+        if calls:
+            message.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+        out.append(message)
+    return out
+
+
+def _tool_use(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{where}.id", "expected a non-empty string")
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where}.name", "expected a non-empty string")
+    if not isinstance(arguments, dict):
+        raise invalid(f"{where}.input", "expected an object")
+    names[call_id] = name
+    # OpenAI's shape, the arguments parsed, as chat templates read them (ChatMessage).
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> pb.ChatMessage:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or call_id not in names:
+        raise invalid(f"{where}.tool_use_id", "expected the id of an earlier tool_use block")
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        text = content or ""
+    else:
+        text = _texts(content, f"{where}.content")
+    if not isinstance(block.get("is_error", False), bool):
+        raise invalid(f"{where}.is_error", "expected a boolean")
+    return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=names[call_id])
+
+
+def _prefill(turn: dict[str, Any], where: str) -> str:
+    """The text a final assistant message starts the answer with."""
+    content = turn.get("content")
+    if isinstance(content, str):
+        return content
+    return _texts(content, f"{where}.content")
+
+
+def _tools(value: Any, choice: Any) -> ToolRequest:
+    tools: list[dict[str, Any]] = []
+    if value is not None and not isinstance(value, list):
+        raise invalid("tools", "expected an array of tools")
+    for i, tool in enumerate(value or []):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid(where, f"expected an object, got {json_type(tool)}")
+        if tool.get("type", "custom") not in ("custom", None):
+            raise invalid(f"{where}.type", f"server tools ({tool['type']!r}) are not supported")
+        check_function(tool, where, "input_schema")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise invalid(f"{where}.input_schema", "Field required (a JSON Schema object)")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid(f"{where}.description", "expected a string")
+        function = {"name": tool["name"], "parameters": schema}
+        if description:
+            function["description"] = description
+        tools.append(function)
+    return _tool_choice(choice, tuple(tools))
+
+
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> ToolRequest:
+    if value is None:
+        return ToolRequest(tools)
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in _CHOICES:
+        raise invalid("tool_choice", f"expected an object with 'type' one of {list(_CHOICES)}")
+    parallel = Fields(value, "tool_choice").boolean("disable_parallel_tool_use") is False
+    name = value.get("name")
+    if kind == "tool":
+        if not isinstance(name, str) or name not in {t["name"] for t in tools}:
+            raise invalid("tool_choice.name", f"no tool named {name!r} is in 'tools'")
+    elif name is not None:
+        raise invalid("tool_choice.name", "only for 'type': 'tool'")
+    if kind == "any" and not tools:
+        raise invalid("tool_choice", "'any' needs 'tools'")
+    return ToolRequest(tools, _CHOICES[kind], name if kind == "tool" else None, parallel)

@@ -1,0 +1,388 @@
+"""Anthropic's Messages API through the gateway, driven by the official `anthropic` package.
+
+A `mlx-worker serve` process on the tiny random llama with the tool-rendering
+chat template (`TOOL_TEMPLATE`) sits behind a `mlx-worker gateway` process with
+an API key. The gateway's OpenAI chat route is the reference for the text: the
+same greedy chat gives the same answer on both APIs. Forced tool calls show the
+constraint as the OpenAI tests do: the `tool_use` input validates against the
+tool's `input_schema` (`jsonschema`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import jsonschema
+import pytest
+from driver import ServeProcess, wait_until_idle
+from gateway_process import KEY, Gateway
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+MODEL = "model"  # the worker's model directory name
+ASK: list[Any] = [{"role": "user", "content": "Tell me about the sea."}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"name": "get_weather", "description": "A forecast", "input_schema": WEATHER},
+    {"name": "get_time", "input_schema": ZONE},
+]
+SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_tools_dir: Path) -> Iterator[ServeProcess]:
+    proc = ServeProcess(tiny_tools_dir, 1.0)
+    yield proc
+    proc.reap()
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{KEY}\n")
+    gw = Gateway(worker.port, "--api-key-file", str(keys))
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _request(options: dict[str, Any]) -> dict[str, Any]:
+    """A greedy request of ASK; `temperature` (which this SDK no longer types) in the body."""
+    extra = {"temperature": 0} | options.pop("extra_body", {})
+    request = {"model": MODEL, "messages": ASK, "max_tokens": 24}
+    return request | options | {"extra_body": extra}
+
+
+def create(client: anthropic.Anthropic, **options: Any) -> Any:
+    return client.messages.create(**_request(options))
+
+
+def streamed(client: anthropic.Anthropic, **options: Any) -> tuple[str, Any]:
+    """(the text deltas joined, the final message) of one streamed request."""
+    with client.messages.stream(**_request(options)) as stream:
+        text = "".join(stream.text_stream)
+        return text, stream.get_final_message()
+
+
+def events(gateway: Gateway, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The (event, data) pairs of one raw streamed request."""
+    out = []
+    headers = {"x-api-key": KEY}
+    with gateway.http.stream("POST", "/v1/messages", json=body, headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        name = ""
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                assert data["type"] == name
+                out.append((name, data))
+    return out
+
+
+# ---------------------------------------------------------------- text
+def test_a_message_is_the_chat_routes_greedy_answer_streamed_or_not(
+    gateway: Gateway, client: anthropic.Anthropic
+) -> None:
+    chat = gateway.http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    expected = chat["choices"][0]["message"]["content"]
+    whole = create(client)
+    assert whole.type == "message" and whole.role == "assistant" and whole.model == MODEL
+    assert whole.id.startswith("msg_")
+    assert [b.type for b in whole.content] == ["text"]
+    assert whole.content[0].text == expected and expected
+    assert (
+        whole.stop_reason
+        == {"length": "max_tokens", "stop": "end_turn"}[chat["choices"][0]["finish_reason"]]
+    )
+    assert whole.stop_sequence is None
+    usage = whole.usage
+    assert usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+
+    text, final = streamed(client)
+    assert text == expected
+    assert final.content[0].text == expected and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == usage.output_tokens
+    assert (
+        final.usage.input_tokens + final.usage.cache_read_input_tokens
+        == (chat["usage"]["prompt_tokens"])
+    )
+
+
+def test_the_stream_is_anthropics_event_sequence(gateway: Gateway) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0, "stream": True}
+    sent = events(gateway, body)
+    names = [name for name, _ in sent]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    start = sent[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"] > 0
+    assert sent[1][1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert all(d["delta"]["type"] == "text_delta" and d["index"] == 0 for _, d in sent[3:-3])
+    delta = sent[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 8
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_answer_and_is_named(
+    client: anthropic.Anthropic, stream: bool
+) -> None:
+    full = create(client, max_tokens=32).content[0].text
+    start = next(
+        i
+        for i in range(len(full) // 3, len(full) - 3)
+        if full.find(full[i : i + 3]) == i and full[i : i + 3].strip()
+    )
+    stop = full[start : start + 3]
+    options = {"max_tokens": 32, "stop_sequences": ["\x00absent", stop]}
+    if stream:
+        text, message = streamed(client, **options)
+        assert text == full[:start]
+    else:
+        message = create(client, **options)
+    assert message.content[0].text == full[:start]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_a_client_disconnect_mid_stream_frees_the_workers_kv(
+    gateway: Gateway, worker: ServeProcess, client: anthropic.Anthropic
+) -> None:
+    route = 'mlx_gateway_client_disconnects_total{route="/v1/messages"}'
+    before = gateway.metric(route)
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    with client.messages.stream(**_request({"max_tokens": 400})) as stream:
+        texts = iter(stream.text_stream)
+        for _ in range(3):
+            assert next(texts)
+        health = stub.CheckHealth(pb.CheckHealthRequest(), timeout=30)
+        assert health.num_running_requests == 1 and health.kv.used_blocks > 0, health
+    wait_until_idle(stub, timeout=10)
+    assert gateway.metric(route) == before + 1
+
+
+# ---------------------------------------------------------- errors, keys
+def test_errors_come_in_anthropics_shape(gateway: Gateway, client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        create(client, extra_body={"temperature": 1.5})
+    assert bad.value.status_code == 400
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "temperature" in bad.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match="frequency_penalty"):
+        create(client, extra_body={"frequency_penalty": 1})
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        create(client, model="claude-sonnet-4-5")
+    assert missing.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": "The model `claude-sonnet-4-5` does not exist.",
+        },
+    }
+    other = anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0)
+    with other, pytest.raises(anthropic.AuthenticationError) as denied:
+        create(other)
+    assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    # Raw: a missing max_tokens, a missing key, a broken body, a route of the wrong method.
+    body = {"model": MODEL, "messages": ASK}
+    raw = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert raw.status_code == 400 and "max_tokens" in raw.json()["error"]["message"]
+    assert raw.json()["type"] == "error"
+    raw = gateway.http.post("/v1/messages", json=body | {"max_tokens": 4})
+    assert raw.status_code == 401
+    assert raw.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in raw.json()["error"]["message"]
+    raw = gateway.http.post("/v1/messages", content=b"{", headers={"x-api-key": KEY})
+    assert (raw.status_code, raw.json()["error"]["type"]) == (400, "invalid_request_error")
+    raw = gateway.http.get("/v1/messages", headers={"x-api-key": KEY})
+    assert raw.status_code == 405 and raw.json()["type"] == "error"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}],
+    ids=["x-api-key", "bearer"],
+)
+def test_the_key_is_taken_from_x_api_key_or_a_bearer_token(
+    gateway: Gateway, headers: dict[str, str]
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2}
+    assert gateway.http.post("/v1/messages", json=body, headers=headers).status_code == 200
+    chat = {"model": MODEL, "messages": ASK, "max_tokens": 2}
+    assert gateway.http.post("/v1/chat/completions", json=chat, headers=headers).status_code == 200
+
+
+# ---------------------------------------------------------- count_tokens
+def test_count_tokens_counts_what_a_message_computes(
+    worker: ServeProcess, client: anthropic.Anthropic
+) -> None:
+    system = "You are terse."
+    counted = client.messages.count_tokens(model=MODEL, messages=ASK, system=system)
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    chat = [pb.ChatMessage(role="system", content=system), pb.ChatMessage(**ASK[0])]
+    rendered = stub.Tokenize(pb.TokenizeRequest(messages=chat), timeout=30)
+    assert counted.input_tokens == len(rendered.token_ids)
+    usage = create(client, system=system, max_tokens=1).usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens
+    with_tools = client.messages.count_tokens(model=MODEL, messages=ASK, system=system, tools=TOOLS)
+    assert with_tools.input_tokens > counted.input_tokens
+    prefill = [*ASK, {"role": "assistant", "content": "The sea is"}]
+    continued = client.messages.count_tokens(model=MODEL, messages=prefill, system=system)
+    assert continued.input_tokens > counted.input_tokens
+
+
+# ------------------------------------------------------------ tool use
+def blocks(message: Any) -> list[tuple[Any, ...]]:
+    """A message's content without the call ids: (type, text) or (type, name, input)."""
+    return [
+        (b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in message.content
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_any_returns_a_tool_use_whose_input_validates(
+    client: anthropic.Anthropic, stream: bool
+) -> None:
+    def ask(**choice: Any) -> Any:
+        options = {"tools": TOOLS, "tool_choice": {"type": "any", **choice}, "max_tokens": 120}
+        return streamed(client, **options)[1] if stream else create(client, **options)
+
+    one = ask(disable_parallel_tool_use=True)
+    [use] = one.content
+    assert use.type == "tool_use" and one.stop_reason == "tool_use"
+    assert use.id.startswith("toolu_") and use.name in SCHEMAS
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    # With parallel calls the random model calls again and again: the complete calls are
+    # tool_use blocks, the one max_tokens cut is left as text.
+    many = ask()
+    *uses, cut = blocks(many)
+    assert len(uses) > 1 and many.stop_reason == "max_tokens"
+    for kind, name, arguments in uses:
+        assert kind == "tool_use"
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert cut[0] == "text" and cut[1].startswith("\n<tool_call>")
+    other = create if stream else streamed
+    again = other(client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=120)
+    assert blocks(again if stream else again[1]) == blocks(many)
+
+
+def test_a_named_tool_streams_as_input_json_deltas(gateway: Gateway) -> None:
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "max_tokens": 120,
+        "temperature": 0,
+        "stream": True,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+    }
+    sent = events(gateway, body)
+    names = [name for name, _ in sent]
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    block = sent[2][1]["content_block"]
+    assert block["type"] == "tool_use" and block["name"] == "get_time" and block["input"] == {}
+    delta = sent[3][1]["delta"]
+    assert delta["type"] == "input_json_delta"
+    jsonschema.validate(json.loads(delta["partial_json"]), ZONE)
+    assert sent[5][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_a_tool_result_goes_back_to_the_model(client: anthropic.Anthropic) -> None:
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "CET"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "12:00"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    with_result = client.messages.count_tokens(model=MODEL, messages=history, tools=TOOLS)
+    alone = client.messages.count_tokens(model=MODEL, messages=ASK, tools=TOOLS)
+    assert with_result.input_tokens > alone.input_tokens
+    message = create(client, messages=history, tools=TOOLS, tool_choice={"type": "none"})
+    assert [b.type for b in message.content] == ["text"]
+    with pytest.raises(anthropic.BadRequestError, match="tool_use_id"):
+        bad = {**result, "tool_use_id": "toolu_unknown"}
+        create(client, messages=[*history[:2], {"role": "user", "content": [bad]}], tools=TOOLS)
+
+
+def test_tools_on_a_template_without_them_are_a_400_naming_tools(tiny_dir: Path) -> None:
+    proc = ServeProcess(tiny_dir, 1.0)
+    gw = Gateway(proc.port)
+    try:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "tools": TOOLS}
+        response = gw.http.post("/v1/messages", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("Invalid value for 'tools'")
+    finally:
+        gw.close()
+        proc.reap()
+
+
+def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0]"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+        ({"metadata": {"user_id": "u", "tier": 1}}, "metadata.tier"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ]
+    for extra, where in cases:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 4} | extra
+        response = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+        assert response.status_code == 400, (extra, response.text)
+        assert where in response.json()["error"]["message"], (extra, response.text)
+
+
+def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:
+    prefill = [*ASK, {"role": "assistant", "content": "The sea"}]
+    message = create(client, messages=prefill, max_tokens=4)
+    plain = create(client, max_tokens=4)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > (
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    )
+    assert message.content[0].type == "text"

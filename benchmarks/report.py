@@ -264,16 +264,19 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         )
     )
     for width, target in ((8, ">= 0.9"), (4, "")):
-        rows.append(
-            (
-                f"(j) quality {width}-bit",
-                f"share of {q['prompts']} x {q['tokens_per_prompt']} greedy tokens equal to "
-                "float16 KV's",
-                _num(q[f"kv{width}_share_equal"], 3),
-                "1",
-                target,
+        for key, how in (("share_equal", "free-running"), ("teacher_forced_share_equal", "fed")):
+            if f"kv{width}_{key}" not in q:
+                continue
+            rows.append(
+                (
+                    f"(j) quality {width}-bit",
+                    f"share of {q['prompts']} x {q['tokens_per_prompt']} greedy tokens equal to "
+                    f"float16 KV's ({how})",
+                    _num(q[f"kv{width}_{key}"], 3),
+                    "1",
+                    target,
+                )
             )
-        )
     return rows
 
 

@@ -48,7 +48,11 @@ def raw_generate_step(model: Any, prompt: list[int], max_tokens: int) -> tuple[T
 def raw_batch(
     model: Any, prompts: list[list[int]], max_tokens: int
 ) -> tuple[Timeline, list[list[int]]]:
-    """mlx-lm's BatchGenerator: all prompts prefilled as one batch, then decoded together."""
+    """mlx-lm's BatchGenerator: all prompts prefilled as one batch, then decoded together.
+
+    The timeline's stats also carry `generation_tps`, BatchGenerator's own
+    statistics (`BatchStats.generation_tps`) over the same run.
+    """
     size = len(prompts)
     generator = BatchGenerator(
         model, max_tokens=max_tokens, completion_batch_size=size, prefill_batch_size=size
@@ -58,13 +62,15 @@ def raw_batch(
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     live = set(uids)
     try:
-        while live:
-            _, responses = generator.next()
-            timeline.add(len(responses))
-            for response in responses:
-                tokens[response.uid].append(int(response.token))
-                if response.finish_reason is not None:
-                    live.discard(response.uid)
+        with generator.stats() as counted:  # mlx-lm's own view of the same interval
+            while live:
+                _, responses = generator.next()
+                timeline.add(len(responses))
+                for response in responses:
+                    tokens[response.uid].append(int(response.token))
+                    if response.finish_reason is not None:
+                        live.discard(response.uid)
+        timeline.reported["generation_tps"] = round(counted.generation_tps, 1)
     finally:
         generator.close()
         mx.synchronize()

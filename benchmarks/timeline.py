@@ -17,6 +17,8 @@ from typing import Any
 class Timeline:
     start_ns: int = field(default_factory=time.perf_counter_ns)
     events: list[tuple[int, int]] = field(default_factory=list)
+    # What the generator measured itself (mlx-lm's BatchStats), beside the timeline's figures.
+    reported: dict[str, float] = field(default_factory=dict)
 
     def add(self, count: int) -> None:
         self.events.append((time.perf_counter_ns(), count))
@@ -27,7 +29,7 @@ class Timeline:
 
     def stats(self) -> dict[str, Any]:
         """TTFT, decode tokens/s (after the first token) and end-to-end tokens/s."""
-        return combined_stats([self])
+        return {**combined_stats([self]), **self.reported}
 
 
 def combined_stats(timelines: list[Timeline]) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 #   .gpupack/call1/  part 1 of the unpacked mlx-cuda-13 wheel (tar.xz, split)
 #   .gpupack/call2/  the rest of it, the mlx (cp312) and mlx-lm wheels, and
 #                    grpcio, grpcio-health-checking, grpcio-reflection, protobuf
-#                    at the versions the generated code needs, prometheus-client
+#                    at the versions the generated code needs, prometheus-client,
+#                    llguidance (structured outputs)
 # plus MANIFEST (sha256 of every file) in both. Run it on a machine that reaches
 # PyPI, in the checkout you copy to the GPU machine. `.gpupack/` is ignored through
 # the repository's info/exclude: the wheels are never committed.
@@ -21,6 +22,7 @@ GRPC_VERSION=${GRPC_VERSION:-1.85.3}
 GRPC_PLUGINS_VERSION=${GRPC_PLUGINS_VERSION:-1.85.1}
 PROTOBUF_VERSION=${PROTOBUF_VERSION:-7.36.2}
 PROMETHEUS_VERSION=${PROMETHEUS_VERSION:-0.26.0}
+LLGUIDANCE_VERSION=${LLGUIDANCE_VERSION:-1.9.1}   # the grammar engine the engine imports
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}   # the GPU machine's python3
 PART_SIZE=${PART_SIZE:-48m}              # the tar.xz is split into parts of this size
 LIMIT=$((64 * 1024 * 1024))              # the largest transfer: one part and the tree
@@ -30,12 +32,12 @@ repo=$(git rev-parse --show-toplevel)
 exclude="$(git rev-parse --path-format=absolute --git-common-dir)/info/exclude"
 grep -qxF '/.gpupack/' "$exclude" 2>/dev/null || echo '/.gpupack/' >>"$exclude"
 
-key="mlx-${MLX_VERSION}-lm-${MLX_LM_VERSION}-grpc-${GRPC_VERSION}-pb-${PROTOBUF_VERSION}-py${PYTHON_VERSION}"
+key="mlx-${MLX_VERSION}-lm-${MLX_LM_VERSION}-grpc-${GRPC_VERSION}-pb-${PROTOBUF_VERSION}-llg-${LLGUIDANCE_VERSION}-py${PYTHON_VERSION}"
 cache="${MLX_WORKER_CACHE:-$HOME/.cache/mlx-worker-svc}/gpu-pack/$key"
 mkdir -p "$cache/wheels"
 
 platforms=()
-for p in manylinux_2_35_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+for p in manylinux_2_35_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
   manylinux_2_17_x86_64 manylinux2014_x86_64; do
   platforms+=(--platform "$p")
 done
@@ -45,7 +47,7 @@ echo "== downloading wheels into $cache/wheels"
   "mlx-cuda-13==$MLX_VERSION" "mlx==$MLX_VERSION" "mlx-lm==$MLX_LM_VERSION" \
   "grpcio==$GRPC_VERSION" "grpcio-health-checking==$GRPC_PLUGINS_VERSION" \
   "grpcio-reflection==$GRPC_PLUGINS_VERSION" "protobuf==$PROTOBUF_VERSION" \
-  "prometheus-client==$PROMETHEUS_VERSION"
+  "prometheus-client==$PROMETHEUS_VERSION" "llguidance==$LLGUIDANCE_VERSION"
 
 if [ ! -s "$cache/mlx-cuda-13.tar.xz" ]; then
   echo "== unpacking mlx-cuda-13 and compressing it (xz -9, a few minutes)"

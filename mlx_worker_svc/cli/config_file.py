@@ -8,7 +8,8 @@ command that differ (each worker's port, say): `--config-section mac1` takes
 the section's keys, then the sub-section's over them; a section with
 sub-sections needs `--config-section`. A value is what the flag takes:
 `true`/`false` for a switch (`auto-init = true`), a list for a repeatable
-flag (`worker = ["a:1", "b:2"]`), else a string or a number, converted and
+flag or one of several values (`worker = ["a:1", "b:2"]`, `models = ["a=/m/a"]`),
+else a string or a number, converted and
 checked as the flag's text would be. Flags given on the command line win: a
 flag there replaces the file's value (a repeatable one its whole list). An
 unknown section or key, or a value the flag refuses, exits with status 2 and a
@@ -157,7 +158,7 @@ def _convert(action: argparse.Action, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ValueError("expected true or false")
         return action.const if value else action.default
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
         items = value if isinstance(value, list) else [value]
         return [_scalar(action, item) for item in items]
     return _scalar(action, value)

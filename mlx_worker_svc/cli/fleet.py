@@ -16,24 +16,27 @@ import signal
 import sys
 from typing import Any
 
+from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-
-GATEWAY_KEY_ENV = "MLX_GATEWAY_API_KEY"
-"""Environment variable with one more API key for `gateway` (beside --api-key-file)."""
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
     """The FleetConfig the flags ask for.
 
-    Raises SecurityError for bad --worker-* options, InvalidArgument for bad --kv-* ones.
+    Raises SecurityError for bad --worker-* options, ValueError for a model named
+    twice, InvalidArgument for bad --kv-* ones.
     """
     from mlx_worker_svc.cli.engine_flags import kv_format
+    from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
-    from mlx_worker_svc.rpc.security import worker_client_from_args
 
+    names = [name for name, _ in args.models or []]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--models names {', '.join(twice)} more than once")
     credentials, token = worker_client_from_args(args)
     kv = kv_format(args)
     link = LinkConfig(
@@ -50,19 +53,22 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         kv_bits=kv.bits,
         kv_group_size=kv.group_size,
     )
-    return FleetConfig(link=link, queue_capacity=args.queue, routing=args.routing)
+    return FleetConfig(
+        link=link, queue_capacity=args.queue, routing=args.routing, models=dict(args.models or [])
+    )
 
 
 async def _run_fleet(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.fleet import FleetScheduler
     from mlx_worker_svc.fleet.server import serve_fleet
     from mlx_worker_svc.rpc.metrics import MetricsEndpoint
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         config = _fleet_config(args)
-    except (SecurityError, WorkerError) as exc:
+    except (SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -92,10 +98,19 @@ async def _run_fleet(args: argparse.Namespace) -> int:
 
 
 async def _run_gateway(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.fleet import FleetScheduler
     from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
+    if args.served_model_name and args.models:
+        print(
+            "mlx-worker gateway: --served-model-name names the fleet's only model; with "
+            "--models each model is served by the name given there",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         fleet_config = _fleet_config(args)
@@ -104,7 +119,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
             FleetScheduler(args.worker, fleet_config), args.host, args.port, config
         )
         await server.start()  # the app's lifespan starts the fleet
-    except (OSError, SecurityError, WorkerError) as exc:
+    except (OSError, SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
@@ -121,7 +136,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
     try:
         config = _fleet_config(args)
-    except (SecurityError, WorkerError) as exc:
+    except (SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -144,6 +159,13 @@ async def _run_generate(args: argparse.Namespace) -> int:
     finally:
         await fleet.stop()
     return code
+
+
+def _model_entry(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _decode_steps(text: str) -> int:
@@ -203,8 +225,8 @@ def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_kv_arguments
+    from mlx_worker_svc.cli.security_flags import add_server_arguments, add_worker_client_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
-    from mlx_worker_svc.rpc.security import add_server_arguments, add_worker_client_arguments
 
     for name, help_text, runner in (
         ("fleet", "serve FleetService in front of workers", _run_fleet),
@@ -219,7 +241,18 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument(
             "--worker", action="append", required=True, metavar="HOST:PORT", help="repeatable"
         )
-        cmd.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        which = cmd.add_mutually_exclusive_group()
+        which.add_argument("--model", help="LoadModel for workers that have none loaded yet")
+        which.add_argument(
+            "--models",
+            nargs="+",
+            type=_model_entry,
+            metavar="NAME=PATH",
+            help="the models to serve, by the name requests give (GenerateRequest.model, the "
+            "API's model); workers with none loaded load them in turn, and a request for one "
+            "that no worker holds loads it on the idle worker used least recently, in place "
+            "of its model (docs/fleet.md#many-models)",
+        )
         cmd.add_argument("--max-num-seqs", type=int, default=64)
         cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
         cmd.add_argument(
@@ -255,10 +288,11 @@ def add_commands(sub: Any) -> None:
             add_server_arguments(cmd)
             add_metrics_arguments(cmd)
         elif name == "gateway":
-            add_server_arguments(cmd, token_flag="--api-key-file", token_env=GATEWAY_KEY_ENV)
+            add_server_arguments(cmd, token_flag="--api-key-file", token_env=MLX_GATEWAY_API_KEY)
             cmd.add_argument(
                 "--served-model-name",
-                help="the model id clients use (default: the workers' model directory name)",
+                help="the model id clients use when the fleet serves one model (default: the "
+                "workers' model directory name; with --models, the names given there)",
             )
         else:
             cmd.add_argument("prompt")

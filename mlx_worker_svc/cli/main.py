@@ -78,9 +78,10 @@ def _end_process(status: int) -> NoReturn:
 
 
 def _serve_status(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.core.errors import WorkerError
     from mlx_worker_svc.core.limits import AdmissionLimits
-    from mlx_worker_svc.rpc.security import SecurityError, server_security_from_args
+    from mlx_worker_svc.rpc.security import SecurityError
 
     try:  # before anything slow: an unsafe or broken setup exits at once
         security = server_security_from_args(args)
@@ -293,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run InitDevice..WarmUp at start so Generate works at once",
     )
+    serve.add_argument(
+        "--max-loaded-models",
+        type=_max_loaded_models,
+        default=1,
+        metavar="N",
+        help="models the worker holds at once: 1, the only value (LoadModel replaces the "
+        "model; a fleet with --models swaps models between workers, docs/fleet.md)",
+    )
     serve.add_argument("--device", choices=[k.value for k in DeviceKind], default="auto")
     serve.add_argument("--max-model-len", type=int, default=0, help="cap the context length")
     serve.add_argument(
@@ -357,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_group_arguments(serve)
     from mlx_worker_svc.cli.config_file import add_config_arguments
     from mlx_worker_svc.cli.engine_flags import add_engine_arguments, add_kv_arguments
+    from mlx_worker_svc.cli.security_flags import add_server_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
-    from mlx_worker_svc.rpc.security import add_server_arguments
 
     add_server_arguments(serve)
     add_metrics_arguments(serve)
@@ -416,6 +425,15 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="this process is one rank of a group started by mlx.launch",
     )
+
+
+def _max_loaded_models(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            f"must be 1, got {text}: a worker holds one model at a time; to serve several, "
+            "run a fleet with --models NAME=PATH, which loads them on its workers on demand"
+        )
+    return 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

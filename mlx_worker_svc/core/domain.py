@@ -427,6 +427,7 @@ class GenerateSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     skip_special_tokens: bool = True
     tools_json: str = ""  # with messages: the tools given to the chat template
+    model: str = ""  # empty: the loaded model; else it must name it (GenerateRequest.model)
 
 
 @dataclass

@@ -7,16 +7,18 @@ process never loads MLX.
 """
 
 from mlx_worker_svc.fleet.config import LinkConfig
-from mlx_worker_svc.fleet.scheduler import (
+from mlx_worker_svc.fleet.errors import (
     BadRequest,
     ContextTooLong,
-    FleetConfig,
     FleetError,
-    FleetScheduler,
+    LoadFailed,
+    ModelNotFound,
     NoWorkers,
     OutOfVocabulary,
     Overloaded,
 )
+from mlx_worker_svc.fleet.models import ModelCatalog
+from mlx_worker_svc.fleet.scheduler import FleetConfig, FleetScheduler
 
 __all__ = [
     "BadRequest",
@@ -25,6 +27,9 @@ __all__ = [
     "FleetError",
     "FleetScheduler",
     "LinkConfig",
+    "LoadFailed",
+    "ModelCatalog",
+    "ModelNotFound",
     "NoWorkers",
     "OutOfVocabulary",
     "Overloaded",

@@ -1,12 +1,14 @@
 """Taking a worker through its lifecycle from the fleet, as any scheduler would.
 
-`drive_up` makes the calls a worker still needs (InitDevice, LoadModel of
-`LinkConfig.model`, DetermineMemory at the worker's device-sized default,
-InitCache at its suggested budget, WarmUp), each with the link's lifecycle
-deadline, and returns the worker's GetInfo once it is READY or SERVING. It is
-called only for a worker that is not bringing itself up (CheckHealth.bringing_up),
-so it never races a worker's own start-up; a retry after a deadline joins the
-worker's call in progress instead of queueing another (the proto's lifecycle rule).
+`drive_up` makes the calls a worker still needs (InitDevice, LoadModel of the
+link's model, DetermineMemory at the worker's device-sized default, InitCache
+at its suggested budget, WarmUp), each with the link's lifecycle deadline, and
+returns the worker's GetInfo once it is READY or SERVING. Asked to `swap` in
+another model, it first puts the worker to sleep at level 2 (its KV and
+weights freed) and loads that model in place of its own. It is called only for
+a worker that is not bringing itself up (CheckHealth.bringing_up), so it never
+races a worker's own start-up; a retry after a deadline joins the worker's call
+in progress instead of queueing another (the proto's lifecycle rule).
 """
 
 from __future__ import annotations
@@ -19,19 +21,38 @@ FINAL = (pb.WORKER_STATE_READY, pb.WORKER_STATE_SERVING)
 """States in which a worker takes requests."""
 
 
-async def drive_up(client: AsyncWorkerClient, config: LinkConfig) -> pb.GetInfoResponse:
-    """Brings the worker to READY/SERVING; raises ClientError, or RuntimeError naming the state."""
+def holds(info: pb.GetInfoResponse, path: str) -> bool:
+    """Whether the worker's model is `path` (as LoadModel was given it, or resolved)."""
+    given = {info.model.model.rstrip("/"), info.model.model_path.rstrip("/")}
+    return path.rstrip("/") in given
+
+
+async def drive_up(
+    client: AsyncWorkerClient, config: LinkConfig, *, load: str = "", swap: str = ""
+) -> pb.GetInfoResponse:
+    """Brings the worker to READY/SERVING; raises ClientError, or RuntimeError naming the state.
+
+    `load`: the model for a worker that has none (default `config.model`);
+    `swap`: the model it must hold, loaded in place of the one it has.
+    """
     timeout = config.lifecycle_timeout
     info = await client.get_info()
+    asleep = info.state == pb.WORKER_STATE_SLEEPING
+    fresh = info.state in (pb.WORKER_STATE_NEW, pb.WORKER_STATE_DEVICE_READY)
+    if swap and not fresh and (asleep or not holds(info, swap)):
+        if asleep or info.state in FINAL:  # its weights go first
+            await client.sleep(pb.SleepRequest(level=2), timeout=timeout)
+        await client.load_model(pb.LoadModelRequest(model=swap), timeout=timeout)
+        info = await client.get_info()
     if info.state not in FINAL:
         if info.state == pb.WORKER_STATE_NEW:
             await client.init_device(pb.InitDeviceRequest(), timeout=timeout)
             info = await client.get_info()
         if info.state == pb.WORKER_STATE_DEVICE_READY:
-            if not config.model:
+            model = swap or load or config.model
+            if not model:
                 raise RuntimeError("the worker has no model loaded and no --model is set")
-            request = pb.LoadModelRequest(model=config.model)
-            await client.load_model(request, timeout=timeout)
+            await client.load_model(pb.LoadModelRequest(model=model), timeout=timeout)
             info = await client.get_info()
         if info.state in (pb.WORKER_STATE_MODEL_LOADED, pb.WORKER_STATE_MEMORY_PROFILED):
             # Profiled at the worker's device-sized default, as auto-init does.

@@ -12,7 +12,9 @@ fleet to continue elsewhere: a hang is found within
 `probe_misses x (probe_interval + probe_timeout)` seconds. The link then probes
 it with backoff until it is back. A worker bringing itself up
 (`serve --auto-init`, CheckHealth.bringing_up) is waited for, never driven;
-requests go to a worker only once it is READY or SERVING.
+requests go to a worker only once it is READY or SERVING. `swap_model` has an
+idle worker load another model (bring_up.py): it is down meanwhile, and back
+on its own model if the load fails.
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ import contextlib
 import logging
 import random
 import re
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Literal
 
 import grpc
 
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
-from mlx_worker_svc.fleet.bring_up import FINAL, drive_up
+from mlx_worker_svc.fleet.bring_up import drive_up
 from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.pipeline import Pipeline, Sent
+from mlx_worker_svc.fleet.probe import Prober
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.fleet.step_plan import KVRoom, decode_steps, plan_step
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -42,7 +47,7 @@ log = logging.getLogger(__name__)
 # How the worker names a field of one new request of a step.
 _NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
 # Codes that mean the worker (not the request) is gone or restarted.
-_WORKER_DOWN = frozenset(
+WORKER_DOWN = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 _BringUp = Literal["up", "starting", "down"]
@@ -57,16 +62,24 @@ class WorkerLink:
         on_lost: Callable[[list[FleetRequest]], None],
         on_up: Callable[[WorkerLink], None],
         emit: Callable[[WorkerLink, FleetRequest], Awaitable[bool]],
+        on_load_failed: Callable[[WorkerLink, str, Exception], None] | None = None,
+        catalog: ModelCatalog | None = None,
+        initial: str = "",
     ) -> None:
         self.target = target
         self.config = config
+        self.catalog = catalog or ModelCatalog()
+        self.initial = initial  # LoadModel's model when the worker holds none
         self.client = AsyncWorkerClient(target, config.client)
-        # Probes are never retried: a retry would stretch the detection time.
-        self._prober = AsyncWorkerClient(target, replace(config.client, retries=0))
-        self._misses = 0
+        self._prober = Prober(target, config)
         self.up = False
         self.epoch = 0
         self.model = ""
+        self.model_name = ""  # the catalog's name for it
+        self.loading = ""  # the model name being loaded on demand (load())
+        self._swap = ""  # the path drive_up puts in place of the worker's model
+        self.num_loads = 0
+        self.last_used = 0.0  # time.monotonic() of the last request routed or served here
         self.state = pb.WORKER_STATE_UNSPECIFIED
         self.num_blocks = 0
         self.block_size = 16
@@ -81,6 +94,7 @@ class WorkerLink:
         self.stats = fleet_pb2.WorkerStatus(target=target)
         self.last_error = ""
         self._on_lost, self._on_up, self._emit = on_lost, on_up, emit
+        self._on_load_failed = on_load_failed
         self._wake = asyncio.Event()
         self._closed = False
         self._step_id = 0
@@ -95,10 +109,17 @@ class WorkerLink:
         kv = used / self.num_blocks if self.num_blocks else 0.0
         return len(self.running) + len(self.waiting) + kv
 
+    @property
+    def idle(self) -> bool:
+        """Nothing runs, waits or is being freed here, and no load is under way."""
+        busy = self.running or self.waiting or self.to_free or self._in_flight
+        return not busy and not self.loading
+
     def status(self) -> fleet_pb2.WorkerStatus:
         out = fleet_pb2.WorkerStatus()
         out.CopyFrom(self.stats)
         out.up, out.state, out.worker_epoch, out.model = self.up, self.state, self.epoch, self.model
+        out.model_name, out.loading, out.num_loads = self.model_name, self.loading, self.num_loads
         out.num_running = len(self.running) + len(self.waiting)
         out.last_error = self.last_error
         used = self._used_blocks()
@@ -125,6 +146,7 @@ class WorkerLink:
     def assign(self, request: FleetRequest, *, front: bool = False) -> None:
         """Queues a request here (`front`: ahead of the others, e.g. after failover)."""
         request.phase = Phase.QUEUED
+        self.last_used = time.monotonic()
         if front:
             self.waiting.insert(0, request)
         else:
@@ -138,6 +160,14 @@ class WorkerLink:
             self.waiting.remove(request)
         if self.running.pop(request.worker_id, None) is not None:
             self.to_free.append(request.worker_id)
+        self._wake.set()
+
+    def swap_model(self, name: str, path: str) -> None:
+        """Loads model `name` (from `path`) in place of this idle worker's own, then serves it."""
+        assert self.idle and self.up, "only an idle worker that is up changes its model"
+        self.up, self.loading, self._swap = False, name, path
+        if self._pipe is not None:  # its ExecuteStream ends with the model
+            self._pipe.reset()
         self._wake.set()
 
     async def close(self) -> None:
@@ -180,42 +210,40 @@ class WorkerLink:
 
     async def _probe(self) -> str | None:
         """One CheckHealth: None while the worker is usable, else why it is not."""
-        timeout = self.config.probe_timeout
-        try:
-            health = await self._prober.check_health(timeout=timeout)
-        except ClientError as exc:
-            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"{exc.code.name}: {exc.details}"
-            self._misses += 1
-            if self._misses < self.config.probe_misses:
-                return None
-            return f"the worker answered no health check in {self._misses} tries of {timeout:g} s"
-        self._misses = 0
-        if health.worker_epoch != self.epoch:
-            return f"the worker restarted (worker_epoch {health.worker_epoch}, was {self.epoch})"
-        if health.state not in FINAL:
-            return f"the worker is {pb.WorkerState.Name(health.state)}"
-        return None
+        return await self._prober.check(self.epoch)
 
     async def _bring_up(self) -> _BringUp:
         """Takes the worker through its lifecycle, adopts it if it is ready, or
         waits while it brings itself up."""
         try:
-            health = await self._prober.check_health(timeout=self.config.probe_timeout)
+            health = await self._prober.health()
             if health.bringing_up:
                 self.state = health.state
                 self.last_error = "the worker is bringing itself up (serve --auto-init): waiting"
                 return "starting"
-            info = await drive_up(self.client, self.config)
+            began = time.monotonic()
+            info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
         except (ClientError, RuntimeError) as exc:
             self.last_error = str(exc)
             log.warning("worker %s not usable: %s", self.target, exc)
+            if self.loading:
+                name, self.loading = self.loading, ""
+                # Back to the model it had (it may be asleep without weights).
+                self._swap = self.catalog.path_of(self.model_name) or self.model
+                if self._on_load_failed is not None:
+                    self._on_load_failed(self, name, exc)
             return "down"
+        if self.loading:
+            self.num_loads += 1
+            took = time.monotonic() - began
+            log.info("worker %s loaded model %s in %.1f s", self.target, self.loading, took)
+        self.loading = self._swap = ""
         if info.worker_epoch == self.epoch:
             await self._free_orphans()
         self._orphans.clear()
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
+        self.model_name = self.catalog.name_of(info.model.model, info.model.model_path)
         self.chat_template = info.chat_template
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
@@ -227,7 +255,7 @@ class WorkerLink:
         # (a worker that does not state it is driven through unary Execute).
         ahead = min(self.config.steps_ahead, info.limits.max_steps_in_flight - 1)
         self._pipe = Pipeline(ahead) if ahead >= 1 else None
-        self.up, self.last_error, self._misses = True, "", 0
+        self.up, self.last_error, self._prober.misses = True, "", 0
         log.info(
             "worker %s up: epoch %d, %d KV blocks (%s KV)",
             self.target,
@@ -279,73 +307,31 @@ class WorkerLink:
     def _plan(
         self, views: dict[str, tuple[int, int]]
     ) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
-        """The next step; `views` (from `_views`) is updated with the requests it starts."""
-        budget = self.config.max_num_batched_tokens
+        """The next step (step_plan.py); `views` (from `_views`) gains the requests it starts."""
         request = pb.ExecuteRequest(step_id=self._step_id, worker_epoch=self.epoch)
         self._step_id += 1
         request.finished_req_ids.extend(self.to_free)
         self.to_free.clear()
-        used = self._used_blocks()
-        # Decodes first (one token each), then prefill chunks, shortest first.
-        order = sorted(views, key=lambda worker_id: views[worker_id][1] - views[worker_id][0])
-        for worker_id in order:
-            computed, length = views[worker_id]
-            count = min(length - computed, budget)
-            if count <= 0:
-                continue
-            request.cached_requests.append(
-                pb.CachedRequest(req_id=worker_id, num_computed_tokens=computed)
-            )
-            request.num_scheduled_tokens[worker_id] = count
-            budget -= count
-            used += self._blocks(computed + count) - self._blocks(computed)
-        started: list[FleetRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            r = self.waiting[0]
-            count = min(len(r.tokens), budget)
-            if used + self._blocks(count + 1) > self.num_blocks and self.running:
-                break
-            self.waiting.pop(0)
-            r.attempt += 1
-            r.computed, r.phase, r.reported_cached = 0, Phase.RUNNING, False
-            prompt, params = r.continuation()
-            request.new_requests.append(
-                pb.NewRequest(
-                    req_id=r.worker_id,
-                    prompt_token_ids=prompt,
-                    sampling_params=params,
-                    num_generated_tokens=len(r.generated),
-                )
-            )
-            request.num_scheduled_tokens[r.worker_id] = count
-            self.running[r.worker_id] = r
-            views[r.worker_id] = (0, len(prompt))
-            started.append(r)
-            budget -= count
-            used += self._blocks(count)
-        request.num_decode_steps = self._decode_steps(request, used)
+        kv = KVRoom(self.num_blocks, self.block_size)
+        started, used = plan_step(
+            request,
+            views,
+            self.waiting,
+            self.running,
+            budget=self.config.max_num_batched_tokens,
+            used=self._used_blocks(),
+            max_seqs=self.max_seqs,
+            kv=kv,
+        )
+        request.num_decode_steps = decode_steps(
+            self.config.decode_steps,
+            request,
+            self.running,
+            waiting=bool(self.waiting),
+            used=used,
+            kv=kv,
+        )
         return request, started
-
-    def _decode_steps(self, request: pb.ExecuteRequest, used: int) -> int:
-        """The configured decode steps for this call, or 1.
-
-        Several steps only when every scheduled request decodes one token,
-        nothing waits to start (its first token would wait for the whole call),
-        no request has stop strings (this scheduler checks them between calls,
-        so tokens past one would be computed for nothing) and the KV budget
-        holds the extra tokens.
-        """
-        steps = self.config.decode_steps
-        if steps <= 1 or self.waiting or request.new_requests:
-            return 1
-        scheduled = request.num_scheduled_tokens
-        if not scheduled or any(count != 1 for count in scheduled.values()):
-            return 1
-        rows = [self.running[req_id] for req_id in scheduled]
-        if any(r.stop for r in rows):
-            return 1
-        more = sum(self._blocks(r.computed + steps) - self._blocks(r.computed + 1) for r in rows)
-        return steps if used + more <= self.num_blocks else 1
 
     async def _step(self) -> None:
         request, started = self._plan(self._views())
@@ -411,6 +397,7 @@ class WorkerLink:
 
     async def _deliver(self, response: pb.ExecuteResponse) -> None:
         """Takes a step's outputs, streams them, and frees requests that hit a stop."""
+        self.last_used = time.monotonic()
         touched = self._apply(response)
         stopped = await asyncio.gather(*(self._emit(self, r) for r in touched))
         for r, stop in zip(touched, stopped, strict=True):
@@ -421,7 +408,7 @@ class WorkerLink:
         self, exc: ClientError, request: pb.ExecuteRequest, started: list[FleetRequest]
     ) -> None:
         stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in exc.details
-        if exc.code in _WORKER_DOWN or stale:
+        if exc.code in WORKER_DOWN or stale:
             self._lose_everything(f"{exc.code.name}: {exc.details}")
             return
         # The step changed nothing on the worker: undo it here too (an id the

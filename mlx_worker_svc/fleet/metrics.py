@@ -7,6 +7,9 @@ prompt and generated tokens, time to first token and request duration
 Read when scraped, from `FleetScheduler.status()` on the scheduler's event
 loop (its state is not thread-safe): queued requests, and per worker whether
 it is up, the requests it has in flight, its KV blocks and its failovers.
+Per model (label `model`): its workers, queued and ended requests and loads
+on demand (status), how long each load took, how long requests waited for one,
+and the time to first token of those that did.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 import grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,9 +67,37 @@ class FleetMetrics(ServerMetrics):
             LATENCY_BUCKETS,
         )
 
+        self._load_seconds = self._by_model(
+            "model_load_seconds", "From a load on demand's start (Sleep) to its worker up again"
+        )
+        self._load_wait = self._by_model(
+            "model_load_wait_seconds",
+            "From Generate to the request's routing, for requests whose model no worker held",
+        )
+        self._ttft_after_load = self._by_model(
+            "time_to_first_token_after_load_seconds",
+            "From Generate to its first token, for requests whose model no worker held",
+        )
+
+    def _by_model(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            f"{PREFIX}_{name}", doc, ["model"], registry=self.registry, buckets=LATENCY_BUCKETS
+        )
+
     def ended(self, outcome: str, seconds: float) -> None:
         self.requests.labels(outcome).inc()
         self.request_seconds.observe(seconds)
+
+    def first_token(self, model: str, seconds: float, waited_for_load: bool) -> None:
+        self.time_to_first_token.observe(seconds)
+        if waited_for_load:
+            self._ttft_after_load.labels(model).observe(seconds)
+
+    def load_wait(self, model: str, seconds: float) -> None:
+        self._load_wait.labels(model).observe(seconds)
+
+    def loaded(self, model: str, seconds: float) -> None:
+        self._load_seconds.labels(model).observe(seconds)
 
     def watch(
         self, status: Callable[[], fleet_pb2.StatusResponse], loop: asyncio.AbstractEventLoop
@@ -130,3 +161,30 @@ class _StatusGauges(Collector):
             failovers.add_metric([w.target], w.num_failed_over)
         yield from per_worker
         yield failovers
+        yield from _model_families(status)
+
+
+def _model_families(status: fleet_pb2.StatusResponse) -> Iterator[Metric]:
+    """The per-model series of a status."""
+    workers = GaugeMetricFamily(
+        f"{PREFIX}_model_workers", "Workers up with the model", labels=["model"]
+    )
+    queued = GaugeMetricFamily(
+        f"{PREFIX}_model_requests_queued",
+        "Requests for the model waiting: for a worker of it (or its load), or for room on one",
+        labels=["model"],
+    )
+    ended = CounterMetricFamily(
+        f"{PREFIX}_model_requests", "Requests for the model ended, every outcome", labels=["model"]
+    )
+    loads = CounterMetricFamily(
+        f"{PREFIX}_model_loads",
+        "Times the model was loaded on a worker on demand",
+        labels=["model"],
+    )
+    for m in status.models:
+        workers.add_metric([m.name], len(m.workers))
+        queued.add_metric([m.name], m.num_queued)
+        ended.add_metric([m.name], m.num_finished)
+        loads.add_metric([m.name], m.num_loads)
+    yield from (workers, queued, ended, loads)

@@ -31,6 +31,8 @@ class FleetRequest:
     request_id: str
     prompt: list[int]
     params: pb.SamplingParams  # as the caller sent it, stop strings included
+    model: str = ""  # the fleet's name for it ("": the only model there is)
+    waited_for_load: bool = False  # no worker held its model when it came
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     generated: list[int] = field(default_factory=list)

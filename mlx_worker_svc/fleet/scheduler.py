@@ -9,6 +9,12 @@ are checked here on the detokenized text. A request whose worker dies
 continues on another from prompt + generated tokens; callers see no error.
 Each request logs a line, with its `req_id`, when it is admitted, moves to
 another worker and ends, and is counted in `metrics` (fleet/metrics.py).
+
+Workers may serve different models: a request names one
+(`GenerateRequest.model`, resolved against `ModelCatalog`, fleet/models.py)
+and is tokenized, routed, given prefix affinity and failed over among the
+workers of that model only. A configured model that no worker holds is loaded
+on demand (`models.plan_loads`): its requests wait in the queue meanwhile.
 """
 
 from __future__ import annotations
@@ -19,19 +25,27 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
 
 from mlx_worker_svc.client.worker import ClientError
-from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerError
+from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.fleet.checks import check_fits, check_forms
 from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.errors import (
+    LoadFailed,
+    NoWorkers,
+    Overloaded,
+)
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
+from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.fleet.residency import Residency
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -41,52 +55,17 @@ Routing = Literal["prefix", "least-loaded"]
 _FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
 
 
-class FleetError(WorkerError):
-    """A request the fleet cannot take; `code` is the status callers get."""
-
-
-class Overloaded(FleetError, ResourceExhausted):
-    """The queue is full."""
-
-
-class NoWorkers(FleetError, Unavailable):
-    """No worker is up (in time)."""
-
-
-class BadRequest(FleetError, InvalidArgument):
-    """The request is malformed."""
-
-
-class ContextTooLong(BadRequest):
-    """The prompt (with room for `max_tokens`, when asked) does not fit the model's context."""
-
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
-        asked = f" and max_tokens is {max_tokens}" if max_tokens is not None else ""
-        super().__init__(
-            f"the prompt has {prompt_tokens} tokens{asked}; "
-            f"the model's context length is {context_length} tokens"
-        )
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.context_length = context_length
-
-
-class OutOfVocabulary(BadRequest):
-    """A token id of the request (`field` names where) is not in the model's vocabulary."""
-
-    def __init__(self, field: str, token: int, vocab_size: int) -> None:
-        super().__init__(f"{field}: token {token} is out of the vocabulary (size {vocab_size})")
-        self.field, self.token, self.vocab_size = field, token, vocab_size
-
-
 @dataclass(frozen=True)
 class FleetConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
     queue_capacity: int = 256
     routing: Routing = "prefix"
     affinity_tokens: int = 256
-    # How long a request may wait for any worker to be up before it fails.
+    # How long a request may wait for a worker of its model to be up before it
+    # fails (a configured model waits as long as some worker is up or loading).
     no_worker_timeout: float = 30.0
+    # The models to load on demand, name -> path (`fleet --models NAME=PATH`).
+    models: Mapping[str, str] = field(default_factory=dict)
 
 
 class FleetScheduler:
@@ -94,11 +73,19 @@ class FleetScheduler:
         if not targets:
             raise ValueError("a fleet needs at least one worker")
         self.config = config or FleetConfig()
+        self.catalog = ModelCatalog(self.config.models)
         self.links = [
             WorkerLink(
-                t, self.config.link, on_lost=self._failover, on_up=self._on_up, emit=self._emit
+                t,
+                self.config.link,
+                on_lost=self._failover,
+                on_up=self._on_up,
+                emit=self._emit,
+                on_load_failed=self._load_failed,
+                catalog=self.catalog,
+                initial=self.catalog.initial(i),
             )
-            for t in dict.fromkeys(targets)
+            for i, t in enumerate(dict.fromkeys(targets))
         ]
         self._pending: list[tuple[float, FleetRequest]] = []
         self._where: dict[FleetRequest, WorkerLink] = {}
@@ -110,6 +97,8 @@ class FleetScheduler:
         self.num_rejected = 0
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self.metrics = FleetMetrics()
+        self.residency = Residency(self.catalog, self.links, self.metrics)
+        self._up = self.residency.up
 
     # --------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -142,14 +131,19 @@ class FleetScheduler:
             queue_capacity=self.config.queue_capacity,
             num_finished=self.num_finished,
             num_rejected=self.num_rejected,
+            models=[
+                self.residency.status(name, sum(r.model == name for _, r in self._pending))
+                for name in self.models()
+            ],
         )
+
+    def models(self) -> list[str]:
+        """Every model: the configured ones in order, then those workers held, by name."""
+        return self.residency.models()
 
     def _queued(self) -> int:
         waiting = sum(len(link.waiting) for link in self.links)
         return self._admitting + len(self._pending) + waiting
-
-    def _up(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.up]
 
     # ---------------------------------------------------------- generate
     async def generate(
@@ -168,14 +162,18 @@ class FleetScheduler:
         try:
             r = await self._admit(request, started, reserve_max_tokens)
         except (WorkerError, ClientError) as exc:
-            self._ended(request.request_id, error_outcome(exc.code), started, error=str(exc))
+            self._ended(
+                request.request_id, request.model, error_outcome(exc.code), started, error=str(exc)
+            )
             raise
         try:
             while True:
                 message = await r.outbox.get()
                 if isinstance(message, BaseException):
                     code = getattr(message, "code", grpc.StatusCode.UNKNOWN)
-                    self._ended(r.request_id, error_outcome(code), r.admitted, error=str(message))
+                    self._ended(
+                        r.request_id, r.model, error_outcome(code), r.admitted, error=str(message)
+                    )
                     raise message
                 yield message
                 if message.finish_reason:
@@ -183,7 +181,7 @@ class FleetScheduler:
         finally:
             if r.phase is not Phase.DONE:
                 self._cancel(r)
-                self._ended(r.request_id, "cancelled", r.admitted)
+                self._ended(r.request_id, r.model, "cancelled", r.admitted)
             self._where.pop(r, None)
 
     async def _admit(
@@ -201,31 +199,49 @@ class FleetScheduler:
         self._admitting += 1
         params = request.sampling_params
         try:
-            prompt = await self._prompt(request)
-            await self._fit_model(prompt, params, reserve_max_tokens)
+            ask = check_forms(request)
+            model = await self._resolve(request.model)
+            waits = not self._up(model) and self.catalog.path_of(model) is not None
+            with self.residency.wanting(model):  # until it is routed
+                link = await self._some_link(model, want=False)
+                prompt = list(request.prompt_token_ids)
+                if ask is not None:
+                    prompt = list((await link.client.tokenize(ask)).token_ids)
+                fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
+                check_fits(prompt, params, reserve_max_tokens, **fits)
+                r = FleetRequest(
+                    request_id=request.request_id or uuid.uuid4().hex,
+                    model=model,
+                    waited_for_load=waits,
+                    prompt=prompt,
+                    params=params,
+                    stop=tuple(params.stop),
+                    skip_special_tokens=(
+                        request.skip_special_tokens
+                        if request.HasField("skip_special_tokens")
+                        else True
+                    ),
+                    admitted=started,
+                )
         finally:
             self._admitting -= 1
-        r = FleetRequest(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt=prompt,
-            params=params,
-            stop=tuple(params.stop),
-            skip_special_tokens=(
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            ),
-            admitted=started,
-        )
         self.metrics.prompt_tokens.inc(len(prompt))
-        log.info(
-            "request admitted", extra={"req_id": clip(r.request_id), "prompt_tokens": len(prompt)}
-        )
+        extra = {"req_id": clip(r.request_id), "model": model, "prompt_tokens": len(prompt)}
+        log.info("request admitted", extra=extra)
         self._route(r)
         return r
 
-    def _ended(self, req_id: str, outcome: str, since: float, **fields: object) -> None:
+    async def _resolve(self, asked: str) -> str:
+        """The model a request names (ModelNotFound), or the fleet's only one for ""."""
+        if not self.models():  # nothing configured and no worker up yet: wait for one
+            await self._some_link("")
+        return self.residency.resolve(asked)
+
+    def _ended(self, req_id: str, model: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""
         self.metrics.ended(outcome, time.monotonic() - since)
-        extra = {"req_id": clip(req_id), "outcome": outcome, **fields}
+        self.residency.ended[model] += 1
+        extra = {"req_id": clip(req_id), "model": model, "outcome": outcome, **fields}
         if outcome == "cancelled":
             log.info("request cancelled", extra=extra)
         elif outcome in _FINISHED:
@@ -233,71 +249,68 @@ class FleetScheduler:
         else:
             log.warning("request failed", extra=extra)
 
-    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
-        forms = sum(bool(x) for x in (request.prompt, request.messages, request.prompt_token_ids))
-        if forms != 1:
-            raise BadRequest("Generate needs exactly one of prompt, messages or prompt_token_ids")
-        if request.sampling_params.HasField("prompt_logprobs"):
-            raise BadRequest(
-                "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
-                "use WorkerService.Execute"
-            )
-        if request.tools_json and not request.messages:
-            raise BadRequest("tools_json needs messages (a chat to render the tools into)")
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        link = await self._some_link()
-        if request.messages:
-            ask = pb.TokenizeRequest(messages=request.messages, tools_json=request.tools_json)
-        else:
-            ask = pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
-        return list((await link.client.tokenize(ask)).token_ids)
-
-    async def _fit_model(self, prompt: list[int], params: pb.SamplingParams, reserve: bool) -> None:
-        """Raises what the workers would refuse mid-step, in the request's own terms."""
-        link = await self._some_link()
-        vocab = link.vocab_size
-        named = {
-            "prompt_token_ids": prompt,
-            "sampling_params.logit_bias": list(params.logit_bias),
-            "sampling_params.stop_token_ids": list(params.stop_token_ids),
-        }
-        for name, ids in named.items():
-            if vocab and max(ids, default=0) >= vocab:
-                raise OutOfVocabulary(name, next(t for t in ids if t >= vocab), vocab)
-        limit = link.max_context
-        max_tokens = params.max_tokens if params.HasField("max_tokens") else None
-        need = len(prompt) + ((max_tokens or 1) if reserve else 0)
-        if limit and need > limit:
-            raise ContextTooLong(len(prompt), max_tokens if reserve else None, limit)
-
-    async def chat_template(self) -> str:
+    async def chat_template(self, model: str = "") -> str:
         """The model's chat template (Jinja source; empty when it has none), from a worker up."""
-        return (await self._some_link()).chat_template
+        return (await self._some_link(await self._resolve(model))).chat_template
 
-    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        """Tokenize on the least-loaded worker that is up (the fleet serves one model)."""
-        return await (await self._some_link()).client.tokenize(request)
+    async def tokenize(self, request: pb.TokenizeRequest, model: str = "") -> pb.TokenizeResponse:
+        """Tokenize on the least-loaded worker of `model` that is up ("": the only model)."""
+        link = await self._some_link(await self._resolve(model))
+        return await link.client.tokenize(request)
 
-    async def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
-        """Detokenize on the least-loaded worker that is up (the fleet serves one model)."""
-        return await (await self._some_link()).client.detokenize(request)
+    async def detokenize(
+        self, request: pb.DetokenizeRequest, model: str = ""
+    ) -> pb.DetokenizeResponse:
+        """Detokenize on the least-loaded worker of `model` that is up ("": the only model)."""
+        link = await self._some_link(await self._resolve(model))
+        return await link.client.detokenize(request)
 
-    async def _some_link(self) -> WorkerLink:
-        deadline = time.monotonic() + self.config.no_worker_timeout
-        while not self._up():
-            if time.monotonic() > deadline:
-                raise NoWorkers("no worker of the fleet is up")
-            await asyncio.sleep(0.05)
-        return min(self._up(), key=lambda link: link.load)
+    async def _some_link(self, model: str, *, want: bool = True) -> WorkerLink:
+        """The least-loaded worker up with `model`; waits for one (loading it on demand,
+        counted as wanted meanwhile unless the caller counts it)."""
+        began = time.monotonic()
+        deadline = began + self.config.no_worker_timeout
+        with self.residency.wanting(model) if want else contextlib.nullcontext():
+            while not self._up(model):
+                self._place()
+                failed = self.residency.failed_since(model, began)
+                if failed is not None:
+                    raise LoadFailed(failed)
+                if time.monotonic() > deadline and not self.residency.may_load(model):
+                    whose = f" of model {model!r}" if model else ""
+                    raise NoWorkers(f"no worker{whose} of the fleet is up")
+                await asyncio.sleep(0.05)
+        return min(self._up(model), key=lambda link: link.load)
+
+    # ------------------------------------------------------------ models
+    def _place(self) -> None:
+        """Starts the loads the residency policy asks for (fleet/models.py)."""
+        self.residency.place(r.model for _, r in self._pending)
+
+    def _load_failed(self, link: WorkerLink, model: str, exc: Exception) -> None:
+        """A load on demand failed: its requests fail, unless the worker only went away."""
+        why = self.residency.on_failed(link, model, exc)
+        if why is None:
+            return  # placed again on another worker
+        keep = []
+        for since, r in self._pending:
+            if r.model == model:
+                r.phase = Phase.DONE
+                r.outbox.put_nowait(LoadFailed(why))
+            else:
+                keep.append((since, r))
+        self._pending = keep
 
     # ----------------------------------------------------------- routing
     def _route(self, r: FleetRequest, *, front: bool = False) -> None:
-        up = self._up()
+        up = self._up(r.model)
         if not up:
             entry = (time.monotonic(), r)
             self._pending.insert(0, entry) if front else self._pending.append(entry)
+            self._place()
             return
+        if r.waited_for_load and not r.streamed and not r.attempt:
+            self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
         link = self._pick(r, up)
         self._where[r] = link
         log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
@@ -308,18 +321,23 @@ class FleetScheduler:
         spread = min(up, key=lambda link: (link.load, (up.index(link) - turn) % len(up)))
         if self.config.routing != "prefix" or len(r.prompt) < self.config.affinity_tokens:
             return spread
-        key = hash(tuple(r.prompt[: self.config.affinity_tokens]))
+        key = hash((r.model, tuple(r.prompt[: self.config.affinity_tokens])))
         home = self._affinity.get(key)
         busy = self.config.link.max_num_seqs
-        if home is None or not home.up or home.load >= spread.load + busy:
+        if home is None or home not in up or home.load >= spread.load + busy:
             self._affinity[key] = home = spread
         return home
 
     def _on_up(self, link: WorkerLink) -> None:
         self._any_up.set()
+        self.residency.on_up(link)
         waiting, self._pending = self._pending, []
-        for _, r in waiting:
-            self._route(r)
+        for since, r in waiting:
+            if r.model in ("", link.model_name):
+                self._route(r)
+            else:
+                self._pending.append((since, r))
+        self._place()
 
     def _failover(self, lost: list[FleetRequest]) -> None:
         for r in reversed(lost):
@@ -337,18 +355,22 @@ class FleetScheduler:
         self._pending = [(t, p) for t, p in self._pending if p is not r]
 
     async def _watchdog(self) -> None:
-        """Fails requests that waited too long for any worker to come up."""
+        """Fails requests that waited too long for a worker of their model to come up,
+        and starts loads for models waited for (a worker fell idle)."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             keep = []
             for since, r in self._pending:
-                if now - since > self.config.no_worker_timeout:
+                too_long = now - since > self.config.no_worker_timeout
+                if too_long and not self.residency.may_load(r.model):
                     r.phase = Phase.DONE
-                    r.outbox.put_nowait(NoWorkers("no worker of the fleet came up in time"))
+                    whose = f" of model {r.model!r}" if r.model else ""
+                    r.outbox.put_nowait(NoWorkers(f"no worker{whose} of the fleet came up in time"))
                 else:
                     keep.append((since, r))
             self._pending = keep
+            self._place()
 
     # ------------------------------------------------------------ stream
     async def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
@@ -366,7 +388,7 @@ class FleetScheduler:
         if not r.streamed:
             r.streamed = True
             message.num_cached_prompt_tokens = r.cached_tokens
-            self.metrics.time_to_first_token.observe(time.monotonic() - r.admitted)
+            self.metrics.first_token(r.model, time.monotonic() - r.admitted, r.waited_for_load)
         if stop is not None or r.phase is Phase.DONE:
             if stop is not None:
                 message.finish_reason = pb.FINISH_REASON_STOP_STRING
@@ -378,8 +400,10 @@ class FleetScheduler:
             message.completion_tokens = len(r.generated)
             r.phase = Phase.DONE
             self.num_finished += 1
+            self._place()  # its worker may be idle now
             self._ended(
                 r.request_id,
+                r.model,
                 finish_outcome(message.finish_reason),
                 r.admitted,
                 worker=link.target,
@@ -391,8 +415,15 @@ class FleetScheduler:
         return stop is not None
 
     async def _detokenize(self, link: WorkerLink, r: FleetRequest) -> str | None:
+        """The request's text, from its worker or, failing that, another of its model.
+
+        Each worker gets one probe timeout, not the client's retried deadline: a
+        worker that hangs just after a step must not hold the request's stream
+        longer than hang detection does.
+        """
         ask = pb.DetokenizeRequest(token_ids=r.generated, skip_special_tokens=r.skip_special_tokens)
-        for candidate in [link, *(other for other in self._up() if other is not link)]:
-            with contextlib.suppress(ClientError):
-                return (await candidate.client.detokenize(ask)).text
+        wait = self.config.link.probe_timeout
+        for candidate in [link, *(other for other in self._up(r.model) if other is not link)]:
+            with contextlib.suppress(ClientError, TimeoutError):
+                return (await asyncio.wait_for(candidate.client.detokenize(ask), wait)).text
         return None

@@ -19,7 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.client.worker import ClientError
-from mlx_worker_svc.fleet.scheduler import FleetError, FleetScheduler
+from mlx_worker_svc.fleet.errors import FleetError
+from mlx_worker_svc.fleet.scheduler import FleetScheduler
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.decoding import AsyncDecodeInterceptor

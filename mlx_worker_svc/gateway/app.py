@@ -7,7 +7,9 @@ completion is one `FleetScheduler.generate` call, run by calls.py: the request
 is validated first (`schema.parse_request`), the fleet's first message is
 awaited before any header goes out, and from then on every fleet message
 becomes a chunk. Errors answer in the shape of the API whose route was called
-(`errors.error_body`).
+(`errors.error_body`). Every route resolves the request's model through
+`Gateway.model_for`: each model of the fleet is served by its name, and an
+unknown one is a 404.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -42,7 +44,7 @@ from mlx_worker_svc.gateway.calls import (
     open_answer,
     sse,
 )
-from mlx_worker_svc.gateway.errors import ApiError, error_body
+from mlx_worker_svc.gateway.errors import ApiError, error_body, invalid
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import OpenAIKind, ParsedRequest, parse_body, parse_request
@@ -57,7 +59,7 @@ class GatewayConfig:
     """What the app serves: the model name it answers to and the API keys (`security.tokens`)."""
 
     served_model_name: str | None = None
-    """The model id of /v1/models; default: the name of the workers' model directory."""
+    """The model id of a one-model fleet; default: the fleet's names for its models."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
@@ -68,7 +70,7 @@ class Gateway:
         self.fleet = fleet
         self.config = config
         self.metrics = GatewayMetrics()
-        self.texts = TokenTexts(fleet.detokenize)
+        self._texts_by_model: dict[str, TokenTexts] = {}
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -81,11 +83,16 @@ class Gateway:
 
     # ----------------------------------------------------------- models
     def model_names(self) -> list[str]:
-        """The served model: the configured name, or the workers' model directory names."""
+        """The served models: the configured name, or the fleet's (`FleetScheduler.models`)."""
         if self.config.served_model_name:
             return [self.config.served_model_name]
-        workers = self.fleet.status().workers
-        return sorted({Path(w.model).name for w in workers if w.up and w.model})
+        return self.fleet.models()
+
+    def texts(self, model: str) -> TokenTexts:
+        """The token-text cache of one model (GenerateRequest.model)."""
+        if model not in self._texts_by_model:
+            self._texts_by_model[model] = TokenTexts(partial(self.fleet.detokenize, model=model))
+        return self._texts_by_model[model]
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "mlx-worker"}
@@ -101,15 +108,27 @@ class Gateway:
             raise _no_such_model(name)
         return JSONResponse(self._model_card(name))
 
-    def model_for(self, model: str | None) -> str:
-        """The model a request names (None: the served one); an unknown name is a 404."""
+    def model_for(self, parsed: ParsedRequest) -> str:
+        """Resolves the request's model (`resolve_model`) and routes its GenerateRequest
+        there; returns the id its answer carries."""
+        shown, parsed.generate.model = self.resolve_model(parsed.model)
+        return shown
+
+    def resolve_model(self, asked: str | None) -> tuple[str, str]:
+        """(the id answers carry, the fleet's GenerateRequest.model) for a request's `model`.
+
+        Unknown: 404; unset while the fleet serves several: 400. With no worker
+        up yet (and nothing configured) the name cannot be checked: the fleet
+        waits for a worker and answers NOT_FOUND (404) itself.
+        """
         names = self.model_names()
-        if model is None:
-            return names[0] if names else "unknown"
-        # With no worker up yet the name cannot be checked; the fleet waits for one.
-        if names and model not in names:
-            raise _no_such_model(model)
-        return model
+        if asked is None:
+            if len(names) > 1:
+                raise invalid("model", f"the gateway serves {len(names)} models: {names}")
+            return (names[0] if names else "unknown"), ""
+        if names and asked not in names:
+            raise _no_such_model(asked)
+        return asked, "" if self.config.served_model_name else asked
 
     # -------------------------------------------------- health, metrics
     async def health(self, request: Request) -> JSONResponse:
@@ -138,7 +157,7 @@ class Gateway:
     async def _complete(self, request: Request, kind: OpenAIKind) -> Response:
         route = request.url.path
         parsed = parse_request(kind, parse_body(await request.body()))
-        model = self.model_for(parsed.model)
+        model = self.model_for(parsed)
         try:
             answer = await open_answer(self.fleet, request, parsed, self.metrics)
             reply = Reply(parsed, model, answer.tools)
@@ -191,7 +210,8 @@ class Gateway:
         if parsed.logprobs is None:
             return {}
         try:
-            return await self.texts.lookup(token_ids(lp for m in messages for lp in m.logprobs))
+            texts = self.texts(parsed.generate.model)
+            return await texts.lookup(token_ids(lp for m in messages for lp in m.logprobs))
         except (WorkerError, ClientError) as exc:
             raise api_error(exc) from exc
 

@@ -122,7 +122,7 @@ async def _tools(fleet: FleetScheduler, parsed: ParsedRequest) -> ToolCallParser
     tools = parsed.tools
     if not tools.may_call:
         return None
-    fmt = tool_format(await fleet.chat_template())
+    fmt = tool_format(await fleet.chat_template(parsed.generate.model))
     if parsed.generate.messages:  # else the prompt's tokens were rendered with the tools
         parsed.generate.tools_json = tools.tools_json()
     if tools.forced:

@@ -381,6 +381,7 @@ def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
             request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         ),
         tools_json=request.tools_json,
+        model=request.model,
     )
 
 

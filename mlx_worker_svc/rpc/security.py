@@ -19,15 +19,13 @@ is told otherwise, and a non-loopback address needs TLS or a token, or
 `TokenInterceptor` is for the synchronous `grpc.server` (the worker),
 `AsyncTokenInterceptor` for `grpc.aio.server` (the fleet); both share
 `TokenCheck`. `load_tokens` reads tokens from a file (one a line; blank lines
-and `#` comments ignored) and/or an environment variable (`MLX_WORKER_TOKEN`
-for servers, `MLX_WORKER_CLIENT_TOKEN` for the fleet's calls to workers).
-The `add_*_arguments` / `*_from_args` helpers give `serve`, `fleet` and
-`generate` the same flags.
+and `#` comments ignored) and/or the environment variable it is given. The
+flags that build a `SecurityConfig`, and the variables they read, are the
+command line's (cli/security_flags.py, cli/envs.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import ipaddress
@@ -43,10 +41,6 @@ import grpc.aio
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "MLX_WORKER_TOKEN"
-"""Environment variable with a server token (added to any --token-file tokens)."""
-CLIENT_TOKEN_ENV = "MLX_WORKER_CLIENT_TOKEN"
-"""Environment variable with the token the fleet (or `generate`) sends to workers."""
 UNAUTHENTICATED_DETAILS = "missing or invalid bearer token"
 HEALTH_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 """The methods `allow_health_without_token` opens."""
@@ -150,7 +144,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(
-    host: str, config: SecurityConfig, *, token_hint: str = f"--token-file (or {TOKEN_ENV})"
+    host: str, config: SecurityConfig, *, token_hint: str = "--token-file (or MLX_WORKER_TOKEN)"
 ) -> None:
     """Raises `UnsafeBind` for a non-loopback host without TLS or a token, unless insecure.
 
@@ -174,7 +168,7 @@ def check_bind(
 def load_tokens(
     path: str | os.PathLike[str] | None = None,
     *,
-    env_var: str | None = TOKEN_ENV,
+    env_var: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[str, ...]:
     """Tokens from `path` (one a line; blank lines and `#` comments ignored) and `env_var`.
@@ -308,100 +302,3 @@ def token_check(config: SecurityConfig) -> TokenCheck | None:
     if not config.tokens:
         return None
     return TokenCheck(config.tokens, allow_health_without_token=config.allow_health_without_token)
-
-
-# -------------------------------------------------------------- command line
-
-
-def add_server_arguments(
-    parser: argparse.ArgumentParser, *, token_flag: str = "--token-file", token_env: str = TOKEN_ENV
-) -> None:
-    """The server-side flags of `serve`, `fleet` and `gateway` (whose tokens are API keys).
-
-    `token_flag` names the token-file flag (its value lands in `args.token_file`)
-    and `token_env` the variable that adds one more token.
-    """
-    parser.set_defaults(token_flag=token_flag, token_env=token_env)
-    group = parser.add_argument_group("security (see README: Security)")
-    group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
-    group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    group.add_argument(
-        "--tls-client-ca",
-        metavar="PEM",
-        help="mutual TLS: require client certificates signed by this CA",
-    )
-    group.add_argument(
-        token_flag,
-        dest="token_file",
-        metavar="FILE",
-        help=f"require `authorization: Bearer <token>`, one token a line (also: ${token_env})",
-    )
-    group.add_argument(
-        "--allow-health-without-token",
-        action="store_true",
-        help="let grpc.health.v1 Check/Watch answer without a token (for probes)",
-    )
-    group.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow a non-loopback --host without TLS or a token",
-    )
-
-
-def server_security_from_args(args: argparse.Namespace) -> SecurityConfig:
-    """The SecurityConfig the server flags ask for; raises SecurityError (UnsafeBind too)."""
-    config = SecurityConfig(
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        tokens=load_tokens(args.token_file, env_var=args.token_env),
-        allow_health_without_token=args.allow_health_without_token,
-        insecure=args.insecure,
-    )
-    if config.allow_health_without_token and not config.tokens:
-        log.warning("--allow-health-without-token has no effect without a token")
-    check_bind(args.host, config, token_hint=f"{args.token_flag} (or {args.token_env})")
-    return config
-
-
-def add_worker_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `fleet` and `generate` for their calls to the workers."""
-    group = parser.add_argument_group("connecting to the workers")
-    group.add_argument(
-        "--worker-ca", metavar="PEM", help="TLS to the workers, trusting this CA bundle"
-    )
-    group.add_argument(
-        "--worker-client-cert", metavar="PEM", help="client certificate for mTLS workers"
-    )
-    group.add_argument("--worker-client-key", metavar="PEM", help="the key of --worker-client-cert")
-    group.add_argument(
-        "--worker-token-file",
-        metavar="FILE",
-        help=f"bearer token sent to the workers, its first line (also: ${CLIENT_TOKEN_ENV})",
-    )
-
-
-def worker_client_from_args(
-    args: argparse.Namespace,
-) -> tuple[grpc.ChannelCredentials | None, str | None]:
-    """(credentials, token) toward the workers; TLS when any --worker-* PEM flag is given."""
-    from mlx_worker_svc.client.worker import channel_credentials
-
-    credentials = None
-    if args.worker_ca or args.worker_client_cert or args.worker_client_key:
-        try:
-            credentials = channel_credentials(
-                args.worker_ca, args.worker_client_cert, args.worker_client_key
-            )
-        except OSError as exc:
-            raise SecurityError(
-                f"cannot read {exc.filename or 'a --worker-* file'}: {exc.strerror or exc}"
-            ) from exc
-        except ValueError as exc:
-            raise SecurityError(str(exc)) from exc
-    tokens = load_tokens(args.worker_token_file, env_var=CLIENT_TOKEN_ENV)
-    token = tokens[0] if tokens else None
-    remote = [w for w in args.worker if not is_loopback(w.rpartition(":")[0])]
-    if token and credentials is None and remote:
-        log.warning("sending the worker token without TLS (no --worker-ca)")
-    return credentials, token

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from mlx_worker_svc.core.domain import ChatMessage, GenerateChunk, GenerateSpec, WorkerState
-from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.errors import InvalidArgument, NotFound
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import text
 from mlx_worker_svc.worker.core import WorkerCore
@@ -69,6 +69,7 @@ class GenerateCalls:
         """Starts a Generate request; returns its chunk iterator and a cancel."""
         core = self.core
         core.require("Generate", S.READY)
+        self._check_model(spec.model)
         core.admit_requests("Generate", 1)  # fast path; the job decides
         prompt = self._generate_prompt(spec)
         request_id = spec.request_id or uuid.uuid4().hex
@@ -78,6 +79,7 @@ class GenerateCalls:
 
         def job() -> GenerateStream:
             core.require("Generate", S.READY)
+            self._check_model(spec.model)
             runner = core.need_runner("Generate")
             core.admit_requests("Generate", 1)
             loaded = core.need_model()
@@ -100,6 +102,15 @@ class GenerateCalls:
             core.engine.submit(lambda: core.end_stream(request_id, None))
 
         return stream.chunks(), cancel
+
+    def _check_model(self, asked: str) -> None:
+        """Raises NotFound unless `asked` is empty or names the loaded model."""
+        held = self.core.load_spec.model if self.core.load_spec is not None else ""
+        if asked and asked not in (held, held.rstrip("/").rsplit("/", 1)[-1]):
+            raise NotFound(
+                f"model: this worker does not serve {clip(asked)!r}; it serves {held!r} "
+                "(leave model empty for it)"
+            )
 
     def _generate_prompt(self, spec: GenerateSpec) -> list[int]:
         forms = sum(bool(x) for x in (spec.prompt, spec.messages, spec.prompt_token_ids))

@@ -102,11 +102,16 @@ class Lifecycle:
         core = self.core
 
         def job() -> tuple[loader.LoadedModel, int]:
-            core.require("LoadModel", S.DEVICE_READY)
+            # Asleep at level 2 the weights are gone: any model may be loaded,
+            # which ends the sleep (a scheduler's model swap).
+            swap = core.state is S.SLEEPING and core.sleep_level == 2
+            if not swap:
+                core.require("LoadModel", S.DEVICE_READY)
             if core.loaded is not None and spec == core.load_spec:
                 return core.loaded, core.epoch
             core.require_idle("LoadModel")
             loaded = core.replica.load(spec)  # raises before anything changes
+            core.sleep_level = 0
             core.loaded, core.load_spec = loaded, spec
             core.model_info = loaded.info
             core.chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")

@@ -34,6 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpcurl_cli import grpcurl_binary
 
+from mlx_worker_svc.cli.envs import MLX_WORKER_CLIENT_TOKEN as CLIENT_TOKEN_ENV
+from mlx_worker_svc.cli.envs import MLX_WORKER_TOKEN as TOKEN_ENV
 from mlx_worker_svc.client.worker import (
     ClientConfig,
     ClientError,
@@ -46,8 +48,6 @@ from mlx_worker_svc.fleet.server import serve_fleet
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import (
-    CLIENT_TOKEN_ENV,
-    TOKEN_ENV,
     UNAUTHENTICATED_DETAILS,
     SecurityConfig,
     SecurityError,
@@ -314,10 +314,10 @@ def test_health_answers_without_a_token_only_with_the_flag(served: Counter[str])
 def test_several_tokens_from_a_file_and_the_environment(tmp_path: Path) -> None:
     path = tmp_path / "tokens"
     path.write_text(f"# rotated weekly\n\n  {TOKEN}  \n# {WRONG_TOKEN}\n{TOKEN}\n")
-    tokens = load_tokens(path, environ={TOKEN_ENV: f" {OTHER_TOKEN}\n"})
+    tokens = load_tokens(path, env_var=TOKEN_ENV, environ={TOKEN_ENV: f" {OTHER_TOKEN}\n"})
     assert tokens == (TOKEN, OTHER_TOKEN)
     assert load_tokens(None, environ={}) == ()
-    assert load_tokens(None, environ={TOKEN_ENV: "  "}) == ()
+    assert load_tokens(None, env_var=TOKEN_ENV, environ={TOKEN_ENV: "  "}) == ()
     assert load_tokens(None, env_var=CLIENT_TOKEN_ENV, environ={CLIENT_TOKEN_ENV: "c"}) == ("c",)
     with worker_server(SecurityConfig(tokens=tokens)) as server:
         for token in tokens:

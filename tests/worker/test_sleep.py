@@ -142,3 +142,33 @@ def test_a_served_worker_gives_its_weights_back_on_sleep_level_2(
     assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == info.kv.num_blocks
     stub.WakeUp(pb.WakeUpRequest())
     assert stub.GetInfo(pb.GetInfoRequest()).memory.active_bytes >= info.model.weight_bytes
+
+
+def test_load_model_while_asleep_at_level_2_swaps_the_model(stub: Stub, tiny_dir: Path) -> None:
+    epoch = bring_up(stub, tiny_dir)
+    stub.Sleep(pb.SleepRequest(level=1))
+    code, message = _fails(lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir))))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in message
+    stub.Sleep(pb.SleepRequest(level=2))
+    # A load that fails leaves the worker asleep.
+    code, message = _fails(lambda: stub.LoadModel(pb.LoadModelRequest(model="/no/such/model")))
+    assert code == grpc.StatusCode.NOT_FOUND and "/no/such/model" in message
+    assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_SLEEPING
+    other = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), max_model_len=128))
+    assert other.state == pb.WORKER_STATE_MODEL_LOADED and other.worker_epoch > epoch
+    assert other.model.max_context_length == 128
+    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32))
+    stub.InitCache(pb.InitCacheRequest(num_blocks=32, block_size=16))
+    assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_READY
+    # Generate names the loaded model, by its path or directory name, or nothing.
+    ask = pb.GenerateRequest(
+        prompt_token_ids=PROMPTS[0], sampling_params=greedy(3, ignore_eos=True)
+    )
+    answers = []
+    for name in ("", str(tiny_dir), tiny_dir.name):
+        ask.model = name
+        answers.append([t for m in stub.Generate(ask) for t in m.token_ids])
+    assert len(answers[0]) == 3 and answers == [answers[0]] * 3
+    ask.model = "another-model"
+    code, message = _fails(lambda: list(stub.Generate(ask)))
+    assert code == grpc.StatusCode.NOT_FOUND and "'another-model'" in message

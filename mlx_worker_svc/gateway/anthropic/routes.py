@@ -36,7 +36,7 @@ from mlx_worker_svc.gateway.calls import (
 )
 from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
-from mlx_worker_svc.gateway.schema import parse_body
+from mlx_worker_svc.gateway.schema import ParsedRequest, parse_body
 from mlx_worker_svc.gateway.structured import request_error
 from mlx_worker_svc.gateway.tool_calls import Event
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -47,12 +47,13 @@ async def prompt_tokens(fleet: FleetScheduler, request: MessagesRequest) -> list
     parsed = request.parsed
     tools = parsed.tools.tools_json() if parsed.tools.may_call else ""
     ask = pb.TokenizeRequest(messages=parsed.generate.messages, tools_json=tools)
+    model = parsed.generate.model
     try:
-        rendered = await fleet_call(fleet.tokenize(ask))
+        rendered = await fleet_call(fleet.tokenize(ask, model))
         if not request.prefill:
             return list(rendered.token_ids)
         whole = pb.TokenizeRequest(text=rendered.text + request.prefill)
-        return list((await fleet_call(fleet.tokenize(whole))).token_ids)
+        return list((await fleet_call(fleet.tokenize(whole, model))).token_ids)
     except ApiError as exc:
         raise request_error(exc, None) from exc  # names `tools` for the template's refusal
 
@@ -64,24 +65,25 @@ class MessagesApi:
         self,
         fleet: FleetScheduler,
         metrics: GatewayMetrics,
-        model_for: Callable[[str | None], str],
+        model_for: Callable[[ParsedRequest], str],
         count: Callable[[pb.GenerateResponse], None],
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self.model_for = model_for  # the served model a request names (404 if unknown)
+        # Resolves a request's model and routes it there (404 if unknown); its id.
+        self.model_for = model_for
         self.count = count  # counts a finished answer's tokens
 
     async def count_tokens(self, request: Request) -> Response:
         messages = parse_messages(parse_body(await request.body()), count=True)
-        self.model_for(messages.parsed.model)
+        self.model_for(messages.parsed)
         return JSONResponse({"input_tokens": len(await prompt_tokens(self.fleet, messages))})
 
     async def create(self, request: Request) -> Response:
         route = request.url.path
         messages = parse_messages(parse_body(await request.body()))
         parsed = messages.parsed
-        model = self.model_for(parsed.model)
+        model = self.model_for(parsed)
         prompt = await prompt_tokens(self.fleet, messages)
         parsed.generate.ClearField("messages")
         parsed.generate.prompt_token_ids.extend(prompt)

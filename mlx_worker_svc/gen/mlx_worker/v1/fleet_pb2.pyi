@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("target", "up", "state", "worker_epoch", "num_running", "kv", "prefix_hits", "cached_prompt_tokens", "num_finished", "num_failed_over", "last_error", "model")
+    __slots__ = ("target", "up", "state", "worker_epoch", "num_running", "kv", "prefix_hits", "cached_prompt_tokens", "num_finished", "num_failed_over", "last_error", "model", "model_name", "loading", "num_loads")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,9 @@ class WorkerStatus(_message.Message):
     NUM_FAILED_OVER_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
     target: str
     up: bool
     state: _worker_pb2.WorkerState
@@ -38,18 +41,43 @@ class WorkerStatus(_message.Message):
     num_failed_over: int
     last_error: str
     model: str
-    def __init__(self, target: _Optional[str] = ..., up: _Optional[bool] = ..., state: _Optional[_Union[_worker_pb2.WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[_worker_pb2.KVUsage, _Mapping]] = ..., prefix_hits: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_over: _Optional[int] = ..., last_error: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    model_name: str
+    loading: str
+    num_loads: int
+    def __init__(self, target: _Optional[str] = ..., up: _Optional[bool] = ..., state: _Optional[_Union[_worker_pb2.WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[_worker_pb2.KVUsage, _Mapping]] = ..., prefix_hits: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_over: _Optional[int] = ..., last_error: _Optional[str] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., loading: _Optional[str] = ..., num_loads: _Optional[int] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("name", "path", "workers", "loading", "num_queued", "num_loads", "num_finished", "configured")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    loading: _containers.RepeatedScalarFieldContainer[str]
+    num_queued: int
+    num_loads: int
+    num_finished: int
+    configured: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., loading: _Optional[_Iterable[str]] = ..., num_queued: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_finished: _Optional[int] = ..., configured: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "num_queued", "queue_capacity", "num_finished", "num_rejected")
+    __slots__ = ("workers", "num_queued", "queue_capacity", "num_finished", "num_rejected", "models")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     num_queued: int
     queue_capacity: int
     num_finished: int
     num_rejected: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_rejected: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_rejected: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...

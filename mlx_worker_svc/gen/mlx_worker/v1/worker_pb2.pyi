@@ -747,7 +747,7 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling_params", "request_id", "skip_special_tokens", "tools_json")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling_params", "request_id", "skip_special_tokens", "tools_json", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -755,6 +755,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -762,7 +763,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     skip_special_tokens: bool
     tools_json: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens", "stop_string")

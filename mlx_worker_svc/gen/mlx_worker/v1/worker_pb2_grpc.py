@@ -157,6 +157,10 @@ class WorkerServiceServicer:
     def LoadModel(self, request, context):
         """Loads a model through mlx_lm.load (local directory or hub id).
         Idempotent for the same arguments; a new model starts a new worker_epoch.
+        A worker asleep at level 2 (weights freed) takes LoadModel too, of any
+        model: it wakes as MODEL_LOADED, so DetermineMemory and InitCache follow
+        (how a scheduler swaps the model of an idle worker); if the load fails it
+        stays asleep. Asleep at level 1: FAILED_PRECONDITION (WakeUp first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

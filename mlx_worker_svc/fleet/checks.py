@@ -1,0 +1,54 @@
+"""What the fleet checks of a Generate request before it routes it, in the request's terms.
+
+`check_forms` refuses what no worker could run (`BadRequest`); `check_fits`
+refuses what a worker of the request's model would refuse mid-step: a token id
+out of its vocabulary (`OutOfVocabulary`) or a prompt past its context
+(`ContextTooLong`).
+"""
+
+from __future__ import annotations
+
+from mlx_worker_svc.fleet.errors import BadRequest, ContextTooLong, OutOfVocabulary
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+
+def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
+    """Raises BadRequest; returns the Tokenize call its prompt needs (None: token ids)."""
+    forms = sum(bool(x) for x in (request.prompt, request.messages, request.prompt_token_ids))
+    if forms != 1:
+        raise BadRequest("Generate needs exactly one of prompt, messages or prompt_token_ids")
+    if request.sampling_params.HasField("prompt_logprobs"):
+        raise BadRequest(
+            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; "
+            "use WorkerService.Execute"
+        )
+    if request.tools_json and not request.messages:
+        raise BadRequest("tools_json needs messages (a chat to render the tools into)")
+    if request.prompt_token_ids:
+        return None
+    if request.messages:
+        return pb.TokenizeRequest(messages=request.messages, tools_json=request.tools_json)
+    return pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
+
+
+def check_fits(
+    prompt: list[int],
+    params: pb.SamplingParams,
+    reserve: bool,
+    *,
+    vocab_size: int,
+    max_context: int,
+) -> None:
+    """Raises OutOfVocabulary or ContextTooLong (0 for a limit: unknown, not checked)."""
+    named = {
+        "prompt_token_ids": prompt,
+        "sampling_params.logit_bias": list(params.logit_bias),
+        "sampling_params.stop_token_ids": list(params.stop_token_ids),
+    }
+    for name, ids in named.items():
+        if vocab_size and max(ids, default=0) >= vocab_size:
+            raise OutOfVocabulary(name, next(t for t in ids if t >= vocab_size), vocab_size)
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else None
+    need = len(prompt) + ((max_tokens or 1) if reserve else 0)
+    if max_context and need > max_context:
+        raise ContextTooLong(len(prompt), max_tokens if reserve else None, max_context)

@@ -1,0 +1,62 @@
+"""What the fleet refuses or fails a request with; each error's `code` is the status callers get."""
+
+from __future__ import annotations
+
+from mlx_worker_svc.core.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    WorkerError,
+)
+
+
+class FleetError(WorkerError):
+    """A request the fleet cannot take; `code` is the status callers get."""
+
+
+class Overloaded(FleetError, ResourceExhausted):
+    """The queue is full."""
+
+
+class NoWorkers(FleetError, Unavailable):
+    """No worker (of the request's model) is up (in time)."""
+
+
+class LoadFailed(FleetError, Unavailable):
+    """The request's model could not be loaded on the worker chosen for it."""
+
+
+class BadRequest(FleetError, InvalidArgument):
+    """The request is malformed."""
+
+
+class ModelNotFound(FleetError, NotFound):
+    """GenerateRequest.model names no model of the fleet."""
+
+    def __init__(self, model: str, known: list[str]) -> None:
+        served = ", ".join(repr(name) for name in known) or "none yet"
+        super().__init__(f"model: the fleet serves no model {model!r} (it serves {served})")
+        self.model = model
+
+
+class ContextTooLong(BadRequest):
+    """The prompt (with room for `max_tokens`, when asked) does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
+        asked = f" and max_tokens is {max_tokens}" if max_tokens is not None else ""
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens{asked}; "
+            f"the model's context length is {context_length} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+
+
+class OutOfVocabulary(BadRequest):
+    """A token id of the request (`field` names where) is not in the model's vocabulary."""
+
+    def __init__(self, field: str, token: int, vocab_size: int) -> None:
+        super().__init__(f"{field}: token {token} is out of the vocabulary (size {vocab_size})")
+        self.field, self.token, self.vocab_size = field, token, vocab_size

@@ -1,0 +1,51 @@
+"""A link's health probes: one CheckHealth at a time, never retried, misses counted.
+
+`Prober.check` answers None while the worker is usable, else why it is not: a
+refused connection at once, `probe_misses` timeouts in a row (hung), a new
+`worker_epoch` (restarted) or a state that takes no requests. A retry would
+stretch the detection time, so the prober's client makes one attempt a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+
+from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
+from mlx_worker_svc.fleet.bring_up import FINAL
+from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+
+class Prober:
+    def __init__(self, target: str, config: LinkConfig) -> None:
+        self.config = config
+        self.client = AsyncWorkerClient(target, replace(config.client, retries=0))
+        self.misses = 0
+
+    async def health(self) -> pb.CheckHealthResponse:
+        """One CheckHealth with the probe deadline (raises ClientError)."""
+        return await self.client.check_health(timeout=self.config.probe_timeout)
+
+    async def check(self, epoch: int) -> str | None:
+        """None while the worker of `epoch` is usable, else why it is not."""
+        timeout = self.config.probe_timeout
+        try:
+            health = await self.health()
+        except ClientError as exc:
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"{exc.code.name}: {exc.details}"
+            self.misses += 1
+            if self.misses < self.config.probe_misses:
+                return None
+            return f"the worker answered no health check in {self.misses} tries of {timeout:g} s"
+        self.misses = 0
+        if health.worker_epoch != epoch:
+            return f"the worker restarted (worker_epoch {health.worker_epoch}, was {epoch})"
+        if health.state not in FINAL:
+            return f"the worker is {pb.WorkerState.Name(health.state)}"
+        return None
+
+    async def close(self) -> None:
+        await self.client.close()

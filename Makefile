@@ -8,6 +8,8 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
 BENCH_GPU_ARGS ?=
+# e.g. make soak SOAK_ARGS="--kv-bits 8 --quick" (benchmarks/soak.py --help)
+SOAK_ARGS ?=
 
 # MLX's Linux CPU wheel links a reference BLAS; OpenBLAS makes float32 matrix
 # products 10-30x faster. The tests and benchmarks run float32 models, so they
@@ -91,7 +93,7 @@ bench-gateway: $(STAMP) model blas ## OpenAI gateway vs mlx_lm.server, same chat
 	$(BLAS_ENV) $(PY) -m benchmarks.gateway_load
 
 soak: $(STAMP) model blas ## bounded soak through Execute: MLX memory must stay flat (JSON under benchmarks/results)
-	$(BLAS_ENV) $(PY) -m benchmarks.soak
+	$(BLAS_ENV) $(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 loadtest: $(STAMP) model blas ## bounded load test at 3x the admission limit (JSON under benchmarks/results)
 	$(BLAS_ENV) $(PY) -m benchmarks.loadtest

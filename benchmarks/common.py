@@ -127,10 +127,13 @@ def tiny_model_module() -> Any:
     return module
 
 
-def build_tiny(out_dir: Path, tokenizer_dir: Path) -> Path:
-    """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`."""
+def build_tiny(out_dir: Path, tokenizer_dir: Path, head_dim: int | None = None) -> Path:
+    """Builds the tests' tiny random llama (tests/tiny_model.py) into `out_dir`.
+
+    `head_dim` 64 lets mlx-lm's default KV quantization group divide it (`--kv-bits`).
+    """
     path: Path = tiny_model_module().build_tiny_model(
-        out_dir / "tiny", tokenizer_dir, max_position_embeddings=4096
+        out_dir / "tiny", tokenizer_dir, max_position_embeddings=4096, head_dim=head_dim
     )
     return path
 
@@ -167,17 +170,29 @@ class Worker:
         return f"{prefix}-{self._counter}"
 
 
-def bring_up(stub: Any, model: Path | str, *, num_blocks: int, prefix_caching: bool) -> Worker:
-    """Takes a fresh worker through InitDevice .. InitCache (no WarmUp)."""
+def bring_up(
+    stub: Any, model: Path | str, *, num_blocks: int, prefix_caching: bool, kv_bits: int = 0
+) -> Worker:
+    """Takes a fresh worker through InitDevice .. InitCache (no WarmUp).
+
+    `kv_bits` quantizes the KV (group 64, mlx-lm's default; 0: float).
+    """
     stub.InitDevice(pb.InitDeviceRequest())
     loaded = stub.LoadModel(pb.LoadModelRequest(model=str(model)))
+    group = 64 if kv_bits else 0
     # The profile is not used (InitCache sets the budget); keep it small on a CPU.
     profile = stub.DetermineMemory(
-        pb.DetermineMemoryRequest(max_num_batched_tokens=16, block_size=BLOCK_SIZE)
+        pb.DetermineMemoryRequest(
+            max_num_batched_tokens=16, block_size=BLOCK_SIZE, kv_bits=kv_bits, kv_group_size=group
+        )
     )
     cache = stub.InitCache(
         pb.InitCacheRequest(
-            num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=prefix_caching,
+            kv_bits=kv_bits,
+            kv_group_size=group,
         )
     )
     if cache.prefix_caching != prefix_caching:
@@ -196,7 +211,7 @@ def bring_up(stub: Any, model: Path | str, *, num_blocks: int, prefix_caching: b
 
 @contextmanager
 def live_worker(
-    model: Path | str, *, num_blocks: int = 4096, prefix_caching: bool = False
+    model: Path | str, *, num_blocks: int = 4096, prefix_caching: bool = False, kv_bits: int = 0
 ) -> Iterator[Worker]:
     """Starts a real server on loopback, brings the model up, stops it afterwards.
 
@@ -208,7 +223,9 @@ def live_worker(
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
-            worker = bring_up(stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching)
+            worker = bring_up(
+                stub, model, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_bits=kv_bits
+            )
             worker.server = server
             yield worker
     finally:

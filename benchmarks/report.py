@@ -215,11 +215,77 @@ def _stream_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     _ratio(row["ratio_stream_vs_multi_step"], ">= 0.9"),
                 )
             )
+    if "j" in s:
+        rows.extend(_kv_rows(s["j"]))
+    return rows
+
+
+def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """Section (j): quantized KV against float KV (SmolLM2 in float16)."""
+    rows = []
+    base = j["formats"]["0"]
+    for bits, target, blocks in (("8", "<= 0.55", ">= 1.8"), ("4", "<= 0.35", ">= 2.8")):
+        f = j["formats"][bits]
+        rows.append(
+            (
+                f"(j) {bits}-bit KV",
+                "bytes per KV block (DetermineMemory), vs float16",
+                str(f["bytes_per_block"]),
+                str(base["bytes_per_block"]),
+                _ratio(f["bytes_ratio_vs_float"], target),
+            )
+        )
+        rows.append(
+            (
+                f"(j) {bits}-bit KV",
+                "suggested num_blocks, vs float16",
+                str(f["suggested_num_blocks"]),
+                str(base["suggested_num_blocks"]),
+                _ratio(f["suggested_blocks_ratio_vs_float"], blocks),
+            )
+        )
+        rows.append(
+            (
+                f"(j) {bits}-bit KV",
+                f"2048-token requests admitted under {base['memory_limit_bytes'] >> 20} MiB",
+                str(f["requests_of_2048_tokens"]),
+                str(base["requests_of_2048_tokens"]),
+                _ratio(f["requests_ratio_vs_float"], "higher"),
+            )
+        )
+    d, q = j["decode"], j["quality"]
+    rows.append(
+        (
+            f"(j) batch {d['batch']}",
+            "decode tok/s, 8-bit KV vs float16 KV",
+            _num(d["kv8_decode_tok_s"], 1),
+            _num(d["float_decode_tok_s"], 1),
+            _ratio(d["ratio_kv8_vs_float"], f">= {d['target_ratio']}"),
+        )
+    )
+    for width, target in ((8, ">= 0.9"), (4, "")):
+        for key, how in (("share_equal", "free-running"), ("teacher_forced_share_equal", "fed")):
+            if f"kv{width}_{key}" not in q:
+                continue
+            rows.append(
+                (
+                    f"(j) quality {width}-bit",
+                    f"share of {q['prompts']} x {q['tokens_per_prompt']} greedy tokens equal to "
+                    f"float16 KV's ({how})",
+                    _num(q[f"kv{width}_{key}"], 3),
+                    "1",
+                    target,
+                )
+            )
     return rows
 
 
 def panels(results: dict[str, Any]) -> list[Panel]:
     s = results["sections"]
+    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else [])
+
+
+def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:
     out: list[Panel] = []
     if "a" in s or "b" in s:
         bars: list[Bar] = []
@@ -294,6 +360,20 @@ def panels(results: dict[str, Any]) -> list[Panel]:
         make(s[key]) for key, make in (("h", _structured_panel), ("i", _stream_panel)) if key in s
     )
     return out
+
+
+def _kv_panel(j: dict[str, Any]) -> Panel:
+    """Section (j)'s ratios: bytes per block, decode speed, tokens equal to float16 KV's."""
+    bars = []
+    for bits in ("8", "4"):
+        value = j["formats"][bits]["bytes_ratio_vs_float"]
+        bars.append(Bar(f"(j) {bits}-bit bytes/block / float16", value, _num(value, 3)))
+    value = j["decode"]["ratio_kv8_vs_float"]
+    bars.append(Bar(f"(j) B={j['decode']['batch']} decode 8-bit / float16", value, _num(value, 3)))
+    for bits in ("8", "4"):
+        value = j["quality"][f"kv{bits}_share_equal"]
+        bars.append(Bar(f"(j) {bits}-bit tokens equal to float16", value, _num(value, 3)))
+    return Panel("Quantized KV against float16 KV, SmolLM2 float16", bars)
 
 
 def _stream_panel(i: dict[str, Any]) -> Panel:

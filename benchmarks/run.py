@@ -27,13 +27,14 @@ from benchmarks.common import (
 )
 from benchmarks.decode import section_a, section_b
 from benchmarks.fleet import section_g
+from benchmarks.kv_quant import float16_copy, section_j
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
 from benchmarks.stream import section_i
 from benchmarks.structured import section_h
 
-ALL_SECTIONS = "abcdefghi"
+ALL_SECTIONS = "abcdefghij"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
     p.add_argument("--stream-sizes", help="(i) comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--stream-tokens", type=int, help="(i) tokens per request (default 128)")
+    p.add_argument("--kv-batch", type=int, help="(j) decode batch (default 16)")
+    p.add_argument("--kv-tokens", type=int, help="(j) decode tokens per request (default 32)")
+    p.add_argument("--kv-quality-tokens", type=int, help="(j) quality tokens (default 48)")
+    p.add_argument("--kv-mib", type=int, help="(j) KV MiB beside the weights (default 512)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -87,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "structured_repeats": 3,
         "stream_sizes": "1,8,32",
         "stream_tokens": 128,
+        "kv_batch": 16,
+        "kv_tokens": 32,
+        "kv_quality_tokens": 48,
+        "kv_mib": 512,
     }
     quick = {
         "tokens": 8,
@@ -109,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "structured_repeats": 1,
         "stream_sizes": "1,4",
         "stream_tokens": 16,
+        "kv_batch": 4,
+        "kv_tokens": 4,
+        "kv_quality_tokens": 4,
+        "kv_mib": 64,
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -219,6 +232,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seconds,
                 lambda: section_g(tiny, prompts, args.fleet_tokens, counts, tmp),
             )
+        if "j" in wanted:
+            sections["j"] = timed("j", seconds, lambda: _kv_quant(args, embedded, tmp))
     notes.extend(_notes(args, sections))
     return {
         "date": datetime.date.today().isoformat(),
@@ -228,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "c_d_i": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
+            "j": "the embedded SmolLM2, weights expanded to float16",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run_seconds": round(time.perf_counter() - started, 1),
@@ -235,6 +251,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sections": sections,
         "notes": notes,
     }
+
+
+def _kv_quant(args: argparse.Namespace, embedded: Path, tmp: Path) -> dict[str, Any]:
+    from mlx_lm import load
+
+    model = float16_copy(tmp, embedded)
+    _, tokenizer = load(str(model))
+    return section_j(
+        model,
+        tokenizer,
+        batch=args.kv_batch,
+        decode_tokens=args.kv_tokens,
+        quality_tokens=args.kv_quality_tokens,
+        kv_mib=args.kv_mib,
+    )
 
 
 def _structured(args: argparse.Namespace, tiny: Path) -> dict[str, Any]:

@@ -413,6 +413,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preempt-frac", type=float, default=0.1, help="preempted, resumed (0.1)")
     p.add_argument("--shared-frac", type=float, default=0.3, help="shared-prefix prompts (0.3)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        default=0,
+        help="quantized KV, group 64 (0: float; the default tiny model then has head_dim 64)",
+    )
     p.add_argument("--quick", action="store_true", help="300 requests: a smoke run")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -435,7 +441,9 @@ def log(message: str) -> None:
 
 def soak(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     started = time.perf_counter()
-    with live_worker(model, num_blocks=args.num_blocks, prefix_caching=True) as worker:
+    with live_worker(
+        model, num_blocks=args.num_blocks, prefix_caching=True, kv_bits=args.kv_bits
+    ) as worker:
         workload = make_workload(args, int(worker.info.vocab_size))
         scheduler = Scheduler(worker, args, workload)
         samples = [sample(worker, scheduler, started)]
@@ -487,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             model, model_name = Path(args.model), args.model
         else:
-            model = build_tiny(tmp, ensure_default_model(envs.cache_root(), show_progress=False))
+            embedded = ensure_default_model(envs.cache_root(), show_progress=False)
+            model = build_tiny(tmp, embedded, head_dim=64 if args.kv_bits else None)
             model_name = "tiny random llama (tests/tiny_model.py), float32"
+            model_name += ", head_dim 64" if args.kv_bits else ""
         try:
             run = soak(args, model)
         except WorkerMisbehaved as exc:
@@ -506,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{results['date']}-soak-{machine_name()}" + ("-quick" if args.quick else "")
+    stem += f"-kv{args.kv_bits}" if args.kv_bits else ""
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     level = result["warmup_level_bytes"]

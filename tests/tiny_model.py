@@ -150,19 +150,19 @@ def _save(
     return out
 
 
-def dequantized_copy(source: Path, out: Path) -> Path:
-    """Writes `source` (a quantized model dir) as float32 weights into `out`.
+def dequantized_copy(source: Path, out: Path, dtype: mx.Dtype = mx.float32) -> Path:
+    """Writes `source` (a quantized model dir) as float weights (`dtype`) into `out`.
 
-    The same model, numerically: every quantized weight is expanded to the
-    float32 values it stands for. On a Linux CPU this runs through BLAS, which
-    makes the long SmolLM2 parity runs affordable.
+    The same model, numerically (in float32): every quantized weight is
+    expanded to the values it stands for. On a Linux CPU this runs through
+    BLAS, which makes the long SmolLM2 parity runs affordable.
     """
     from mlx_lm import load
     from mlx_lm.utils import dequantize_model
 
     model, _, config = load(str(source), return_config=True)
     model = dequantize_model(model)
-    model.set_dtype(mx.float32)
+    model.set_dtype(dtype)
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     return _save(model, config, source, out, (*TOKENIZER_FILES, "generation_config.json"))
 

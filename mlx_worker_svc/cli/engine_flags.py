@@ -4,13 +4,18 @@ One argument group (`add_engine_arguments`) and one constructor
 (`engine_options`): the only place the command line turns text into engine
 options. Every rank of a worker group gets the same command line, so every
 rank's runners get the same options. The defaults are the engine as it ships;
-the flags exist for A/B runs (the GPU benchmark's worker variants).
+the flags exist for A/B runs (the GPU benchmark's worker variants). The KV
+format flags (`add_kv_arguments`, `kv_format`) are lifecycle arguments
+instead (DetermineMemory and InitCache's kv_bits), which `serve --auto-init`
+and `fleet` pass to the workers they bring up.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from mlx_worker_svc.core.domain import KVFormat
+from mlx_worker_svc.engine import options
 from mlx_worker_svc.engine.options import LOOK_AHEAD_MODES, EngineOptions
 
 _FUSE = {"auto": None, "on": True, "off": False}
@@ -63,3 +68,33 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         fuse=_FUSE[args.fuse],
         dequant_min_batch=args.dequant_min_batch,
     )
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser, who: str) -> None:
+    """`--kv-bits` and `--kv-group-size` (mlx-lm's names); `who` says which workers they set."""
+    bits = "|".join(map(str, options.KV_BITS))
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=0,
+        metavar=bits,
+        help=f"store {who}'s KV quantized to this many bits, as mlx-lm's --kv-bits does, "
+        "from the first token, prefix cache included (default 0: the model's float dtype; "
+        "docs/kv-cache.md)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=options.DEFAULT_KV_GROUP_SIZE,
+        metavar="|".join(map(str, options.KV_GROUP_SIZES)),
+        help="values per quantization group along head_dim, with --kv-bits; it must divide "
+        f"the model's head_dim (default {options.DEFAULT_KV_GROUP_SIZE}, mlx-lm's)",
+    )
+
+
+def kv_format(args: argparse.Namespace) -> KVFormat:
+    """The KV format the flags ask for; raises InvalidArgument naming the flag."""
+    # The group's default stands for "unset" without --kv-bits.
+    unset = not args.kv_bits and args.kv_group_size == options.DEFAULT_KV_GROUP_SIZE
+    group = 0 if unset else args.kv_group_size
+    return options.kv_format(args.kv_bits, group, ("--kv-bits", "--kv-group-size"))

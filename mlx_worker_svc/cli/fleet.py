@@ -18,12 +18,17 @@ from typing import Any
 
 from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
+from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
 def _fleet_config(args: argparse.Namespace) -> Any:
-    """The FleetConfig the flags ask for; raises SecurityError for bad --worker-* options,
-    ValueError for a model named twice."""
+    """The FleetConfig the flags ask for.
+
+    Raises SecurityError for bad --worker-* options, ValueError for a model named
+    twice, InvalidArgument for bad --kv-* ones.
+    """
+    from mlx_worker_svc.cli.engine_flags import kv_format
     from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
@@ -33,6 +38,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
     if twice:
         raise ValueError(f"--models names {', '.join(twice)} more than once")
     credentials, token = worker_client_from_args(args)
+    kv = kv_format(args)
     link = LinkConfig(
         model=args.model or "",
         max_num_seqs=args.max_num_seqs,
@@ -44,6 +50,8 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         probe_misses=args.probe_misses,
         lifecycle_timeout=args.lifecycle_timeout_s,
         client=ClientConfig(credentials=credentials, token=token),
+        kv_bits=kv.bits,
+        kv_group_size=kv.group_size,
     )
     return FleetConfig(
         link=link, queue_capacity=args.queue, routing=args.routing, models=dict(args.models or [])
@@ -60,7 +68,7 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         config = _fleet_config(args)
-    except (SecurityError, ValueError) as exc:
+    except (SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -111,7 +119,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
             FleetScheduler(args.worker, fleet_config), args.host, args.port, config
         )
         await server.start()  # the app's lifespan starts the fleet
-    except (OSError, SecurityError, ValueError) as exc:
+    except (OSError, SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
@@ -128,7 +136,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
 
     try:
         config = _fleet_config(args)
-    except (SecurityError, ValueError) as exc:
+    except (SecurityError, ValueError, WorkerError) as exc:
         print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
         return 2
     fleet = FleetScheduler(args.worker, config)
@@ -216,6 +224,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
+    from mlx_worker_svc.cli.engine_flags import add_kv_arguments
     from mlx_worker_svc.cli.security_flags import add_server_arguments, add_worker_client_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
 
@@ -264,6 +273,7 @@ def add_commands(sub: Any) -> None:
             "(0-7, default 1); 0 drives workers through unary Execute, one step at a time",
         )
         _add_probe_arguments(cmd)
+        add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name in ("fleet", "gateway"):

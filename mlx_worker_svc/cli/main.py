@@ -88,6 +88,13 @@ def _serve_status(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
         return 2
+    from mlx_worker_svc.cli.engine_flags import kv_format
+
+    try:
+        kv_format(args)
+    except WorkerError as exc:
+        print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     model = args.model
     if model is None:
         from mlx_worker_svc.cli.envs import cache_root
@@ -145,7 +152,7 @@ def _serve_worker(
     group: GroupChannel | None,
 ) -> int:
     """Serves gRPC (alone, or as rank 0 of `group`) until the server stops."""
-    from mlx_worker_svc.cli.engine_flags import engine_options
+    from mlx_worker_svc.cli.engine_flags import engine_options, kv_format
     from mlx_worker_svc.core.limits import context_hint
     from mlx_worker_svc.engine.profiler import profile_directory
     from mlx_worker_svc.rpc.security import SecurityError
@@ -195,6 +202,7 @@ def _serve_worker(
             num_blocks=args.num_blocks,
             prefix_caching=not args.no_prefix_caching,
             memory_limit_bytes=args.memory_limit_bytes,
+            kv=kv_format(args),
         )
         try:
             up = bring_up(server.worker, plan)
@@ -212,7 +220,8 @@ def _serve_worker(
             f"({up.device.kind.value}), {up.cache.num_blocks} KV blocks of "
             f"{up.profile.block_size} tokens, prefix cache "
             f"{'on' if up.cache.prefix_caching else 'off'}, "
-            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB",
+            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB, "
+            f"{up.cache.kv.describe()} KV",
             flush=True,
         )
     server.wait()
@@ -356,13 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_group_arguments(serve)
     from mlx_worker_svc.cli.config_file import add_config_arguments
-    from mlx_worker_svc.cli.engine_flags import add_engine_arguments
+    from mlx_worker_svc.cli.engine_flags import add_engine_arguments, add_kv_arguments
     from mlx_worker_svc.cli.security_flags import add_server_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
 
     add_server_arguments(serve)
     add_metrics_arguments(serve)
     add_engine_arguments(serve)
+    add_kv_arguments(serve, "auto-init")
     add_config_arguments(serve)
     serve.set_defaults(func=_serve)
 

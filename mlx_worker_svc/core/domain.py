@@ -325,6 +325,27 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
+class KVFormat:
+    """How KV is stored: `bits` 0 is the model's float dtype, else mlx-lm's quantized KV.
+
+    `group_size` is the quantization group along head_dim (0 while `bits` is 0).
+    """
+
+    bits: int = 0
+    group_size: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 0
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit, group {self.group_size}" if self.bits else "float"
+
+
+FLOAT_KV = KVFormat()  # KV in the model's own dtype (kv_bits 0)
+
+
+@dataclass(frozen=True)
 class MemoryProfile:
     total_memory_bytes: int
     recommended_working_set_bytes: int
@@ -341,6 +362,7 @@ class MemoryProfile:
     activation_bytes_fixed: float = 0.0
     activation_bytes_per_token: float = 0.0
     activation_bytes_per_token_pair: float = 0.0
+    kv: KVFormat = FLOAT_KV  # the KV format bytes_per_block was measured in
 
 
 @dataclass(frozen=True)
@@ -350,6 +372,7 @@ class KVUsage:
     block_size: int = 0
     # Evictable blocks held by the prefix cache (not in used_blocks).
     prefix_cache_blocks: int = 0
+    kv: KVFormat = FLOAT_KV  # the format InitCache set
 
     @property
     def free_blocks(self) -> int:
@@ -372,6 +395,7 @@ class CacheConfig:
     block_size: int
     prefix_caching: bool
     memory_limit_bytes: int
+    kv: KVFormat = FLOAT_KV  # float, or quantized KV (InitCacheRequest.kv_bits)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from mlx_worker_svc.core.domain import KVFormat
+from mlx_worker_svc.core.errors import InvalidArgument
+
 LookAhead = Literal["speculate", "after", "off"]
 LOOK_AHEAD_MODES: tuple[str, ...] = get_args(LookAhead)
 # Decode batches of a quantized model at least this large use dequantized weights by
 # default with MLX's CUDA backend (where it was measured); elsewhere never.
 CUDA_DEQUANT_MIN_BATCH = 32
+# Quantized KV (DetermineMemory/InitCache kv_bits, `serve --kv-bits`): the widths and
+# groups MLX's affine quantization takes (mx.quantize), and mlx-lm's default group.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64
+
+
+def kv_format(bits: int, group_size: int, fields: tuple[str, str]) -> KVFormat:
+    """The KV format `bits`/`group_size` ask for (0, 0: float), or InvalidArgument.
+
+    `fields` names the two in the message (("InitCache.kv_bits",
+    "InitCache.kv_group_size"), or flags). A group size 0 means 64; one without bits is
+    refused (it would quantize nothing). Whether the group divides the
+    model's head_dim is checked where the model is (engine/cache/quantized.py).
+    """
+    if bits == 0:
+        if group_size:
+            raise InvalidArgument(
+                f"{fields[1]} {group_size} needs {fields[0]} (0 keeps KV in float)"
+            )
+        return KVFormat()
+    if bits not in KV_BITS:
+        raise InvalidArgument(
+            f"{fields[0]} {bits} is not a width MLX quantizes to: use one of "
+            f"{', '.join(map(str, KV_BITS))} (or 0 for float KV)"
+        )
+    group = group_size or DEFAULT_KV_GROUP_SIZE
+    if group not in KV_GROUP_SIZES:
+        raise InvalidArgument(
+            f"{fields[1]} {group}: use one of {', '.join(map(str, KV_GROUP_SIZES))}"
+        )
+    return KVFormat(bits, group)
 
 
 @dataclass(frozen=True)

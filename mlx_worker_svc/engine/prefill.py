@@ -8,7 +8,9 @@ step drops that KV, engine/recovery.py). Equally long fresh prompts of one
 step prefill together in batched forwards (`admission.prefill_groups`,
 `batch.prefill_together`), each ending with its own cache, as a prefill
 alone would (up to rounding). A lone request always prefills alone, so a
-single stream computes exactly what mlx-lm computes.
+single stream computes exactly what mlx-lm computes. With quantized KV,
+each chunk's float KV is quantized right after it, as mlx-lm's generate does
+(engine/cache/quantized.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_worker_svc.core.domain import RequestOutput, TokenLogprobs
+from mlx_worker_svc.core.domain import KVFormat, RequestOutput, TokenLogprobs
 from mlx_worker_svc.engine.admission import PREFILL_STEP, Admission, prefill_groups
+from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import prefill_together
 from mlx_worker_svc.engine.sampling import prompt_logprobs
 from mlx_worker_svc.engine.sequence import Sequence
@@ -28,10 +31,13 @@ from mlx_worker_svc.engine.state import EngineState
 class Prefill:
     """Computes requests' prompt KV over one runner's state and model."""
 
-    def __init__(self, state: EngineState, model: nn.Module, admission: Admission) -> None:
+    def __init__(
+        self, state: EngineState, model: nn.Module, admission: Admission, kv: KVFormat
+    ) -> None:
         self.state = state
         self.model = model
         self.admission = admission  # its prefix-cache hits and batch_prefill
+        self.kv = kv  # how requests' KV is stored
 
     def ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
         """Before a request computes: its prefix-cache hit, or its lost KV rebuilt."""
@@ -77,7 +83,7 @@ class Prefill:
                 state.step.touched.update(group)
             caches = prefill_together(self.model, [seq.tokens[:tokens] for seq in seqs])
             for seq, cache in zip(seqs, caches, strict=True):
-                seq.cache, seq.num_computed = cache, tokens
+                seq.cache, seq.num_computed = quantized.quantize(cache, self.kv), tokens
 
     def prefill(self, seq: Sequence, end: int) -> list[TokenLogprobs]:
         """Computes KV for tokens [num_computed, end) into the request's private cache.
@@ -105,6 +111,7 @@ class Prefill:
                 rows = logits[0, first - start : last - start]
                 scored += prompt_logprobs(rows, seq.tokens[first + 1 : last + 1], want)
                 seq.prompt_scored = last
+            seq.cache = quantized.quantize(seq.cache, self.kv)
             mx.eval([c.state for c in seq.cache])
             seq.num_computed = stop
         return scored

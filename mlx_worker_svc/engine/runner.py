@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
@@ -36,6 +35,7 @@ from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import structured
 from mlx_worker_svc.engine.admission import Admission
+from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
@@ -89,7 +89,7 @@ class ModelRunner:
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
-            prefix=PrefixCache(config.block_size) if config.prefix_caching else None,
+            prefix=PrefixCache(config.block_size, config.kv) if config.prefix_caching else None,
             batch=DecodeBatch(aligned=options.aligned_decode),
         )
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
@@ -103,7 +103,8 @@ class ModelRunner:
             self.grammars,
             batch_prefill=batchable(self.model, aligned=options.aligned_decode),
         )
-        self.prefill = Prefill(self.state, self.model, self.admission)
+        self.kv = config.kv  # how every request's KV is stored
+        self.prefill = Prefill(self.state, self.model, self.admission, config.kv)
 
     # ------------------------------------------------------------ admission
     def plan(self, plan: StepPlan) -> Work:
@@ -126,6 +127,7 @@ class ModelRunner:
             used_blocks=state.request_blocks(),
             block_size=state.budget.block_size,
             prefix_cache_blocks=len(state.prefix) if state.prefix is not None else 0,
+            kv=self.kv,
         )
 
     def kv_nbytes(self, key: RequestKey) -> int:
@@ -342,7 +344,7 @@ class ModelRunner:
         for key in keys:
             if key not in self.state.batch:
                 seq = self.state.seqs[key]
-                joining.append((key, seq.cache or make_prompt_cache(self.model)))
+                joining.append((key, seq.cache or quantized.empty(self.model, self.kv)))
                 seq.cache = None
         self.state.batch.join(joining)
         rows = [self.state.seqs[key] for key in self.state.batch.keys]

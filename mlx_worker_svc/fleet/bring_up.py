@@ -56,9 +56,12 @@ async def drive_up(
             info = await client.get_info()
         if info.state in (pb.WORKER_STATE_MODEL_LOADED, pb.WORKER_STATE_MEMORY_PROFILED):
             # Profiled at the worker's device-sized default, as auto-init does.
-            memory = await client.determine_memory(timeout=timeout)
+            bits, group = config.kv_bits, config.kv_group_size
+            profile = pb.DetermineMemoryRequest(kv_bits=bits, kv_group_size=group)
+            memory = await client.determine_memory(profile, timeout=timeout)
             blocks = config.num_blocks or max(memory.suggested_num_blocks, 1)
-            await client.init_cache(pb.InitCacheRequest(num_blocks=blocks), timeout=timeout)
+            cache = pb.InitCacheRequest(num_blocks=blocks, kv_bits=bits, kv_group_size=group)
+            await client.init_cache(cache, timeout=timeout)
             await client.warm_up(timeout=timeout)
             info = await client.get_info()
     if info.state not in FINAL:

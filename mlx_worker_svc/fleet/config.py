@@ -19,6 +19,10 @@ class LinkConfig:
     # 0: one unary Execute at a time.
     steps_ahead: int = 1
     num_blocks: int = 0  # 0: the worker's suggestion
+    # The KV format the link asks of a worker it brings up (DetermineMemory and
+    # InitCache kv_bits / kv_group_size); 0: float KV.
+    kv_bits: int = 0
+    kv_group_size: int = 0
     # A lost worker is probed again after retry_backoff s, doubling to max_backoff.
     retry_backoff: float = 0.5
     max_backoff: float = 2.0

@@ -83,6 +83,7 @@ class WorkerLink:
         self.state = pb.WORKER_STATE_UNSPECIFIED
         self.num_blocks = 0
         self.block_size = 16
+        self.kv_format = (0, 0)  # the worker's KV (bits, group size); (0, 0): float
         self.max_context = 0
         self.vocab_size = 0
         self.chat_template = ""  # the model's, as GetInfo reports it
@@ -128,6 +129,8 @@ class WorkerLink:
                 used_blocks=used,
                 free_blocks=max(self.num_blocks - used, 0),
                 block_size=self.block_size,
+                kv_bits=self.kv_format[0],
+                kv_group_size=self.kv_format[1],
             )
         )
         return out
@@ -243,6 +246,7 @@ class WorkerLink:
         self.model_name = self.catalog.name_of(info.model.model, info.model.model_path)
         self.chat_template = info.chat_template
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
+        self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size
         # Never past what the worker admits (it would refuse the step).
         admitted = info.limits.max_running_requests or self.config.max_num_seqs
@@ -252,7 +256,13 @@ class WorkerLink:
         ahead = min(self.config.steps_ahead, info.limits.max_steps_in_flight - 1)
         self._pipe = Pipeline(ahead) if ahead >= 1 else None
         self.up, self.last_error, self._prober.misses = True, "", 0
-        log.info("worker %s up: epoch %d, %d KV blocks", self.target, self.epoch, self.num_blocks)
+        log.info(
+            "worker %s up: epoch %d, %d KV blocks (%s KV)",
+            self.target,
+            self.epoch,
+            self.num_blocks,
+            f"{self.kv_format[0]}-bit" if self.kv_format[0] else "float",
+        )
         return "up"
 
     async def _free_orphans(self) -> None:

@@ -147,6 +147,8 @@ def memory_profile(profile: MemoryProfile, worker_state: WorkerState) -> pb.Dete
         block_size=profile.block_size,
         suggested_num_blocks=profile.suggested_num_blocks,
         state=state(worker_state),
+        kv_bits=profile.kv.bits,
+        kv_group_size=profile.kv.group_size,
     )
 
 
@@ -157,6 +159,8 @@ def kv_usage(usage: KVUsage) -> pb.KVUsage:
         free_blocks=usage.free_blocks,
         block_size=usage.block_size,
         prefix_cache_blocks=usage.prefix_cache_blocks,
+        kv_bits=usage.kv.bits,
+        kv_group_size=usage.kv.group_size,
     )
 
 
@@ -177,6 +181,8 @@ def cache_config(config: CacheConfig, worker_state: WorkerState) -> pb.InitCache
         state=state(worker_state),
         prefix_caching=config.prefix_caching,
         memory_limit_bytes=config.memory_limit_bytes,
+        kv_bits=config.kv.bits,
+        kv_group_size=config.kv.group_size,
     )
 
 

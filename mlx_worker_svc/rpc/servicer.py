@@ -129,6 +129,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             request.memory_utilization,
             request.max_num_batched_tokens,
             request.block_size,
+            kv_bits=request.kv_bits,
+            kv_group_size=request.kv_group_size,
             gave_up=_gave_up(context),
         )
         return convert.memory_profile(profile, self._worker.state)
@@ -144,6 +146,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 request.enable_prefix_caching if request.HasField("enable_prefix_caching") else None
             ),
             memory_limit_bytes=request.memory_limit_bytes,
+            kv_bits=request.kv_bits,
+            kv_group_size=request.kv_group_size,
             gave_up=_gave_up(context),
         )
         return convert.cache_config(config, self._worker.state)

@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_worker_svc.core.domain import (
+    FLOAT_KV,
     CacheConfig,
     DeviceInfo,
     DeviceKind,
+    KVFormat,
     LoadSpec,
     MemoryProfile,
     ModelInfo,
@@ -39,6 +41,7 @@ class BringUp:
     """0: DetermineMemory's suggested_num_blocks."""
     prefix_caching: bool = True
     memory_limit_bytes: int = 0
+    kv: KVFormat = FLOAT_KV  # --kv-bits / --kv-group-size: float unless set
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,19 @@ def bring_up(worker: Worker, plan: BringUp) -> BroughtUp:
         spec = LoadSpec(model=plan.model, max_model_len=plan.max_model_len)
         model = worker.load_model(spec)[0].info
         profile = worker.determine_memory(
-            plan.memory_utilization, plan.max_num_batched_tokens, plan.block_size
+            plan.memory_utilization,
+            plan.max_num_batched_tokens,
+            plan.block_size,
+            kv_bits=plan.kv.bits,
+            kv_group_size=plan.kv.group_size,
         )
         cache = worker.init_cache(
             plan.num_blocks or max(profile.suggested_num_blocks, 1),
             plan.block_size,
             prefix_caching=plan.prefix_caching,
             memory_limit_bytes=plan.memory_limit_bytes,
+            kv_bits=plan.kv.bits,
+            kv_group_size=plan.kv.group_size,
         )
         worker.warm_up([1], [16])
     finally:

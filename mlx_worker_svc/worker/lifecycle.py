@@ -27,6 +27,7 @@ from mlx_worker_svc.core.domain import (
 )
 from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
+from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
@@ -46,6 +47,10 @@ MAX_WARM_UP_SHAPES = 64
 MAX_WARM_UP_BATCH = 1024
 # MLX takes the memory limit as a size_t; keep clear of its edge.
 MAX_MEMORY_LIMIT = 1 << 62
+
+
+def _kv_fields(call: str) -> tuple[str, str]:
+    return f"{call}.kv_bits", f"{call}.kv_group_size"
 
 
 def _check_block_size(block: int, where: str) -> None:
@@ -123,10 +128,16 @@ class Lifecycle:
         max_num_batched_tokens: int,
         block_size: int,
         *,
+        kv_bits: int = 0,
+        kv_group_size: int = 0,
         gave_up: GaveUp = None,
     ) -> MemoryProfile:
-        """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
+        """Profiles memory (KV stored as kv_bits/kv_group_size; 0: float); see the proto.
+
+        `max_num_batched_tokens` 0 takes the device's default size.
+        """
         core = self.core
+        kv = engine_options.kv_format(kv_bits, kv_group_size, _kv_fields("DetermineMemory"))
         util = memory_utilization or DEFAULT_MEMORY_UTILIZATION
         if not 0 < util <= 1:
             raise InvalidArgument(f"memory_utilization must be in (0, 1], got {util}")
@@ -150,6 +161,7 @@ class Lifecycle:
                 memory_utilization=util,
                 max_num_batched_tokens=tokens,
                 block_size=block,
+                kv=kv,
             )
             if core.state is S.MODEL_LOADED:
                 core.set_state(S.MEMORY_PROFILED)
@@ -160,6 +172,8 @@ class Lifecycle:
             "memory_utilization": round(util, 6),
             "max_num_batched_tokens": tokens,
             "block_size": block,
+            "kv_bits": kv.bits,
+            "kv_group_size": kv.group_size,
         }
         return core.lifecycle.run("DetermineMemory", args, job, gave_up=gave_up)
 
@@ -170,9 +184,12 @@ class Lifecycle:
         *,
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
+        kv_bits: int = 0,
+        kv_group_size: int = 0,
         gave_up: GaveUp = None,
     ) -> CacheConfig:
         core = self.core
+        kv = engine_options.kv_format(kv_bits, kv_group_size, _kv_fields("InitCache"))
         if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
             raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
         if block_size:
@@ -183,6 +200,13 @@ class Lifecycle:
             profile = core.memory
             assert profile is not None
             loaded = core.need_model()
+            if kv != profile.kv:
+                raise InvalidArgument(
+                    f"InitCache asks for {kv.describe()} KV (kv_bits {kv.bits}) but "
+                    f"DetermineMemory measured bytes per block for {profile.kv.describe()} KV: "
+                    f"call DetermineMemory with kv_bits {kv.bits} and kv_group_size "
+                    f"{kv.group_size} first"
+                )
             wanted = prefix_caching is None or prefix_caching
             block = block_size or profile.block_size
             limit = memory_guard.budget_limit(profile, num_blocks, block, memory_limit_bytes)
@@ -191,6 +215,7 @@ class Lifecycle:
                 block_size=block,
                 prefix_caching=wanted and prefix_cache.supported(loaded.model),
                 memory_limit_bytes=min(limit, MAX_MEMORY_LIMIT),
+                kv=kv,
             )
             if core.runner is not None and core.cache_config == config:
                 return config
@@ -206,6 +231,8 @@ class Lifecycle:
             "block_size": block_size,
             "enable_prefix_caching": prefix_caching,
             "memory_limit_bytes": memory_limit_bytes,
+            "kv_bits": kv.bits,
+            "kv_group_size": kv.group_size,
         }
         return core.lifecycle.run("InitCache", args, job, gave_up=gave_up)
 

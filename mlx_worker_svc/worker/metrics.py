@@ -86,6 +86,8 @@ class _HealthGauges(Collector):
             ("kv_blocks_used", "KV blocks the requests hold", kv.used_blocks),
             ("kv_blocks_free", "KV blocks of the budget not held by requests", kv.free_blocks),
             ("kv_blocks_total", "KV blocks InitCache set (the budget)", kv.num_blocks),
+            ("kv_bits", "Bits of the quantized KV (0: the model's float dtype)", kv.kv.bits),
+            ("kv_group_size", "Quantization group of the KV (0: float KV)", kv.kv.group_size),
             (
                 "prefix_cache_blocks",
                 "Evictable blocks the prefix cache holds (not in used)",

@@ -141,11 +141,18 @@ class Worker:
         max_num_batched_tokens: int,
         block_size: int,
         *,
+        kv_bits: int = 0,
+        kv_group_size: int = 0,
         gave_up: GaveUp = None,
     ) -> MemoryProfile:
         """Profiles memory; `max_num_batched_tokens` 0 takes the device's default size."""
         return self.states.determine_memory(
-            memory_utilization, max_num_batched_tokens, block_size, gave_up=gave_up
+            memory_utilization,
+            max_num_batched_tokens,
+            block_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            gave_up=gave_up,
         )
 
     def init_cache(
@@ -155,6 +162,8 @@ class Worker:
         *,
         prefix_caching: bool | None = None,
         memory_limit_bytes: int = 0,
+        kv_bits: int = 0,
+        kv_group_size: int = 0,
         gave_up: GaveUp = None,
     ) -> CacheConfig:
         return self.states.init_cache(
@@ -162,6 +171,8 @@ class Worker:
             block_size,
             prefix_caching=prefix_caching,
             memory_limit_bytes=memory_limit_bytes,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
             gave_up=gave_up,
         )
 

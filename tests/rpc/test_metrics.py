@@ -163,6 +163,7 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
 
     assert after("mlx_worker_kv_blocks_used") == 0
     assert after("mlx_worker_kv_blocks_free") == after("mlx_worker_kv_blocks_total") == NUM_BLOCKS
+    assert after("mlx_worker_kv_bits") == after("mlx_worker_kv_group_size") == 0  # float KV
     assert after("mlx_worker_requests_running") == after("mlx_worker_requests_preempted") == 0
     assert after("mlx_worker_steps_queued") == 0
     limits = AdmissionLimits()

@@ -106,7 +106,10 @@ def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> Laye
         if aligned and all(type(c) is KVCache for c in group):
             merged.append(AlignedBatchKVCache.merge(group))
         else:
-            merged.append(first.merge(group))
+            batch = first.merge(group)
+            if not aligned and isinstance(batch, AlignedBatchKVCache):
+                batch.padded = True  # quantized rows (quantized.py): masks on every step
+            merged.append(batch)
     return merged
 
 

@@ -14,8 +14,10 @@ reuses 24, not 16 (a system prompt rarely ends on a block boundary).
 Blocks count in the KV budget. The runner evicts the least recently used
 blocks, leaves first, whenever a request needs the room, so cached blocks are
 always available to running requests. Only plain `KVCache` layers are cached;
-models with sliding-window, quantized or recurrent layers run without a
-prefix cache (`supported`).
+models with sliding-window or recurrent layers run without a prefix cache
+(`supported`). With quantized KV (`--kv-bits`) a block holds the quantized
+triplets (packed words, scales, biases) exactly as the request's cache held
+them, and a hit gives back quantized caches (engine/cache/quantized.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlx_worker_svc.core.domain import FLOAT_KV, KVFormat
+from mlx_worker_svc.engine.cache import quantized
+
 LayerCaches = list[Any]
+Parts = tuple[mx.array, ...]  # a float array, or the quantized triplet
 _ROOT = 0
 
 
@@ -39,13 +46,27 @@ class _Block:
     id: int
     parent: int
     tokens: tuple[int, ...]
-    keys: mx.array
-    values: mx.array
+    keys: Parts
+    values: Parts
     children: int = 0
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.nbytes = int(self.keys.nbytes) + int(self.values.nbytes)
+        self.nbytes = int(tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0))
+
+
+def _parts(x: Any) -> Parts:
+    """A layer's keys or values as a tuple of arrays."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _slice(parts: Parts, start: int, end: int) -> Parts:
+    return tuple(p[..., start:end, :] for p in parts)
+
+
+def _copy(parts: Parts) -> Parts:
+    # `* 1` copies (a view would pin the whole stacked buffer); exact for packed words too.
+    return tuple(p * 1 for p in parts)
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -64,8 +85,9 @@ def supported(model: nn.Module) -> bool:
 class PrefixCache:
     """Blocks of prompt KV keyed by their exact token prefix, evicted LRU."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, kv: KVFormat = FLOAT_KV) -> None:
         self.block_size = block_size
+        self.kv = kv  # the format of every block (the requests' caches)
         self._index: dict[tuple[int, tuple[int, ...]], _Block] = {}
         self._kids: dict[int, dict[int, _Block]] = {}  # parent id -> its child blocks
         self._lru: OrderedDict[int, _Block] = OrderedDict()
@@ -119,17 +141,23 @@ class PrefixCache:
             self._lru.move_to_end(block.id)
         parts = [(b.keys, b.values) for b in chain]
         if head is not None:
-            parts.append((head.keys[..., :shared, :], head.values[..., :shared, :]))
-        keys = mx.concatenate([k for k, _ in parts], axis=3)
-        values = mx.concatenate([v for _, v in parts], axis=3)
+            parts.append((_slice(head.keys, 0, shared), _slice(head.values, 0, shared)))
+        width = len(parts[0][0])
+        keys = [mx.concatenate([k[i] for k, _ in parts], axis=3) for i in range(width)]
+        values = [mx.concatenate([v[i] for _, v in parts], axis=3) for i in range(width)]
+        held = int(keys[0].shape[3])
         caches: LayerCaches = []
-        for layer in range(keys.shape[0]):
+        for layer in range(keys[0].shape[0]):
+            if self.kv.quantized:
+                mine = tuple(k[layer] for k in keys), tuple(v[layer] for v in values)
+                caches.append(quantized.row(*mine, self.kv))
+                continue
             cache = KVCache()
-            cache.state = (keys[layer], values[layer], keys.shape[3])
+            cache.state = (keys[0][layer], values[0][layer], held)
             caches.append(cache)
         self.hits += 1
-        self.hit_tokens += keys.shape[3]
-        return int(keys.shape[3]), caches
+        self.hit_tokens += held
+        return held, caches
 
     # ------------------------------------------------------------- insertion
     def insert(self, tokens: Sequence[int], cache: LayerCaches, capacity: int) -> int:
@@ -151,8 +179,15 @@ class PrefixCache:
         end = start + max(min(wanted, capacity - len(self)), 0) * bs
         made: list[_Block] = []
         if end > start:
-            keys = mx.stack([layer.keys[..., start:end, :] for layer in cache])
-            values = mx.stack([layer.values[..., start:end, :] for layer in cache])
+            width = len(_parts(cache[0].keys))
+            keys = tuple(
+                mx.stack([_parts(layer.keys)[i][..., start:end, :] for layer in cache])
+                for i in range(width)
+            )
+            values = tuple(
+                mx.stack([_parts(layer.values)[i][..., start:end, :] for layer in cache])
+                for i in range(width)
+            )
             parent = known[-1].id if known else _ROOT
             for at in range(start, end, bs):
                 lo = at - start
@@ -160,9 +195,8 @@ class PrefixCache:
                     id=next(self._ids),
                     parent=parent,
                     tokens=tuple(tokens[at : at + bs]),
-                    # `* 1` copies: a view would pin the whole stacked buffer.
-                    keys=keys[..., lo : lo + bs, :] * 1,
-                    values=values[..., lo : lo + bs, :] * 1,
+                    keys=_copy(_slice(keys, lo, lo + bs)),
+                    values=_copy(_slice(values, lo, lo + bs)),
                 )
                 made.append(block)
                 parent = block.id

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mlx_worker_svc.core.domain import (
+    FLOAT_KV,
     CacheConfig,
     DeviceInfo,
     DeviceKind,
@@ -228,7 +229,10 @@ class Replica:
 
     def _warm_up(self, batch_sizes: list[int], prefill_lengths: list[int]) -> int:
         model = self._model().model
-        return self._together(lambda: memory.warm_up(model, batch_sizes, prefill_lengths), bool)[0]
+        kv = self.runner.kv if self.runner is not None else FLOAT_KV
+        return self._together(
+            lambda: memory.warm_up(model, batch_sizes, prefill_lengths, kv), bool
+        )[0]
 
     def _deep_check(self) -> int:
         model = self._model().model

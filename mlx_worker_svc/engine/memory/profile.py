@@ -2,7 +2,9 @@
 
 Every figure comes from running the loaded model, not from a formula: the
 activation peak from a profiling forward at the step's token budget, and the
-bytes of one KV block from a real cache filled with one block of tokens.
+bytes of one KV block from a real cache filled with one block of tokens (in
+the KV format asked for: quantized KV is measured from mlx-lm's quantized
+cache, its scales and biases included).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_worker_svc.core.domain import MemoryProfile, ModelInfo
+from mlx_worker_svc.core.domain import FLOAT_KV, KVFormat, MemoryProfile, ModelInfo
+from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import merge_caches
 from mlx_worker_svc.engine.memory.device import memory_facts
 from mlx_worker_svc.engine.rewrite import dequant
@@ -25,7 +30,7 @@ def _filled_bytes(cache: list[Any]) -> int:
     total = 0
     for layer in cache:
         offset = getattr(layer, "offset", None)
-        for array in layer.state:
+        for _, array in tree_flatten(layer.state):
             if not isinstance(array, mx.array):
                 continue
             if isinstance(offset, int) and array.ndim == 4 and array.shape[2] >= offset:
@@ -35,21 +40,40 @@ def _filled_bytes(cache: list[Any]) -> int:
     return total
 
 
-def bytes_per_block(model: nn.Module, block_size: int) -> int:
-    """Bytes one block of `block_size` tokens takes in this model's KV cache."""
+def bytes_per_block(
+    model: nn.Module, block_size: int, kv: KVFormat = FLOAT_KV, where: str = "DetermineMemory"
+) -> int:
+    """Bytes one block of `block_size` tokens takes in this model's KV cache, stored as `kv`.
+
+    Raises InvalidArgument (naming `where`'s fields) if the model cannot store `kv`.
+    """
     cache = make_prompt_cache(model)
     model(mx.zeros((1, block_size), dtype=mx.uint32), cache=cache)
+    if kv.quantized:
+        if not quantized.supported(cache):
+            raise InvalidArgument(
+                f"{where}.kv_bits {kv.bits}: quantized KV needs a model whose every layer "
+                "keeps a plain KV cache (this one has sliding-window or recurrent layers)"
+            )
+        quantized.check_head_dims(kv, quantized.head_dims(cache), where)
+        cache = quantized.quantize(cache, kv)
     mx.eval([c.state for c in cache])
     return _filled_bytes(cache)
 
 
-def _forward_peak(model: nn.Module, tokens: int) -> int:
-    """Bytes a fresh forward of `tokens` tokens allocates above what is live."""
+def _forward_peak(model: nn.Module, tokens: int, kv: KVFormat = FLOAT_KV) -> int:
+    """Bytes a fresh forward of `tokens` tokens allocates above what is live.
+
+    With quantized KV the forward attends through a quantized cache from its
+    first token, as every chunk after a prompt's first does: mlx-lm's quantized
+    attention holds the whole score matrix, which MLX's fused float attention
+    never does, so this is the larger peak of the two.
+    """
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    cache = make_prompt_cache(model)
+    cache = quantized.empty(model, kv)
     logits = model(mx.zeros((1, tokens), dtype=mx.uint32), cache=cache)
     mx.eval(logits, [c.state for c in cache])
     peak = mx.get_peak_memory()
@@ -84,8 +108,10 @@ def profile(
     memory_utilization: float,
     max_num_batched_tokens: int,
     block_size: int,
+    kv: KVFormat = FLOAT_KV,
 ) -> MemoryProfile:
-    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget."""
+    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget for `kv`."""
+    per_block = bytes_per_block(model, block_size, kv)  # first: it checks `kv`
     sizes = sorted(
         {
             max_num_batched_tokens,
@@ -94,14 +120,13 @@ def profile(
         },
         reverse=True,
     )
-    points = [(size, _forward_peak(model, size)) for size in sizes]
+    points = [(size, _forward_peak(model, size, kv)) for size in sizes]
     activation = points[0][1]
     fixed, per_token, per_pair = (
         fit_activations(points)
         if len(points) == 3
         else (0.0, activation / max_num_batched_tokens, 0.0)
     )
-    per_block = bytes_per_block(model, block_size)
     total, recommended = memory_facts()
     allowed = int(recommended * memory_utilization)
     available = max(allowed - info.weight_bytes - activation, 0)
@@ -118,11 +143,14 @@ def profile(
         activation_bytes_fixed=fixed,
         activation_bytes_per_token=per_token,
         activation_bytes_per_token_pair=per_pair,
+        kv=kv,
     )
 
 
-def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]) -> int:
-    """Runs each prefill length and decode batch size once; returns shapes run."""
+def warm_up(
+    model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int], kv: KVFormat = FLOAT_KV
+) -> int:
+    """Runs each prefill length and decode batch size once, KV stored as `kv`; shapes run."""
     shapes = 0
     for length in prefill_lengths:
         cache = make_prompt_cache(model)
@@ -135,6 +163,7 @@ def warm_up(model: nn.Module, batch_sizes: list[int], prefill_lengths: list[int]
             model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)
             # One forward per evaluation: in a pipeline group two pending forwards
             # could run their sends and receives in different orders on two ranks.
+            cache = quantized.quantize(cache, kv)
             mx.eval([c.state for c in cache])
             caches.append(cache)
         batch = merge_caches(caches)

@@ -11,6 +11,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tiny_model import random_llama
 
+from mlx_worker_svc.core.domain import KVFormat
+from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import AlignedBatchKVCache, merge_caches
 from mlx_worker_svc.engine.rewrite import decode_step, fused, transposed
 
@@ -150,3 +152,33 @@ def test_the_step_has_fewer_graph_nodes(tmp_path: Any) -> None:
 
     ours, theirs = nodes(True), nodes(False)
     assert ours < theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_quantized_kv_gets_the_models_own_logits(rows: int) -> None:
+    """KV stored as mlx-lm's quantized triplets (kv_bits 8): the step changes nothing."""
+    model = worker_model("float32", head_dim=64)
+    kv = KVFormat(8, 64)
+
+    def decode_quantized(own: bool) -> list[Any]:
+        caches = []
+        for prompt in PROMPTS[:rows]:
+            cache = make_prompt_cache(model)
+            model(mx.array([prompt]), cache=cache)
+            caches.append(quantized.quantize(cache, kv))
+        cache = caches[0] if rows == 1 else merge_caches(caches)
+        assert hasattr(cache[0], "bits")
+        tokens = mx.array([p[-1] for p in PROMPTS[:rows]], dtype=mx.uint32)
+        out = []
+        for _ in range(6):
+            if own:
+                logits = decode_step.logits(model, tokens, cache)
+            else:
+                logits = model(tokens[:, None], cache=cache)[:, -1, :]
+            mx.eval(logits)
+            out.append(logits)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return out
+
+    assert decode_step.install(model)
+    assert_same(decode_quantized(True), decode_quantized(False))

@@ -226,17 +226,21 @@ class LoadModelResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., worker_epoch: _Optional[int] = ..., load_seconds: _Optional[float] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
 
 class DetermineMemoryRequest(_message.Message):
-    __slots__ = ("memory_utilization", "max_num_batched_tokens", "block_size")
+    __slots__ = ("memory_utilization", "max_num_batched_tokens", "block_size", "kv_bits", "kv_group_size")
     MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     memory_utilization: float
     max_num_batched_tokens: int
     block_size: int
-    def __init__(self, memory_utilization: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, memory_utilization: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class DetermineMemoryResponse(_message.Message):
-    __slots__ = ("total_memory_bytes", "recommended_working_set_bytes", "weight_bytes", "activation_peak_bytes", "available_kv_bytes", "bytes_per_block", "block_size", "suggested_num_blocks", "state")
+    __slots__ = ("total_memory_bytes", "recommended_working_set_bytes", "weight_bytes", "activation_peak_bytes", "available_kv_bytes", "bytes_per_block", "block_size", "suggested_num_blocks", "state", "kv_bits", "kv_group_size")
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_WORKING_SET_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +250,8 @@ class DetermineMemoryResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     total_memory_bytes: int
     recommended_working_set_bytes: int
     weight_bytes: int
@@ -255,35 +261,45 @@ class DetermineMemoryResponse(_message.Message):
     block_size: int
     suggested_num_blocks: int
     state: WorkerState
-    def __init__(self, total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., available_kv_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., block_size: _Optional[int] = ..., suggested_num_blocks: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., available_kv_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., block_size: _Optional[int] = ..., suggested_num_blocks: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "enable_prefix_caching", "memory_limit_bytes")
+    __slots__ = ("num_blocks", "block_size", "enable_prefix_caching", "memory_limit_bytes", "kv_bits", "kv_group_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
     memory_limit_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "max_kv_tokens", "state", "prefix_caching", "memory_limit_bytes")
+    __slots__ = ("num_blocks", "block_size", "max_kv_tokens", "state", "prefix_caching", "memory_limit_bytes", "kv_bits", "kv_group_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     max_kv_tokens: int
     state: WorkerState
     prefix_caching: bool
     memory_limit_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., prefix_caching: _Optional[bool] = ..., memory_limit_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class WarmUpRequest(_message.Message):
     __slots__ = ("batch_sizes", "prefill_lengths")
@@ -527,18 +543,22 @@ class CheckHealthRequest(_message.Message):
     def __init__(self, deep: _Optional[bool] = ...) -> None: ...
 
 class KVUsage(_message.Message):
-    __slots__ = ("num_blocks", "used_blocks", "free_blocks", "block_size", "prefix_cache_blocks")
+    __slots__ = ("num_blocks", "used_blocks", "free_blocks", "block_size", "prefix_cache_blocks", "kv_bits", "kv_group_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_blocks: int
     free_blocks: int
     block_size: int
     prefix_cache_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class MemoryUsage(_message.Message):
     __slots__ = ("active_bytes", "peak_bytes", "cache_bytes", "limit_bytes")

@@ -177,7 +177,8 @@ def test_the_fleet_scheduler_decodes_several_steps_a_call_once_all_decode(
     server.worker.execute = recording
 
     async def main() -> list[list[int]]:
-        config = FleetConfig(link=LinkConfig(decode_steps=6))
+        # Unary Execute calls (steps_ahead=0): the stream's steps are one each.
+        config = FleetConfig(link=LinkConfig(decode_steps=6, steps_ahead=0))
         fleet = FleetScheduler([f"127.0.0.1:{server.port}"], config)
         await fleet.start()
         await fleet.wait_ready()

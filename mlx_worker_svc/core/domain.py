@@ -190,6 +190,7 @@ class NewRequest:
     sampling: SamplingParams
     # The last tokens of the prompt that are output generated elsewhere (a continuation).
     num_generated_tokens: int = 0
+    lora_name: str = ""  # the adapter it runs with; empty: the base model
 
 
 @dataclass(frozen=True)
@@ -428,6 +429,7 @@ class GenerateSpec:
     skip_special_tokens: bool = True
     tools_json: str = ""  # with messages: the tools given to the chat template
     model: str = ""  # empty: the loaded model; else it must name it (GenerateRequest.model)
+    lora_name: str = ""  # the adapter it runs with; empty: the base model
 
 
 @dataclass

@@ -16,3 +16,12 @@ class AdapterInfo:
     num_requests: int  # live requests using it now
     num_modules: int  # layers it applies to
     load_seconds: float  # how long its AddLora took to read and stack it
+
+
+@dataclass(frozen=True)
+class AdapterAdded:
+    """What AddLora did."""
+
+    info: AdapterInfo
+    already_loaded: bool = False  # the same name and path were resident: nothing done
+    evicted: str = ""  # the adapter evicted for it under --max-loras, if any

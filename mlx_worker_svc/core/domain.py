@@ -364,6 +364,7 @@ class MemoryProfile:
     activation_bytes_per_token: float = 0.0
     activation_bytes_per_token_pair: float = 0.0
     kv: KVFormat = FLOAT_KV  # the KV format bytes_per_block was measured in
+    adapter_bytes: int = 0  # LoRA adapters resident when measured (within weight_bytes)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class EngineOptions:
     dequant_min_batch: int | None = None
     # LoRA adapters resident at once (AddLora evicts the least recently used unpinned one).
     max_loras: int = 8
+    # Adapters loaded with the model (serve --lora-modules NAME=PATH): (name, path) pairs.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.look_ahead not in LOOK_AHEAD_MODES:

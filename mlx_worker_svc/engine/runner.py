@@ -92,6 +92,7 @@ class ModelRunner:
             batch=DecodeBatch(aligned=options.aligned_decode, scope=self._rows),
             adapters=self.adapters,
         )
+        self.adapters.on_drop = self._drop_adapter_kv
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.grammars = structured.GrammarCompiler(
             loaded.tokenizer, vocab_size=loaded.info.vocab_size, eos_ids=sorted(self.eos_ids)
@@ -120,6 +121,11 @@ class ModelRunner:
         """A decode forward's construction for these rows' adapters (engine/lora)."""
         seqs = self.state.seqs
         return self.adapters.rows([seqs[key].adapter for key in keys])
+
+    def _drop_adapter_kv(self, root: int) -> None:
+        """An adapter is gone: its prefix-cache blocks go too."""
+        if self.state.prefix is not None:
+            self.state.prefix.drop_root(root)
 
     def _adapter_users(self) -> Counter[str]:
         """Live requests per adapter (ListLoras; RemoveLora and eviction refuse adapters in use)."""

@@ -153,17 +153,15 @@ def _directory(path_text: str, shown: str) -> Path:
     try:
         path = Path(path_text).expanduser()
         if not path.exists():
-            raise NotFound(f"AddLora.lora_path {shown} does not exist")
+            raise NotFound(f"AddLora.path {shown} does not exist")
         if not path.is_dir():
-            raise InvalidArgument(
-                f"AddLora.lora_path {shown} is a file; give the adapter directory"
-            )
+            raise InvalidArgument(f"AddLora.path {shown} is a file; give the adapter directory")
         missing = [n for n in (CONFIG, WEIGHTS) if not (path / n).is_file()]
     except OSError as exc:
-        raise InvalidArgument(f"AddLora.lora_path {shown} is not a usable path: {exc}") from exc
+        raise InvalidArgument(f"AddLora.path {shown} is not a usable path: {exc}") from exc
     if missing:
         raise InvalidArgument(
-            f"AddLora.lora_path {shown} has no {' or '.join(missing)}: not an mlx-lm adapter "
+            f"AddLora.path {shown} has no {' or '.join(missing)}: not an mlx-lm adapter "
             "directory (mlx_lm.lora writes both)"
         )
     return path.resolve()

@@ -6,7 +6,7 @@ use when another arrives, and gives each its slot in the batched forward
 (`forward.Deltas`) and its own prefix-cache root (`root`), new at every load,
 so KV computed under one adapter is never found under another or under an
 adapter later loaded with the same name. `in_use` (set by the runner) counts
-the live requests of each adapter.
+the live requests of each adapter; `on_drop` frees a gone root's KV.
 Invariants: a failed `add` changes nothing (the new adapter is read and
 checked, the eviction chosen and the memory checked before anything is
 dropped or kept); an adapter in use is never evicted or removed; names are
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mlx import nn
 
-from mlx_worker_svc.core.adapters import AdapterInfo
+from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -57,6 +57,8 @@ class AdapterSet:
         self.deltas = Deltas(dict(model.named_modules()))
         self._roots = itertools.count(1)
         self.in_use: Callable[[], Counter[str]] = Counter
+        # Frees the prefix-cache blocks of a root that is gone (set by the runner).
+        self.on_drop: Callable[[int], object] = lambda _root: None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,19 +74,17 @@ class AdapterSet:
     def bytes_with(self, weights: Sequence[files.AdapterWeights]) -> int:
         return sum(w.nbytes for w in weights) + stack_bytes(list(weights))
 
-    def add(
-        self, name: str, path: str, room: Callable[[int], None] | None = None
-    ) -> tuple[AdapterInfo, bool]:
-        """Loads an adapter; returns its info and whether it was new (False: already loaded).
+    def add(self, name: str, path: str, room: Callable[[int], None] | None = None) -> AdapterAdded:
+        """Loads an adapter (or finds it loaded with this path already).
 
         `room(bytes)` raises if the adapters would no longer fit (the memory check).
         """
-        files.check_name(name, "AddLora.lora_name")
+        files.check_name(name, "AddLora.name")
         held = self._entries.get(name)
         if held is not None:
             if _same_path(held.weights.path, path):
                 self._entries.move_to_end(name)
-                return self.info(name), False
+                return AdapterAdded(self.info(name), already_loaded=True)
             raise AlreadyExists(
                 f"AddLora: an adapter named {clip(name)!r} is loaded already, from "
                 f"{held.weights.path!r}; RemoveLora it first or choose another name"
@@ -97,10 +97,10 @@ class AdapterSet:
             room(self.bytes_with(kept) - self.nbytes)
         self.deltas.restack(kept)
         if victim is not None:
-            del self._entries[victim]
+            self.on_drop(self._entries.pop(victim).root)
         root = -next(self._roots)
         self._entries[name] = _Entry(weights, root, load_seconds=time.perf_counter() - start)
-        return self.info(name), True
+        return AdapterAdded(self.info(name), evicted=victim or "")
 
     def _victim(self) -> str:
         users = self.in_use()
@@ -115,7 +115,7 @@ class AdapterSet:
 
     def remove(self, name: str) -> str:
         """Unloads an adapter; returns its path. Refused while requests use it."""
-        entry = self._need(name, "RemoveLora.lora_name")
+        entry = self._need(name, "RemoveLora.name")
         users = self.in_use()[name]
         if users:
             raise FailedPrecondition(
@@ -125,10 +125,11 @@ class AdapterSet:
         kept = [e.weights for n, e in self._entries.items() if n != name]
         self.deltas.restack(kept)
         del self._entries[name]
+        self.on_drop(entry.root)
         return entry.weights.path
 
     def pin(self, name: str, pinned: bool) -> AdapterInfo:
-        self._need(name, "PinLora.lora_name").pinned = pinned
+        self._need(name, "PinLora.name").pinned = pinned
         return self.info(name)
 
     def _need(self, name: str, where: str) -> _Entry:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm import load
 from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import load_model
 
 
 def make_adapter(
@@ -32,7 +32,7 @@ def make_adapter(
     b_std: float = 0.05,
 ) -> Path:
     """Writes an adapter for `model_dir` into `out`; returns `out`."""
-    model, _ = load(str(model_dir))
+    model, _ = load_model(model_dir, lazy=True)  # shapes only: no weight is read
     params: dict[str, object] = {"rank": rank, "scale": scale, "dropout": 0.0}
     if keys is not None:
         params["keys"] = list(keys)

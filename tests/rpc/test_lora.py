@@ -40,6 +40,12 @@ def two_slots() -> Iterator[Stub]:
         yield stub
 
 
+def _tensors(adapter: Path) -> dict[str, mx.array]:
+    loaded = mx.load(str(adapter / "adapters.safetensors"))
+    assert isinstance(loaded, dict)
+    return dict(loaded)
+
+
 def _names(stub: Stub) -> list[str]:
     return list(stub.ListLoras(pb.ListLorasRequest()).names)
 
@@ -62,7 +68,7 @@ def test_lifecycle_list_pin_remove(tiny_stub: Stub, adapters: dict[str, Path]) -
     assert added.adapter.rank == 8 and added.adapter.num_modules == 4  # q, v in 2 layers
     assert added.adapter.path == str(adapters["a"].resolve())
     a = adapters["a"]
-    own = sum(int(v.nbytes) for v in mx.load(str(a / "adapters.safetensors")).values())
+    own = sum(int(v.nbytes) for v in _tensors(a).values())
     assert added.adapter.bytes >= own
     again = tiny_stub.AddLora(pb.AddLoraRequest(name="a", path=str(adapters["a"])))
     assert again.already_loaded and again.adapter.bytes == added.adapter.bytes
@@ -153,7 +159,7 @@ def test_bad_adapters_change_nothing(
         words = ["model.layers.28.self_attn.q_proj.lora_a is not an adapter matrix"]
     elif case == "shape":
         path = _broken(tmp_path, a)
-        tensors = dict(mx.load(str(path / "adapters.safetensors")))
+        tensors = _tensors(path)
         tensors["model.layers.1.self_attn.v_proj.lora_b"] = mx.ones((8, 65))
         mx.save_safetensors(str(path / "adapters.safetensors"), tensors)
         words = ["model.layers.1.self_attn.v_proj.lora_b has shape (8, 65)", "(8, 32)"]

@@ -85,6 +85,7 @@ class ModelRunner:
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
         self.adapters = loaded.adapters
+        self.adapters.deltas.bind()  # the layers the rewrites above put in place
         self.adapters.in_use = self._adapter_users
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),

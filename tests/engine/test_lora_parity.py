@@ -22,8 +22,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_worker_svc.client.execute_loop import LoopResult, run_prompts
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.rpc.server import ServerConfig
 
 Stub = pb_grpc.WorkerServiceStub
 PROMPTS = [
@@ -169,6 +171,25 @@ def test_prefix_cache_keeps_adapters_apart(
 
 
 # Four (prompt, adapter) pairs, twice: the batch of 8 mixes the base model and three adapters.
+def test_rewrites_apply_the_deltas_or_step_aside(
+    tiny_dir: Path, tiny_adapters: dict[str, Path], tiny_reference: list[list[int]]
+) -> None:
+    """Fused projections and the llama decode step on (a CPU's default is off)."""
+    config = ServerConfig(port=0, engine=EngineOptions(fuse=True, dequant_min_batch=1))
+    with live_server(config) as (server, stub):
+        epoch = bring_up(stub, tiny_dir)
+        for name, path in tiny_adapters.items():
+            stub.AddLora(pb.AddLoraRequest(name=name, path=str(path)))
+        runner = server.worker.core.runner
+        assert runner is not None and hasattr(runner.model, "_mlx_worker_decode_step")
+        assert execute(stub, epoch, PROMPTS, NAMES, TOKENS, chunk=4).tokens == tiny_reference
+        alone = [
+            execute(stub, epoch, [p], [n], TOKENS, chunk=4).tokens[0]
+            for p, n in zip(PROMPTS[:4], NAMES[:4], strict=True)
+        ]
+        assert alone == tiny_reference[:4]
+
+
 SMOL_PROMPTS = [[1, 2, 3, 4], [100, 200, 300], [7, 7, 7, 7, 7], [42, 9]] * 2
 SMOL_NAMES = ["", "a0", "a1", "a2"] * 2
 SMOL_TOKENS = 3

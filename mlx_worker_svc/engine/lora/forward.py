@@ -52,8 +52,8 @@ class _Hook:
 class Deltas:
     """The resident adapters of one model, stacked per targeted layer."""
 
-    def __init__(self, modules: dict[str, Any]) -> None:
-        self.modules = modules  # module path -> layer, for every path of the model
+    def __init__(self, model: Any) -> None:
+        self.model = model
         self.slots: list[AdapterWeights] = []  # slot i + 1
         self.layers: dict[str, Any] = {}
         self.stacks: dict[str, tuple[mx.array, mx.array]] = {}
@@ -70,14 +70,17 @@ class Deltas:
         """Rebuilds the stacks for these adapters (slot i + 1 is slots[i])."""
         stacks = build_stacks(slots)
         mx.eval(list(stacks.values()))
-        for path in set(self.layers) - set(stacks):
-            self.layers.pop(path)
-        for path in stacks:
-            layer = self.modules[path]
-            object.__setattr__(layer, _HOOK, _Hook(self, path))
-            self.layers[path] = layer
         self.slots, self.stacks = list(slots), stacks
         self.scales = mx.array([0.0] + [w.scale for w in slots], dtype=mx.float32)
+        self.bind()
+
+    def bind(self) -> None:
+        """Finds the targeted layers in the model as it is now (a rewrite may have replaced
+        some: a fused projection stands where its linear layer stood)."""
+        modules = dict(self.model.named_modules())
+        self.layers = {path: modules[path] for path in self.stacks}
+        for path, layer in self.layers.items():
+            object.__setattr__(layer, _HOOK, _Hook(self, path))
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
         single = self._single

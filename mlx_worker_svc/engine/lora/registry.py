@@ -54,7 +54,7 @@ class AdapterSet:
         self.model = model
         self.max_loras = max_loras
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self.deltas = Deltas(dict(model.named_modules()))
+        self.deltas = Deltas(model)
         self._roots = itertools.count(1)
         self.in_use: Callable[[], Counter[str]] = Counter
         # Frees the prefix-cache blocks of a root that is gone (set by the runner).

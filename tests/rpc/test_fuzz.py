@@ -92,9 +92,11 @@ ANSWERS = CLIENT_ERRORS | {Code.OK}
 # Tighter expectations where the request can only be refused one way.
 EXPECTED: dict[str, frozenset[Code]] = {
     "Sleep": frozenset({Code.INVALID_ARGUMENT}),  # only invalid levels are sent
-    "AddLora": frozenset({Code.UNIMPLEMENTED}),
-    "RemoveLora": frozenset({Code.UNIMPLEMENTED}),
-    "ListLoras": frozenset({Code.UNIMPLEMENTED}),
+    # Random names and paths: no adapter directory is ever found.
+    "AddLora": frozenset({Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    "RemoveLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "PinLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "ListLoras": frozenset({Code.OK}),
     "LoadModel": frozenset(
         {Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}
     ),
@@ -573,6 +575,11 @@ def other_calls() -> dict[str, st.SearchStrategy[Call]]:
         "RemoveLora": st.builds(
             lambda name: Call("RemoveLora", pb.RemoveLoraRequest(name=name)), TEXT
         ),
+        "PinLora": st.builds(
+            lambda name, unpin: Call("PinLora", pb.PinLoraRequest(name=name, unpin=unpin)),
+            TEXT,
+            st.booleans(),
+        ),
         "ListLoras": st.just(Call("ListLoras", pb.ListLorasRequest())),
     }
 
@@ -595,6 +602,7 @@ IDLE_WEIGHTS = {
     "ResetPrefixCache": 1,
     "AddLora": 1,
     "RemoveLora": 1,
+    "PinLora": 1,
     "ListLoras": 1,
 }
 LIVE_WEIGHTS = {
@@ -614,6 +622,7 @@ LIVE_WEIGHTS = {
     "ResetPrefixCache": 2,
     "AddLora": 1,
     "RemoveLora": 1,
+    "PinLora": 1,
     "ListLoras": 1,
 }
 

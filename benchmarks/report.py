@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import lora
 from benchmarks.chart import BASELINE, WORKER, Bar, Panel
 
 
@@ -217,6 +218,7 @@ def _stream_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             )
     if "j" in s:
         rows.extend(_kv_rows(s["j"]))
+    rows.extend(lora.report_rows(s["k"]) if "k" in s else [])
     return rows
 
 
@@ -282,7 +284,8 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
 def panels(results: dict[str, Any]) -> list[Panel]:
     s = results["sections"]
-    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else [])
+    more = [lora.report_panel(s["k"])] if "k" in s else []
+    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else []) + more
 
 
 def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:

@@ -42,7 +42,7 @@ from mlx_worker_svc.client.worker import (
     WorkerClient,
     channel_credentials,
 )
-from mlx_worker_svc.core.domain import WorkerState
+from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig
 from mlx_worker_svc.fleet.server import serve_fleet
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc

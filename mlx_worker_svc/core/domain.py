@@ -18,8 +18,6 @@ from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
-
-
 # Most decode steps one Execute call may run (ExecuteRequest.num_decode_steps).
 MAX_DECODE_STEPS = 64
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from mlx_worker_svc.core.errors import InvalidArgument
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark_grammar", "gbnf_grammar")
-
-
 _JSON_KINDS = ("json_schema", "json_object")
 
 

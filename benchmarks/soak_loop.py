@@ -14,10 +14,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from benchmarks.common import (
-    BLOCK_SIZE,
-    Worker,
-)
+from benchmarks.common import BLOCK_SIZE, Worker
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 

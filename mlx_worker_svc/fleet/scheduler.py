@@ -31,11 +31,7 @@ from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.checks import check_fits, check_forms
 from mlx_worker_svc.fleet.config import FleetConfig
-from mlx_worker_svc.fleet.errors import (
-    LoadFailed,
-    NoWorkers,
-    Overloaded,
-)
+from mlx_worker_svc.fleet.errors import LoadFailed, NoWorkers, Overloaded
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.models import ModelCatalog

@@ -67,8 +67,8 @@ class FleetScheduler:
         ]
         self._pending: list[tuple[float, FleetRequest]] = []
         self._where: dict[FleetRequest, WorkerLink] = {}
-        link = self.config.link
-        self._router = Router(self.config.routing, self.config.affinity_tokens, link.max_num_seqs)
+        busy = self.config.link.max_num_seqs  # a full batch: prefix affinity yields past it
+        self._router = Router(self.config.routing, self.config.affinity_tokens, busy)
         self._tasks: list[asyncio.Task[None]] = []
         self._any_up = asyncio.Event()
         self.num_finished = 0

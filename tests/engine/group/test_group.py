@@ -32,8 +32,8 @@ from processes import Fleet, Proc, Stream, distinct_prompts, run_streams, token_
 from tiny_model import build_tiny_model
 
 from mlx_worker_svc.cli.group_launch import free_ports
-from mlx_worker_svc.core.domain import Parallelism
 from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.reports import Parallelism
 from mlx_worker_svc.engine.model import sharding
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc

@@ -1,14 +1,18 @@
-"""Turns a results dict into the Markdown table and the chart panels."""
+"""Turns a results dict into the Markdown table of `make bench`.
+
+The chart panels of the same results are report_panels.py's; `fmt` writes a figure
+for both.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from benchmarks import lora
-from benchmarks.chart import BASELINE, WORKER, Bar, Panel
 
 
-def _num(value: Any, digits: int = 2) -> str:
+def fmt(value: Any, digits: int = 2) -> str:
+    """`value` with `digits` decimals, or "n/a" for a figure the run did not produce."""
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -21,7 +25,7 @@ def markdown(results: dict[str, Any]) -> str:
     rows: list[tuple[str, str, str, str, str]] = []
     if "a" in s:
         a = s["a"]
-        raw = _num(a["raw_stream_generate"]["decode_tok_s"])
+        raw = fmt(a["raw_stream_generate"]["decode_tok_s"])
         paths = (
             ("generate_grpc", "Generate", "ratio_generate_vs_raw", ">= 0.95"),
             ("execute_grpc", "Execute", "ratio_execute_vs_raw", ">= 0.95"),
@@ -39,7 +43,7 @@ def markdown(results: dict[str, Any]) -> str:
                 (
                     "(a) single stream",
                     f"decode tok/s, {name} vs stream_generate ({a['generated_tokens']} tokens)",
-                    _num(a[key]["decode_tok_s"]),
+                    fmt(a[key]["decode_tok_s"]),
                     raw,
                     _ratio(a[ratio_key], target),
                 )
@@ -50,8 +54,8 @@ def markdown(results: dict[str, Any]) -> str:
                 (
                     f"(b) batch {row['batch']}",
                     "decode tok/s, Execute vs BatchGenerator",
-                    _num(row["execute"]["decode_tok_s"]),
-                    _num(row["batch_generator"]["decode_tok_s"]),
+                    fmt(row["execute"]["decode_tok_s"]),
+                    fmt(row["batch_generator"]["decode_tok_s"]),
                     _ratio(row["ratio_execute_vs_batch_generator"], ">= 1.0"),
                 )
             )
@@ -62,7 +66,7 @@ def markdown(results: dict[str, Any]) -> str:
             (
                 "(c) step overhead (tiny)",
                 "client wall - forward_ns, p50 / p99 ms",
-                f"{_num(over.get('p50_ms'), 3)} / {_num(over.get('p99_ms'), 3)}",
+                f"{fmt(over.get('p50_ms'), 3)} / {fmt(over.get('p99_ms'), 3)}",
                 "",
                 f"p50 target < {c['target_p50_ms']} ms",
             )
@@ -71,7 +75,7 @@ def markdown(results: dict[str, Any]) -> str:
             (
                 "(c) worker-internal (tiny)",
                 "total_ns - forward_ns, p50 / p99 ms",
-                f"{_num(inner.get('p50_ms'), 3)} / {_num(inner.get('p99_ms'), 3)}",
+                f"{fmt(inner.get('p50_ms'), 3)} / {fmt(inner.get('p99_ms'), 3)}",
                 "",
                 "",
             )
@@ -82,7 +86,7 @@ def markdown(results: dict[str, Any]) -> str:
                 (
                     "(c) step overhead, ExecuteStream depth 2 (tiny)",
                     "time between replies - forward_ns, p50 / p99 ms",
-                    f"{_num(ahead.get('p50_ms'), 3)} / {_num(ahead.get('p99_ms'), 3)}",
+                    f"{fmt(ahead.get('p50_ms'), 3)} / {fmt(ahead.get('p99_ms'), 3)}",
                     "",
                     f"p50 < {c['target_p50_ms']} ms, p99 < {c['target_p99_ms_stream']} ms",
                 )
@@ -92,8 +96,8 @@ def markdown(results: dict[str, Any]) -> str:
             (
                 "(c) where it goes (tiny)",
                 "p50 ms: same step in-process (no gRPC) / empty Execute / CheckHealth",
-                f"{_num(local.get('p50_ms'), 3)} / {_num(empty.get('p50_ms'), 3)}"
-                f" / {_num(c['checkhealth_round_trip'].get('p50_ms'), 3)}",
+                f"{fmt(local.get('p50_ms'), 3)} / {fmt(empty.get('p50_ms'), 3)}"
+                f" / {fmt(c['checkhealth_round_trip'].get('p50_ms'), 3)}",
                 "",
                 "",
             )
@@ -104,9 +108,9 @@ def markdown(results: dict[str, Any]) -> str:
             (
                 f"(d) seeds' re-prefill ({d['model']})",
                 f"end-to-end tok/s, {d['generated_tokens']} tokens: Execute vs re-prefill",
-                _num(d["execute_grpc"]["e2e_tok_s"], 1),
-                _num(d["reprefill_no_cache"]["e2e_tok_s"], 1),
-                f"{_num(d['speedup_execute_vs_reprefill_e2e'])}x speed-up",
+                fmt(d["execute_grpc"]["e2e_tok_s"], 1),
+                fmt(d["reprefill_no_cache"]["e2e_tok_s"], 1),
+                f"{fmt(d['speedup_execute_vs_reprefill_e2e'])}x speed-up",
             )
         )
     if "e" in s:
@@ -116,9 +120,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"(e) TTFT, {e['prompt_tokens']}-token prompt",
                 f"seconds: chunked ({e['chunk_tokens']}/step, {e['chunked']['steps']} steps)"
                 " vs unchunked (1 step)",
-                _num(e["chunked"]["ttft_s"]),
-                _num(e["unchunked"]["ttft_s"]),
-                f"{_num(e['ratio_chunked_vs_unchunked_ttft'], 3)} (chunked/unchunked)",
+                fmt(e["chunked"]["ttft_s"]),
+                fmt(e["unchunked"]["ttft_s"]),
+                f"{fmt(e['ratio_chunked_vs_unchunked_ttft'], 3)} (chunked/unchunked)",
             )
         )
     if "f" in s:
@@ -128,9 +132,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"(f) TTFT, {f['prefix_tokens']}-token cached prefix",
                 f"ms: cold (cache reset) vs warm ({f['suffix_tokens']}-token suffix computed, "
                 f"{f['warm_num_cached_prompt_tokens']} tokens cached)",
-                _num(f["warm_ttft_ms"], 1),
-                _num(f["cold_ttft_ms"], 1),
-                f"{_num(f['ratio_cold_vs_warm'], 1)}x cold/warm (>= {f['target_ratio']:g}x)",
+                fmt(f["warm_ttft_ms"], 1),
+                fmt(f["cold_ttft_ms"], 1),
+                f"{fmt(f['ratio_cold_vs_warm'], 1)}x cold/warm (>= {f['target_ratio']:g}x)",
             )
         )
     if "g" in s:
@@ -145,11 +149,11 @@ def markdown(results: dict[str, Any]) -> str:
                     f"completed tok/s, {g['requests']} concurrent requests x "
                     f"{g['tokens_per_request']} tokens through FleetService.Generate, "
                     f"{g['cpu_count']} CPUs",
-                    _num(run["tok_s"], 1),
-                    "" if one is None or run is one else _num(one["tok_s"], 1),
+                    fmt(run["tok_s"], 1),
+                    "" if one is None or run is one else fmt(one["tok_s"], 1),
                     ""
                     if run["speedup_vs_1_worker"] is None or run is one
-                    else f"{_num(run['speedup_vs_1_worker'])}x vs 1 worker",
+                    else f"{fmt(run['speedup_vs_1_worker'])}x vs 1 worker",
                 )
             )
     if "h" in s:
@@ -162,10 +166,10 @@ def markdown(results: dict[str, Any]) -> str:
                     f"(h) structured outputs, {steps} decode step{'s' if steps > 1 else ''} "
                     "a call (tiny)",
                     f"decode tok/s, {h['batch']} rows x {h['tokens_per_request']} tokens, "
-                    f"all under JSON schemas vs free; mask {_num(run['mask_ms_per_step'], 3)} "
+                    f"all under JSON schemas vs free; mask {fmt(run['mask_ms_per_step'], 3)} "
                     "ms a step",
-                    _num(run["constrained_tok_s"], 1),
-                    _num(run["free_tok_s"], 1),
+                    fmt(run["constrained_tok_s"], 1),
+                    fmt(run["free_tok_s"], 1),
                     _ratio(run["ratio_constrained_vs_free"], target),
                 )
             )
@@ -173,10 +177,10 @@ def markdown(results: dict[str, Any]) -> str:
         rows.append(
             (
                 "(h) grammar compile",
-                f"ms per JSON schema ({c['schemas']}): cold median (max {_num(c['cold_ms_max'])})"
-                f" vs cached; tokenizer conversion {_num(c['tokenizer_conversion_ms'], 0)} ms once",
-                _num(c["cold_ms_median"], 2),
-                _num(c["cached_ms_median"], 4),
+                f"ms per JSON schema ({c['schemas']}): cold median (max {fmt(c['cold_ms_max'])})"
+                f" vs cached; tokenizer conversion {fmt(c['tokenizer_conversion_ms'], 0)} ms once",
+                fmt(c["cold_ms_median"], 2),
+                fmt(c["cached_ms_median"], 4),
                 "",
             )
         )
@@ -197,8 +201,8 @@ def _stream_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 f"(g) fleet, {unary['workers']} worker (tiny)",
                 f"completed tok/s, ExecuteStream 1 step ahead vs unary Execute, "
                 f"{g['requests']} concurrent requests, one token a step",
-                _num(same["tok_s"], 1),
-                _num(unary["tok_s"], 1),
+                fmt(same["tok_s"], 1),
+                fmt(unary["tok_s"], 1),
                 _ratio(g["ratio_stream_vs_unary"], f">= {g['target_ratio_stream_vs_unary']}"),
             )
         )
@@ -211,8 +215,8 @@ def _stream_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"(i) batch {row['batch']} (tiny)",
                     f"decode tok/s, ExecuteStream 1 step/call depth {h['depth']} vs Execute "
                     f"{h['decode_steps']} steps/call (tokens match: {row['tokens_match']})",
-                    _num(row[f"stream_depth{h['depth']}_one_step"]["decode_tok_s"], 1),
-                    _num(multi["decode_tok_s"], 1),
+                    fmt(row[f"stream_depth{h['depth']}_one_step"]["decode_tok_s"], 1),
+                    fmt(multi["decode_tok_s"], 1),
                     _ratio(row["ratio_stream_vs_multi_step"], ">= 0.9"),
                 )
             )
@@ -260,8 +264,8 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         (
             f"(j) batch {d['batch']}",
             "decode tok/s, 8-bit KV vs float16 KV",
-            _num(d["kv8_decode_tok_s"], 1),
-            _num(d["float_decode_tok_s"], 1),
+            fmt(d["kv8_decode_tok_s"], 1),
+            fmt(d["float_decode_tok_s"], 1),
             _ratio(d["ratio_kv8_vs_float"], f">= {d['target_ratio']}"),
         )
     )
@@ -274,131 +278,9 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"(j) quality {width}-bit",
                     f"share of {q['prompts']} x {q['tokens_per_prompt']} greedy tokens equal to "
                     f"float16 KV's ({how})",
-                    _num(q[f"kv{width}_{key}"], 3),
+                    fmt(q[f"kv{width}_{key}"], 3),
                     "1",
                     target,
                 )
             )
     return rows
-
-
-def panels(results: dict[str, Any]) -> list[Panel]:
-    s = results["sections"]
-    more = [lora.report_panel(s["k"])] if "k" in s else []
-    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else []) + more
-
-
-def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:
-    out: list[Panel] = []
-    if "a" in s or "b" in s:
-        bars: list[Bar] = []
-        if "a" in s:
-            a = s["a"]
-            for key, name in (("generate", "Generate"), ("execute", "Execute")):
-                value = a[f"ratio_{key}_vs_raw"]
-                bars.append(Bar(f"(a) {name} / stream_generate", value, _num(value, 3)))
-        if "b" in s:
-            for row in s["b"]["rows"]:
-                value = row["ratio_execute_vs_batch_generator"]
-                bars.append(Bar(f"(b) B={row['batch']} Execute / BatchGen", value, _num(value, 3)))
-        out.append(
-            Panel("Decode tokens/s ratio, worker / mlx-lm", bars, 1.0, ">= 1.0 (A: >= 0.95)")
-        )
-    if "c" in s:
-        c = s["c"]
-        over, inner = c["overhead_wall_minus_forward"], c["worker_internal_total_minus_forward"]
-        pairs = [
-            ("(c) wall - forward p50", over.get("p50_ms")),
-            ("(c) wall - forward p99", over.get("p99_ms")),
-            ("(c) total - forward p50", inner.get("p50_ms")),
-            ("(c) total - forward p99", inner.get("p99_ms")),
-            ("(c) in-process wall - fwd p50", c["in_process_wall_minus_forward"].get("p50_ms")),
-            ("(c) empty Execute RTT p50", c["empty_execute_round_trip"].get("p50_ms")),
-        ]
-        bars = [Bar(label, v, f"{_num(v, 3)} ms") for label, v in pairs]
-        out.append(Panel("Execute step overhead, tiny model (ms)", bars, 0.5, "P50 < 0.5 MS"))
-    if "d" in s:
-        d = s["d"]
-        bars = [
-            Bar("(d) Execute", d["execute_grpc"]["e2e_tok_s"], "", WORKER),
-            Bar("(d) mlx-lm generate_step", d["mlx_lm_generate_step"]["e2e_tok_s"], "", BASELINE),
-            Bar("(d) re-prefill, no cache", d["reprefill_no_cache"]["e2e_tok_s"], "", BASELINE),
-        ]
-        for bar in bars:
-            bar.text = f"{_num(bar.value, 1)} tok/s"
-        out.append(Panel(f"Tiny model, {d['generated_tokens']} tokens, end to end", bars))
-    if "e" in s:
-        e = s["e"]
-        bars = [
-            Bar(f"(e) chunked ({e['chunk_tokens']}/step)", e["chunked"]["ttft_s"], ""),
-            Bar("(e) unchunked (1 step)", e["unchunked"]["ttft_s"], ""),
-        ]
-        for bar in bars:
-            bar.text = f"{_num(bar.value, 2)} s"
-        out.append(Panel(f"Time to first token, {e['prompt_tokens']}-token prompt", bars))
-    if "f" in s:
-        f = s["f"]
-        bars = [
-            Bar("(f) warm (prefix cached)", f["warm_ttft_ms"], "", WORKER),
-            Bar("(f) cold (prefix cache reset)", f["cold_ttft_ms"], "", BASELINE),
-        ]
-        for bar in bars:
-            bar.text = f"{_num(bar.value, 1)} ms"
-        bars[0].text += f" ({_num(f['ratio_cold_vs_warm'], 1)}x faster)"
-        title = f"TTFT, {f['prefix_tokens']}-token shared prefix + {f['suffix_tokens']} tokens"
-        out.append(Panel(title, bars))
-    if "g" in s:
-        g = s["g"]
-        bars = []
-        for run in g["runs"]:
-            plural = "s" if run["workers"] > 1 else ""
-            text = f"{_num(run['tok_s'], 1)} tok/s"
-            bars.append(Bar(f"(g) {run['workers']} worker{plural}", run["tok_s"], text))
-        title = (
-            f"Fleet throughput, {g['requests']} x {g['tokens_per_request']} tokens, "
-            f"tiny model, {g['cpu_count']} CPUs"
-        )
-        out.append(Panel(title, bars))
-    out.extend(
-        make(s[key]) for key, make in (("h", _structured_panel), ("i", _stream_panel)) if key in s
-    )
-    return out
-
-
-def _kv_panel(j: dict[str, Any]) -> Panel:
-    """Section (j)'s ratios: bytes per block, decode speed, tokens equal to float16 KV's."""
-    bars = []
-    for bits in ("8", "4"):
-        value = j["formats"][bits]["bytes_ratio_vs_float"]
-        bars.append(Bar(f"(j) {bits}-bit bytes/block / float16", value, _num(value, 3)))
-    value = j["decode"]["ratio_kv8_vs_float"]
-    bars.append(Bar(f"(j) B={j['decode']['batch']} decode 8-bit / float16", value, _num(value, 3)))
-    for bits in ("8", "4"):
-        value = j["quality"][f"kv{bits}_share_equal"]
-        bars.append(Bar(f"(j) {bits}-bit tokens equal to float16", value, _num(value, 3)))
-    return Panel("Quantized KV against float16 KV, SmolLM2 float16", bars)
-
-
-def _stream_panel(i: dict[str, Any]) -> Panel:
-    """Section (i): ExecuteStream against multi-step Execute, one bar a batch size."""
-    bars = []
-    for row in i["rows"]:
-        value = row["ratio_stream_vs_multi_step"]
-        label = f"(i) B={row['batch']} stream / {i['decode_steps']} steps"
-        bars.append(Bar(label, value, _num(value, 3)))
-    title = (
-        f"Decode tok/s, ExecuteStream (depth {i['depth']}) / Execute with "
-        f"{i['decode_steps']} steps a call, {i['generated_tokens_per_request']} tokens, tiny"
-    )
-    target = i["target_ratio_stream_vs_multi_step"]
-    return Panel(title, bars, target, f">= {target}")
-
-
-def _structured_panel(h: dict[str, Any]) -> Panel:
-    """Section (h): constrained rows against free ones, at 1 and 8 steps a call."""
-    bars = []
-    for steps in (1, 8):
-        value = h[f"decode_steps_{steps}"]["ratio_constrained_vs_free"]
-        bars.append(Bar(f"(h) {steps} step(s) a call", value, _num(value, 3)))
-    title = f"Decode tok/s, {h['batch']} rows under JSON schemas / free, tiny model"
-    return Panel(title, bars, h["target_ratio"], f">= {h['target_ratio']}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import chart, report
+from benchmarks import chart, report, report_panels
 from benchmarks.common import (
     RESULTS,
     build_tiny,
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     png_path = args.out / f"{stem}.png"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     subtitle = f"{machine_name()}, {results['date']}, run {results['run_seconds']} s"
-    chart.draw("mlx-worker-svc benchmarks", subtitle, report.panels(results), png_path)
+    chart.draw("mlx-worker-svc benchmarks", subtitle, report_panels.panels(results), png_path)
     print(report.markdown(results))
     print(f"\nrun time {results['run_seconds']} s; wrote {json_path} and {png_path}")
     return 0

@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.common import Worker, ratio
 from benchmarks.execute_client import run_execute
-from mlx_worker_svc.core.domain import StructuredOutputs
+from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _INT = {"type": "integer", "minimum": 0, "maximum": 999}

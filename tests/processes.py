@@ -250,6 +250,16 @@ def run_streams(stub: Any, requests: list[pb.GenerateRequest]) -> list[Stream]:
     return streams
 
 
+def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
+    """The token ids of a Generate stream's messages, in order."""
+    return [token for message in messages for token in message.token_ids]
+
+
+def text_of(messages: list[pb.GenerateResponse]) -> str:
+    """The text of a Generate stream's messages, joined."""
+    return "".join(message.text for message in messages)
+
+
 def token_request(prompt: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=prompt,

@@ -1,10 +1,11 @@
-"""Plain domain types shared by the servicer, the worker and the engine.
+"""The engine's contract: a step in, its outputs out, and the KV it runs on.
 
-These dataclasses are what crosses layer boundaries: the servicer converts
-protobuf messages into them (convert.py), the worker and engine work on them,
-and nothing here knows about protobuf or MLX. Range checks that need no model
-(sampling parameter bounds) live here too, so every caller gets the same
-messages naming the offending field.
+These dataclasses cross layer boundaries: the servicer converts protobuf messages
+into them (rpc/convert.py), the worker and the engine work on them, and nothing here
+knows about protobuf or MLX. Range checks that need no model (sampling bounds) live
+here too, so every caller gets the same messages naming the offending field. The
+worker's own reports are in `reports.py`, the Generate call's types in `generate.py`,
+structured-output specs in `structured_outputs.py`.
 """
 
 from __future__ import annotations
@@ -14,36 +15,17 @@ import math
 from dataclasses import dataclass, field
 
 from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
 # Most decode steps one Execute call may run (ExecuteRequest.num_decode_steps).
 MAX_DECODE_STEPS = 64
 
 
-class WorkerState(enum.Enum):
-    NEW = "NEW"
-    DEVICE_READY = "DEVICE_READY"
-    MODEL_LOADED = "MODEL_LOADED"
-    MEMORY_PROFILED = "MEMORY_PROFILED"
-    READY = "READY"
-    SERVING = "SERVING"
-    SLEEPING = "SLEEPING"
-    DRAINING = "DRAINING"
-    STOPPED = "STOPPED"
-
-
 class DeviceKind(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
     GPU = "gpu"
-
-
-class Parallelism(enum.Enum):
-    """How a model is split over a worker group's ranks."""
-
-    NONE = "none"  # one process holds the whole model
-    TENSOR = "tensor"  # every rank holds a slice of every layer
-    PIPELINE = "pipeline"  # every rank holds a run of whole layers
 
 
 class FinishReason(enum.Enum):
@@ -69,42 +51,6 @@ class Origin(enum.Enum):
     # Enum's own __hash__ is Python code, the identity hash is C (members are
     # singletons, and Enum equality is identity).
     __hash__ = object.__hash__
-
-
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark_grammar", "gbnf_grammar")
-_JSON_KINDS = ("json_schema", "json_object")
-
-
-@dataclass(frozen=True)
-class StructuredOutputs:
-    """What a request's output must be (proto StructuredOutputs); hashable, a cache key.
-
-    `kind` is one of STRUCTURED_KINDS; `text` holds the schema, regex or
-    grammar (empty for json_object), `choices` the strings of a choice.
-    """
-
-    kind: str
-    text: str = ""
-    choices: tuple[str, ...] = ()
-    disable_any_whitespace: bool = False
-
-    def validate(self, where: str) -> None:
-        """Raises InvalidArgument naming `where.<field>` for a spec that cannot be compiled."""
-        if self.kind not in STRUCTURED_KINDS:
-            raise InvalidArgument(f"{where}: set one of {', '.join(STRUCTURED_KINDS)}")
-        if self.kind == "choice":
-            if not self.choices:
-                raise InvalidArgument(f"{where}.choice.choices is empty; give at least one")
-            for i, choice in enumerate(self.choices):
-                if not choice:
-                    raise InvalidArgument(f"{where}.choice.choices[{i}] is empty")
-        elif self.kind != "json_object" and not self.text:
-            raise InvalidArgument(f"{where}.{self.kind} is empty")
-        if self.disable_any_whitespace and self.kind not in _JSON_KINDS:
-            raise InvalidArgument(
-                f"{where}.disable_any_whitespace applies to json_schema and json_object only, "
-                f"not {self.kind}"
-            )
 
 
 @dataclass(frozen=True)
@@ -254,78 +200,6 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class GroupRank:
-    """One process of a worker group, as InitDevice and GetInfo report it."""
-
-    rank: int
-    host: str
-    local_rank: int
-    pid: int
-    device_name: str
-    total_memory_bytes: int
-    recommended_working_set_bytes: int
-    weight_bytes: int = 0
-    """Bytes of the model shard this rank holds (0 before LoadModel)."""
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    kind: DeviceKind
-    name: str
-    total_memory_bytes: int
-    recommended_working_set_bytes: int
-    mlx_version: str
-    mlx_lm_version: str
-    platform: str
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    backend: str = ""
-    """The mx.distributed backend of a worker group ("" for one process)."""
-    ranks: tuple[GroupRank, ...] = ()
-
-
-@dataclass(frozen=True)
-class Quantization:
-    bits: int = 0
-    group_size: int = 0
-    mode: str = ""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str
-    model_path: str
-    model_type: str
-    vocab_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    max_context_length: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int
-    quantization: Quantization
-    weight_bytes: int
-    dtype: str
-    has_chat_template: bool
-    adapter_path: str = ""
-    parallelism: Parallelism = Parallelism.NONE
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """What LoadModel was asked for; equal specs make LoadModel a no-op."""
-
-    model: str
-    adapter_path: str = ""
-    max_model_len: int = 0
-    revision: str = ""
-    trust_remote_code: bool = False
-
-
-@dataclass(frozen=True)
 class KVFormat:
     """How KV is stored: `bits` 0 is the model's float dtype, else mlx-lm's quantized KV.
 
@@ -382,14 +256,6 @@ class KVUsage:
 
 
 @dataclass(frozen=True)
-class MemoryUsage:
-    active_bytes: int = 0
-    peak_bytes: int = 0
-    cache_bytes: int = 0
-    limit_bytes: int = 0
-
-
-@dataclass(frozen=True)
 class CacheConfig:
     """What InitCache set: the KV budget, the prefix cache, the memory limit."""
 
@@ -398,66 +264,3 @@ class CacheConfig:
     prefix_caching: bool
     memory_limit_bytes: int
     kv: KVFormat = FLOAT_KV  # float, or quantized KV (InitCacheRequest.kv_bits)
-
-
-@dataclass(frozen=True)
-class SleepReport:
-    state: WorkerState
-    level: int
-    num_aborted: int
-    freed_bytes: int
-    worker_epoch: int
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-    tool_calls_json: str = ""  # an assistant's calls: a JSON array (OpenAI's shape)
-    tool_call_id: str = ""  # a tool message: the call it answers
-    name: str = ""  # a tool message: the function's name
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """A Generate call after conversion: exactly one prompt form is set."""
-
-    request_id: str
-    prompt: str = ""
-    messages: tuple[ChatMessage, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    skip_special_tokens: bool = True
-    tools_json: str = ""  # with messages: the tools given to the chat template
-    model: str = ""  # empty: the loaded model; else it must name it (GenerateRequest.model)
-    lora_name: str = ""  # the adapter it runs with; empty: the base model
-
-
-@dataclass
-class GenerateChunk:
-    """One message of a Generate stream."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class HealthReport:
-    state: WorkerState
-    healthy: bool
-    num_running_requests: int
-    num_preempted_requests: int
-    kv: KVUsage
-    last_error: str
-    worker_epoch: int
-    deep_check_ns: int
-    uptime_seconds: float
-    memory: MemoryUsage
-    bringing_up: bool = False
-    """The worker is taking itself through its lifecycle (serve --auto-init)."""

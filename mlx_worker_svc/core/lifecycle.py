@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from mlx_worker_svc.core.domain import DeviceKind, WorkerState
+from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from mlx_worker_svc.core.reports import WorkerState
 
 S = WorkerState
 ORDER = (S.NEW, S.DEVICE_READY, S.MODEL_LOADED, S.MEMORY_PROFILED, S.READY, S.SERVING)

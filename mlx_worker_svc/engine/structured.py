@@ -34,8 +34,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan, StructuredOutputs
+from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
 from mlx_worker_svc.core.errors import Internal, InvalidArgument
+from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 
 RequestKey = tuple[Origin, str]
 

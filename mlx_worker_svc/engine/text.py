@@ -14,8 +14,8 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.core.domain import ChatMessage
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
+from mlx_worker_svc.core.generate import ChatMessage
 
 ROLES = ("system", "user", "assistant", "tool")
 # A chat template that renders tools reads the `tools` variable somewhere.

@@ -6,7 +6,7 @@ Imports client, core, grpc and the generated code, and rpc's edge modules
 process never loads MLX.
 """
 
-from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.config import FleetConfig, LinkConfig
 from mlx_worker_svc.fleet.errors import (
     BadRequest,
     ContextTooLong,
@@ -18,7 +18,7 @@ from mlx_worker_svc.fleet.errors import (
     Overloaded,
 )
 from mlx_worker_svc.fleet.models import ModelCatalog
-from mlx_worker_svc.fleet.scheduler import FleetConfig, FleetScheduler
+from mlx_worker_svc.fleet.scheduler import FleetScheduler
 
 __all__ = [
     "BadRequest",

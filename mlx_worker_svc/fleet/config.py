@@ -1,10 +1,15 @@
-"""How the fleet drives each worker: batching, probes, deadlines (`LinkConfig`)."""
+"""How the fleet drives each worker (`LinkConfig`: batching, probes, deadlines) and
+queues and routes requests over them (`FleetConfig`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from mlx_worker_svc.client.worker import ClientConfig
+
+Routing = Literal["prefix", "least-loaded"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +54,16 @@ class LinkConfig:
     def detection_seconds(self) -> float:
         """The longest a hung worker keeps its requests."""
         return self.probe_misses * (self.probe_interval + self.probe_timeout)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    link: LinkConfig = field(default_factory=LinkConfig)
+    queue_capacity: int = 256
+    routing: Routing = "prefix"
+    affinity_tokens: int = 256
+    # How long a request may wait for a worker of its model to be up before it
+    # fails (a configured model waits as long as some worker is up or loading).
+    no_worker_timeout: float = 30.0
+    # The models to load on demand, name -> path (`fleet --models NAME=PATH`).
+    models: Mapping[str, str] = field(default_factory=dict)

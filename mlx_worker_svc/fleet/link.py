@@ -23,33 +23,31 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
-
-import grpc
 
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.bring_up import drive_up
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.models import ModelCatalog
-from mlx_worker_svc.fleet.pipeline import Pipeline, Sent
+from mlx_worker_svc.fleet.pipeline import Pipeline, views_of
 from mlx_worker_svc.fleet.probe import Prober
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.fleet.step_outcome import (
+    Queues,
+    apply_outputs,
+    refuse_step,
+    undo_step,
+    worker_lost,
+)
 from mlx_worker_svc.fleet.step_plan import KVRoom, decode_steps, plan_step
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# How the worker names a field of one new request of a step.
-_NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
-# Codes that mean the worker (not the request) is gone or restarted.
-WORKER_DOWN = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
 _BringUp = Literal["up", "starting", "down"]
 
 
@@ -91,6 +89,7 @@ class WorkerLink:
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
         self.to_free: list[str] = []
+        self._queues = Queues(self.waiting, self.running, self.to_free)
         self.stats = fleet_pb2.WorkerStatus(target=target)
         self.last_error = ""
         self._on_lost, self._on_up, self._emit = on_lost, on_up, emit
@@ -295,19 +294,10 @@ class WorkerLink:
     def _in_flight(self) -> int:
         return len(self._pipe.in_flight) if self._pipe is not None else 0
 
-    def _views(self) -> dict[str, tuple[int, int]]:
-        """(computed, length) of each running request once the steps in flight are done."""
-        pipe, views = self._pipe, {}
-        for worker_id, r in self.running.items():
-            view = pipe.view(r) if pipe is not None else (r.computed, len(r.tokens))
-            if view is not None:  # None: a chunk of it is in flight
-                views[worker_id] = view
-        return views
-
     def _plan(
         self, views: dict[str, tuple[int, int]]
     ) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
-        """The next step (step_plan.py); `views` (from `_views`) gains the requests it starts."""
+        """The next step (step_plan.py); `views` (from `views_of`) gains the requests it starts."""
         request = pb.ExecuteRequest(step_id=self._step_id, worker_epoch=self.epoch)
         self._step_id += 1
         request.finished_req_ids.extend(self.to_free)
@@ -334,7 +324,7 @@ class WorkerLink:
         return request, started
 
     async def _step(self) -> None:
-        request, started = self._plan(self._views())
+        request, started = self._plan(views_of(self._pipe, self.running))
         if not request.num_scheduled_tokens and not request.finished_req_ids:
             # Nothing fits: wait for room (a finish) or new work, probing meanwhile.
             await self._idle()
@@ -361,7 +351,7 @@ class WorkerLink:
         pipe = self._pipe
         assert pipe is not None
         if pipe.room:
-            views = self._views()
+            views = views_of(self._pipe, self.running)
             request, started = self._plan(views)
             if request.num_scheduled_tokens or request.finished_req_ids:
                 try:
@@ -382,23 +372,14 @@ class WorkerLink:
             pipe.settled(failed=False)
             await self._deliver(reply.result)
         elif pipe.settled(failed=True):  # it counted on an earlier failed step: plan it again
-            self._undo(sent)
+            undo_step(sent.request, sent.started, self._queues)
         else:
             self._step_failed(error, sent.request, sent.started)
-
-    def _undo(self, sent: Sent) -> None:
-        """A step that failed behind an earlier failure changed nothing: plan it again."""
-        self.to_free.extend(sent.request.finished_req_ids)
-        for r in reversed(sent.started):
-            self.running.pop(r.worker_id, None)
-            r.attempt -= 1
-            r.phase = Phase.QUEUED
-            self.waiting.insert(0, r)
 
     async def _deliver(self, response: pb.ExecuteResponse) -> None:
         """Takes a step's outputs, streams them, and frees requests that hit a stop."""
         self.last_used = time.monotonic()
-        touched = self._apply(response)
+        touched = apply_outputs(response, self.running, self.stats)
         stopped = await asyncio.gather(*(self._emit(self, r) for r in touched))
         for r, stop in zip(touched, stopped, strict=True):
             if stop and self.running.pop(r.worker_id, None) is not None:
@@ -407,79 +388,7 @@ class WorkerLink:
     def _step_failed(
         self, exc: ClientError, request: pb.ExecuteRequest, started: list[FleetRequest]
     ) -> None:
-        stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in exc.details
-        if exc.code in WORKER_DOWN or stale:
+        if worker_lost(exc):
             self._lose_everything(f"{exc.code.name}: {exc.details}")
-            return
-        # The step changed nothing on the worker: undo it here too (an id the
-        # worker does not know is already free there).
-        if exc.code != grpc.StatusCode.NOT_FOUND:
-            self.to_free.extend(request.finished_req_ids)
-        for r in started:
-            self.running.pop(r.worker_id, None)
-            r.attempt -= 1
-        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (started or len(self.running) > 1):
-            # Out of KV or memory: put back the newest request (preempt it if running).
-            if started:
-                for r in reversed(started):
-                    r.phase = Phase.QUEUED
-                    self.waiting.insert(0, r)
-            else:
-                newest = list(self.running.values())[-1]
-                self._preempt(newest)
-            return
-        named = _NEW_REQUEST.match(exc.details)
-        if exc.code == grpc.StatusCode.INVALID_ARGUMENT and named and started:
-            # One new request's own field (a grammar that does not compile): fail
-            # only it, in its own terms; the others of the step start next time.
-            bad = started[min(int(named.group(1)), len(started) - 1)]
-            for r in reversed(started):
-                if r is not bad:
-                    r.phase = Phase.QUEUED
-                    self.waiting.insert(0, r)
-            started = [bad]
-            exc = ClientError(exc.code, exc.details[named.end() :], exc.method, exc.attempts)
-        # The worker refused the request itself (or the only one left): fail it.
-        # A refused step started nothing: only requests running before it are
-        # on the worker, to be freed there.
-        victims = started or list(self.running.values())
-        for r in victims:
-            self.running.pop(r.worker_id, None)
-            if not started:
-                self.to_free.append(r.worker_id)
-            r.phase = Phase.DONE
-            r.outbox.put_nowait(exc)
-
-    def _preempt(self, r: FleetRequest) -> None:
-        """Frees a running request's KV; it restarts later from prompt + tokens."""
-        self.running.pop(r.worker_id, None)
-        self.to_free.append(r.worker_id)
-        r.phase = Phase.PREEMPTED
-        self.waiting.insert(0, r)
-
-    def _apply(self, response: pb.ExecuteResponse) -> list[FleetRequest]:
-        """Takes a step's outputs; returns the requests with something to stream."""
-        touched: list[FleetRequest] = []
-        for out in response.outputs:
-            r = self.running.get(out.req_id)
-            if r is None:
-                continue
-            r.computed = out.num_computed_tokens
-            if not r.reported_cached:
-                r.reported_cached = True
-                if out.num_cached_prompt_tokens:
-                    self.stats.prefix_hits += 1
-                    self.stats.cached_prompt_tokens += out.num_cached_prompt_tokens
-                    if r.attempt == 1:
-                        r.cached_tokens = out.num_cached_prompt_tokens
-            r.generated.extend(out.sampled_token_ids)
-            r.logprobs.extend(out.logprobs)
-            if out.finish_reason:
-                # The worker has freed it already.
-                del self.running[out.req_id]
-                self.stats.num_finished += 1
-                r.phase = Phase.DONE
-                r.finish_reason = out.finish_reason
-            if out.sampled_token_ids or out.finish_reason:
-                touched.append(r)
-        return touched
+        else:
+            refuse_step(exc, request, started, self._queues)

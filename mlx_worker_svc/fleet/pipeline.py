@@ -126,3 +126,16 @@ class Pipeline:
         self._stream = None
         self.in_flight.clear()
         self.resyncing = False
+
+
+def views_of(pipe: Pipeline | None, running: dict[str, FleetRequest]) -> dict[str, tuple[int, int]]:
+    """(computed, length) of each running request once the steps in flight are done.
+
+    Without a pipeline (unary Execute) nothing is in flight: each request as it is.
+    """
+    views = {}
+    for worker_id, r in running.items():
+        view = pipe.view(r) if pipe is not None else (r.computed, len(r.tokens))
+        if view is not None:  # None: a chunk of it is in flight
+            views[worker_id] = view
+    return views

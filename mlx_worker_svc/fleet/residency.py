@@ -17,9 +17,10 @@ from collections.abc import Iterable, Iterator
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.fleet.errors import BadRequest, ModelNotFound
-from mlx_worker_svc.fleet.link import WORKER_DOWN, WorkerLink
+from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics
 from mlx_worker_svc.fleet.models import ModelCatalog, plan_loads
+from mlx_worker_svc.fleet.step_outcome import WORKER_DOWN
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 
 log = logging.getLogger(__name__)

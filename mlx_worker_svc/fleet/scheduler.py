@@ -1,10 +1,8 @@
 """The fleet scheduler: many workers behind one Generate.
 
 Requests are admitted into a bounded queue (past it, `Overloaded` at once),
-routed to a worker (`prefix`: requests sharing their first `affinity_tokens`
-tokens go where that prefix went before, so its KV is in that worker's prefix
-cache; otherwise, and in `least-loaded` mode, the worker with the least work),
-and streamed back as the worker's `GenerateResponse` messages. Stop strings
+routed to a worker (routing.py: prefix affinity or least-loaded), and
+streamed back as the worker's `GenerateResponse` messages. Stop strings
 are checked here on the detokenized text. A request whose worker dies
 continues on another from prompt + generated tokens; callers see no error.
 Each request logs a line, with its `req_id`, when it is admitted, moves to
@@ -21,13 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -35,37 +30,20 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.checks import check_fits, check_forms
-from mlx_worker_svc.fleet.config import LinkConfig
-from mlx_worker_svc.fleet.errors import (
-    LoadFailed,
-    NoWorkers,
-    Overloaded,
-)
+from mlx_worker_svc.fleet.config import FleetConfig
+from mlx_worker_svc.fleet.errors import LoadFailed, NoWorkers, Overloaded
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.residency import Residency
+from mlx_worker_svc.fleet.routing import Router
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
-Routing = Literal["prefix", "least-loaded"]
 # Outcomes that are finish reasons (a request that ended normally).
 _FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    link: LinkConfig = field(default_factory=LinkConfig)
-    queue_capacity: int = 256
-    routing: Routing = "prefix"
-    affinity_tokens: int = 256
-    # How long a request may wait for a worker of its model to be up before it
-    # fails (a configured model waits as long as some worker is up or loading).
-    no_worker_timeout: float = 30.0
-    # The models to load on demand, name -> path (`fleet --models NAME=PATH`).
-    models: Mapping[str, str] = field(default_factory=dict)
 
 
 class FleetScheduler:
@@ -89,8 +67,8 @@ class FleetScheduler:
         ]
         self._pending: list[tuple[float, FleetRequest]] = []
         self._where: dict[FleetRequest, WorkerLink] = {}
-        self._affinity: dict[int, WorkerLink] = {}
-        self._turn = itertools.count()
+        busy = self.config.link.max_num_seqs  # a full batch: prefix affinity yields past it
+        self._router = Router(self.config.routing, self.config.affinity_tokens, busy)
         self._tasks: list[asyncio.Task[None]] = []
         self._any_up = asyncio.Event()
         self.num_finished = 0
@@ -311,22 +289,10 @@ class FleetScheduler:
             return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
-        link = self._pick(r, up)
+        link = self._router.pick(r, up)
         self._where[r] = link
         log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
         link.assign(r, front=front)
-
-    def _pick(self, r: FleetRequest, up: list[WorkerLink]) -> WorkerLink:
-        turn = next(self._turn)
-        spread = min(up, key=lambda link: (link.load, (up.index(link) - turn) % len(up)))
-        if self.config.routing != "prefix" or len(r.prompt) < self.config.affinity_tokens:
-            return spread
-        key = hash((r.model, tuple(r.prompt[: self.config.affinity_tokens])))
-        home = self._affinity.get(key)
-        busy = self.config.link.max_num_seqs
-        if home is None or home not in up or home.load >= spread.load + busy:
-            self._affinity[key] = home = spread
-        return home
 
     def _on_up(self, link: WorkerLink) -> None:
         self._any_up.set()

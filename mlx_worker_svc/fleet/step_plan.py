@@ -4,7 +4,7 @@
 budget with prefill chunks, shortest first, and starts waiting requests while
 the KV budget (`KVRoom`) has room; `decode_steps` says how many decode steps
 one call may take. Both only read and move requests between the link's lists;
-the link sends the step and takes its outputs.
+the link sends the step, and step_outcome.py takes its reply.
 """
 
 from __future__ import annotations

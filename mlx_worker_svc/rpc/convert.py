@@ -12,28 +12,30 @@ from typing import cast
 from mlx_worker_svc.core.domain import (
     CacheConfig,
     CachedRequest,
-    DeviceInfo,
     DeviceKind,
     FinishReason,
-    HealthReport,
     KVUsage,
-    LoadSpec,
     MemoryProfile,
-    MemoryUsage,
-    ModelInfo,
     NewRequest,
-    Parallelism,
     RequestOutput,
     SamplingParams,
-    SleepReport,
     StepPlan,
     StepResult,
-    StructuredOutputs,
     TokenLogprobs,
-    WorkerState,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.core.reports import (
+    DeviceInfo,
+    HealthReport,
+    LoadSpec,
+    MemoryUsage,
+    ModelInfo,
+    Parallelism,
+    SleepReport,
+    WorkerState,
+)
+from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.worker.step_stream import StreamedStep
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
-from mlx_worker_svc.core.domain import WorkerState
 from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted
+from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.engine.lora.registry import AdapterSet
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model.loader import LoadedModel

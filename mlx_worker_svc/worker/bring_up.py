@@ -13,17 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_worker_svc.core.domain import (
-    FLOAT_KV,
-    CacheConfig,
-    DeviceInfo,
-    DeviceKind,
-    KVFormat,
-    LoadSpec,
-    MemoryProfile,
-    ModelInfo,
-)
+from mlx_worker_svc.core.domain import FLOAT_KV, CacheConfig, DeviceKind, KVFormat, MemoryProfile
 from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, ModelInfo
 from mlx_worker_svc.worker.worker import Worker
 
 

@@ -18,19 +18,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from mlx_worker_svc.core.domain import (
-    CacheConfig,
-    LoadSpec,
-    MemoryProfile,
-    ModelInfo,
-    Origin,
-    StructuredOutputs,
-    WorkerState,
-)
+from mlx_worker_svc.core.domain import CacheConfig, MemoryProfile, Origin
 from mlx_worker_svc.core.errors import FailedPrecondition, Internal, ResourceExhausted, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs, require
 from mlx_worker_svc.core.limits import AdmissionLimits
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.core.reports import LoadSpec, ModelInfo, WorkerState
+from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, GroupChannel, Watchdog
 from mlx_worker_svc.engine.group.replica import Replica
 from mlx_worker_svc.engine.memory import device as device_mod

@@ -14,9 +14,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 
-from mlx_worker_svc.core.domain import ChatMessage, GenerateChunk, GenerateSpec, WorkerState
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound
+from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.engine import text
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generation import GenerateStream

@@ -16,8 +16,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from mlx_worker_svc.core.domain import FinishReason, GenerateChunk, Origin, RequestOutput
+from mlx_worker_svc.core.domain import FinishReason, Origin, RequestOutput
 from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.core.generate import GenerateChunk
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.text import TextStream
 

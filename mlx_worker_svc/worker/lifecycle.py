@@ -17,16 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from mlx_worker_svc.core.domain import (
-    CacheConfig,
-    DeviceInfo,
-    LoadSpec,
-    MemoryProfile,
-    SleepReport,
-    WorkerState,
-)
+from mlx_worker_svc.core.domain import CacheConfig, MemoryProfile
 from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
+from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WorkerState
 from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard

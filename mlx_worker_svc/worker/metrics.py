@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mlx_worker_svc.core.domain import HealthReport, StepTimings, WorkerState
+from mlx_worker_svc.core.domain import StepTimings
 from mlx_worker_svc.core.limits import AdmissionLimits
 from mlx_worker_svc.core.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, ServerMetrics
+from mlx_worker_svc.core.reports import HealthReport, WorkerState
 
 PREFIX = "mlx_worker"
 

@@ -23,23 +23,14 @@ from pathlib import Path
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.domain import (
     CacheConfig,
-    ChatMessage,
-    DeviceInfo,
-    GenerateChunk,
-    GenerateSpec,
-    HealthReport,
     KVUsage,
-    LoadSpec,
     MemoryProfile,
-    MemoryUsage,
-    ModelInfo,
     Origin,
-    SleepReport,
     StepPlan,
     StepResult,
-    WorkerState,
 )
 from mlx_worker_svc.core.errors import FailedPrecondition
+from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.limits import AdmissionLimits
 from mlx_worker_svc.core.profiling import (
@@ -48,6 +39,15 @@ from mlx_worker_svc.core.profiling import (
     ProfileStarted,
     check_label,
     check_top,
+)
+from mlx_worker_svc.core.reports import (
+    DeviceInfo,
+    HealthReport,
+    LoadSpec,
+    MemoryUsage,
+    ModelInfo,
+    SleepReport,
+    WorkerState,
 )
 from mlx_worker_svc.engine.group.channel import GroupChannel
 from mlx_worker_svc.engine.memory import guard as memory_guard

@@ -1,55 +1,33 @@
-"""The client SDK: the tiny model through both clients, errors, retries, deadlines, the token."""
+"""The client SDK on a real worker: the tiny model through both clients, errors, cancelling.
+
+The transport (the token, retries, deadlines) against a fake worker is
+test_client_transport.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import pickle
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
+from client.sdk import MAX_TOKENS, PROMPT, generate_request
 from driver import greedy
 from grpc_health.v1 import health_pb2
 
-from mlx_worker_svc.client.worker import (
-    IDEMPOTENT_METHODS,
-    AsyncWorkerClient,
-    ClientConfig,
-    ClientError,
-    WorkerClient,
-)
+from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError, WorkerClient
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import SERVICE_NAME, WorkerServer
 
-PROMPT = [1, 2, 3, 4, 5]
-MAX_TOKENS = 8
-TOKEN = "s3cret"
-NOWHERE = "127.0.0.1:1"  # nothing listens there
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _fast(**fields: Any) -> ClientConfig:
-    """A config whose retries wait milliseconds, not seconds."""
-    return ClientConfig(backoff=0.01, max_backoff=0.02, **fields)
-
-
 def _target(server: WorkerServer) -> str:
     return f"127.0.0.1:{server.port}"
-
-
-def _generate_request(max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        prompt_token_ids=PROMPT, sampling_params=greedy(max_tokens, ignore_eos=True)
-    )
 
 
 class _OneRequestScheduler:
@@ -120,7 +98,7 @@ async def _async_session(target: str, model: Path) -> tuple[list[int], list[int]
             scheduler.record(await client.execute(scheduler.next_request()))
         generated: list[int] = []
         last = pb.GenerateResponse()
-        async for message in client.generate(_generate_request()):
+        async for message in client.generate(generate_request()):
             generated += message.token_ids
             last = message
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
@@ -146,7 +124,7 @@ def _sync_session(target: str, model: Path) -> tuple[list[int], list[int]]:
         while not scheduler.done:
             scheduler.record(client.execute(scheduler.next_request()))
         generated = [
-            t for message in client.generate(_generate_request()) for t in message.token_ids
+            t for message in client.generate(generate_request()) for t in message.token_ids
         ]
 
         for call, code in (
@@ -221,7 +199,7 @@ def test_a_failing_call_raises_client_error_with_its_code_and_method(
             client.health("no.such.Service")
         assert info.value.code == grpc.StatusCode.NOT_FOUND
         with pytest.raises(ClientError) as info:
-            next(client.generate(_generate_request()))
+            next(client.generate(generate_request()))
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert info.value.method == "Generate"
     with pytest.raises(RuntimeError, match="closed"):
@@ -252,7 +230,7 @@ def test_leaving_a_generate_stream_cancels_it_and_the_worker_frees_the_request(
 
     monkeypatch.setattr(ModelRunner, "run", slow_run)
     target = _target(server)
-    long_request = _generate_request(max_tokens=500)
+    long_request = generate_request(max_tokens=500)
 
     async def leave_early() -> bool:
         async with AsyncWorkerClient(target) as client:
@@ -283,191 +261,3 @@ def test_leaving_a_generate_stream_cancels_it_and_the_worker_frees_the_request(
             assert message.token_ids
             break
         assert _wait_idle(lambda: client.check_health().num_running_requests)
-
-
-# ------------------------------------------------------------ a fake worker
-
-
-class _FakeWorker(pb_grpc.WorkerServiceServicer):
-    """Counts calls; GetInfo fails `flaky` times, Execute always, CheckHealth is slow."""
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-        self.flaky = 0
-        self.release = threading.Event()
-
-    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        self.calls["GetInfo"] += 1
-        if self.calls["GetInfo"] <= self.flaky:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
-        return pb.GetInfoResponse(worker_epoch=7)
-
-    def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        self.calls["CheckHealth"] += 1
-        self.release.wait(10)
-        return pb.CheckHealthResponse(healthy=True)
-
-    def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        self.calls["Execute"] += 1
-        if request.step_id == 1:
-            self.release.wait(10)
-        context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
-
-    def Generate(  # noqa: N802
-        self, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        self.calls["Generate"] += 1
-        for token in range(3):
-            yield pb.GenerateResponse(token_ids=[token])
-
-
-class _RequireToken(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Aborts UNAUTHENTICATED unless `authorization: Bearer TOKEN` came along."""
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        if handler is None or (("authorization", f"Bearer {TOKEN}") in details.invocation_metadata):
-            return handler
-
-        def deny(request: bytes, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
-@pytest.fixture
-def fake() -> Iterator[tuple[str, _FakeWorker]]:
-    servicer = _FakeWorker()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=[_RequireToken()])
-    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
-    servicer.release.set()
-    server.stop(None).wait()
-
-
-def test_the_token_travels_on_every_call(fake: tuple[str, _FakeWorker]) -> None:
-    target, servicer = fake
-
-    async def calls() -> None:
-        async with AsyncWorkerClient(target, _fast(token=TOKEN)) as client:
-            assert (await client.get_info()).worker_epoch == 7
-            tokens = [t async for m in client.generate(_generate_request()) for t in m.token_ids]
-            assert tokens == [0, 1, 2]
-        for config in (_fast(), _fast(token="wrong")):
-            async with AsyncWorkerClient(target, config) as client:
-                with pytest.raises(ClientError) as info:
-                    await client.get_info()
-                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-                assert info.value.method == "GetInfo" and info.value.attempts == 1
-                with pytest.raises(ClientError) as info:
-                    async for _ in client.generate(_generate_request()):
-                        pass
-                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-
-    asyncio.run(calls())
-    with WorkerClient(target, _fast(token=TOKEN)) as client:
-        assert client.get_info().worker_epoch == 7
-        assert [m.token_ids[0] for m in client.generate(_generate_request())] == [0, 1, 2]
-    assert servicer.calls == Counter(GetInfo=2, Generate=2)
-
-
-def test_idempotent_calls_are_retried_on_unavailable_and_the_rest_tried_once(
-    fake: tuple[str, _FakeWorker], caplog: pytest.LogCaptureFixture
-) -> None:
-    expected = {
-        "InitDevice",
-        "LoadModel",
-        "DetermineMemory",
-        "InitCache",
-        "WarmUp",
-        "CheckHealth",
-        "GetInfo",
-        "Tokenize",
-        "Detokenize",
-        "WakeUp",
-        "ResetPrefixCache",
-        "PinLora",
-        "ListLoras",
-        "Health.Check",
-    }
-    assert expected == IDEMPOTENT_METHODS
-    target, servicer = fake
-    servicer.flaky = 2
-    caplog.set_level(logging.INFO, logger="mlx_worker_svc.client.worker")
-
-    async def calls() -> None:
-        async with AsyncWorkerClient(target, _fast(token=TOKEN, retries=3)) as client:
-            assert (await client.get_info()).worker_epoch == 7  # third attempt
-            with pytest.raises(ClientError) as info:
-                await client.execute(pb.ExecuteRequest())
-            assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 1
-
-    asyncio.run(calls())
-    assert servicer.calls == Counter(GetInfo=3, Execute=1)
-    retries = [r.getMessage() for r in caplog.records if r.name == "mlx_worker_svc.client.worker"]
-    assert len(retries) == 2 and all(m.startswith("GetInfo") for m in retries)
-
-
-def test_nothing_listening_is_unavailable_after_the_configured_retries() -> None:
-    config = _fast(retries=2)
-
-    async def calls() -> tuple[ClientError, ClientError]:
-        async with AsyncWorkerClient(NOWHERE, config) as client:
-            with pytest.raises(ClientError) as info:
-                await client.get_info()
-            with pytest.raises(ClientError) as execute:
-                await client.execute(pb.ExecuteRequest())
-            return info.value, execute.value
-
-    start = time.monotonic()
-    info, execute = asyncio.run(calls())
-    assert time.monotonic() - start < 10
-    assert info.code == execute.code == grpc.StatusCode.UNAVAILABLE
-    assert info.attempts == 3 and "after 3 attempts" in str(info)
-    assert execute.attempts == 1 and execute.method == "Execute"
-
-    with WorkerClient(NOWHERE, _fast(retries=1)) as client:
-        with pytest.raises(ClientError) as sync_info:
-            client.health()
-        assert sync_info.value.code == grpc.StatusCode.UNAVAILABLE
-        assert sync_info.value.attempts == 2 and sync_info.value.method == "Health.Check"
-        with pytest.raises(ClientError) as stream:
-            list(client.generate(_generate_request()))
-        assert stream.value.code == grpc.StatusCode.UNAVAILABLE and stream.value.attempts == 1
-
-
-def test_a_slow_call_hits_its_deadline(fake: tuple[str, _FakeWorker]) -> None:
-    target, servicer = fake
-
-    async def calls() -> tuple[ClientError, ClientError]:
-        config = _fast(token=TOKEN, retries=1, execute_timeout=0.3)
-        async with AsyncWorkerClient(target, config) as client:
-            with pytest.raises(ClientError) as health:
-                await client.check_health(timeout=0.3)  # retried once
-            with pytest.raises(ClientError) as execute:
-                await client.execute(pb.ExecuteRequest(step_id=1))  # execute_timeout
-            return health.value, execute.value
-
-    start = time.monotonic()
-    health, execute = asyncio.run(calls())
-    assert time.monotonic() - start < 5
-    assert health.code == execute.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert health.method == "CheckHealth" and health.attempts == 2
-    assert execute.method == "Execute" and execute.attempts == 1
-    deadline = time.monotonic() + 5
-    while servicer.calls != Counter(CheckHealth=2, Execute=1) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert servicer.calls == Counter(CheckHealth=2, Execute=1)
-
-    with WorkerClient(target, _fast(token=TOKEN, retries=0, timeout=0.2)) as client:
-        with pytest.raises(ClientError) as info:
-            client.check_health()  # the config's default deadline
-        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.attempts == 1

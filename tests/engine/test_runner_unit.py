@@ -17,7 +17,6 @@ from mlx_worker_svc.core.domain import (
     CacheConfig,
     CachedRequest,
     FinishReason,
-    LoadSpec,
     MemoryProfile,
     NewRequest,
     Origin,
@@ -26,6 +25,7 @@ from mlx_worker_svc.core.domain import (
     StepPlan,
 )
 from mlx_worker_svc.core.errors import ResourceExhausted
+from mlx_worker_svc.core.reports import LoadSpec
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.recovery import StepJournal

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from certificates import Pki, make_pki, tls
+from certificates import Pki, tls
 from processes import Proc
 from undecodable import BAD_UTF8, TIMEOUT, corpus, run_corpus
 
@@ -218,11 +218,6 @@ def _execute(channel: grpc.Channel, data: bytes, token: str | None) -> Code:
         assert isinstance(exc, grpc.Call)
         return exc.code()
     return Code.OK
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_the_token_check_comes_first_over_tls_and_metrics_count_the_real_code(pki: Pki) -> None:

@@ -1,38 +1,46 @@
-"""Security: TLS, mutual TLS and bearer tokens on the worker and the fleet; the bind rule.
+"""Security on the worker: TLS, mutual TLS and bearer tokens, through grpc, the SDK, grpcurl.
 
-The certificates are made once per module with the openssl command line: a CA, a
-server certificate for 127.0.0.1 and localhost, a client certificate, and a second,
-unrelated CA with its own client certificate. Servers run in-process on port 0
-(`mlx-worker serve` and `fleet` subprocesses only for the command-line checks). The
-token matrix calls every method of the service descriptors, with no token, a wrong
-one and a malformed header, and counts the servicer methods that ran: none may.
+The certificates are made once per module with the openssl command line (the `pki`
+fixture, conftest.py): a CA, a server certificate for 127.0.0.1 and localhost, a
+client certificate, and a second, unrelated CA with its own client certificate.
+Servers run in-process on port 0. The token matrix calls every method of the service
+descriptors, with no token, a wrong one and a malformed header, and counts the
+servicer methods that ran: none may. The fleet's side is test_security_fleet.py, the
+bind rule and the command line test_security_cli.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
-from certificates import Pki, make_pki, tls
-from driver import code_of, details_of
-from google.protobuf import message_factory
-from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from certificates import Pki, tls
+from driver import code_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpcurl_cli import grpcurl_binary
+from rpc.secured import (
+    BAD_METADATA,
+    GOOD_METADATA,
+    OTHER_TOKEN,
+    SERVING,
+    TIMEOUT,
+    TOKEN,
+    UNAUTHENTICATED,
+    WORKER_SERVICE,
+    WRONG_TOKEN,
+    call_empty,
+    health_status,
+    is_reflection_refused,
+    is_refused,
+    secure_channel,
+    worker_server,
+)
 
 from mlx_worker_svc.cli.envs import MLX_WORKER_CLIENT_TOKEN as CLIENT_TOKEN_ENV
 from mlx_worker_svc.cli.envs import MLX_WORKER_TOKEN as TOKEN_ENV
@@ -42,44 +50,20 @@ from mlx_worker_svc.client.worker import (
     WorkerClient,
     channel_credentials,
 )
-from mlx_worker_svc.core.domain import WorkerState
-from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, LinkConfig
-from mlx_worker_svc.fleet.server import serve_fleet
-from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
+from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import (
     UNAUTHENTICATED_DETAILS,
     SecurityConfig,
     SecurityError,
     TokenCheck,
-    UnsafeBind,
-    check_bind,
-    is_loopback,
     load_tokens,
 )
-from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 from mlx_worker_svc.rpc.servicer import WorkerServicer
 
-TOKEN = "tok-3f9a1c"
-OTHER_TOKEN = "tok-rotated-7b2e"
-WRONG_TOKEN = "tok-3f9a1d"  # one character off
-WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"]
-FLEET_SERVICE = fleet_pb2.DESCRIPTOR.services_by_name["FleetService"]
-UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-SERVING = health_pb2.HealthCheckResponse.SERVING
-TIMEOUT = 10.0
-# Every way of not presenting the token: none, a wrong one, a malformed header.
-BAD_METADATA: tuple[tuple[tuple[str, str], ...], ...] = (
-    (),
-    (("authorization", f"Bearer {WRONG_TOKEN}"),),
-    (("authorization", f"Bearer {TOKEN}x"),),
-    (("authorization", f"Basic {TOKEN}"),),
-    (("authorization", TOKEN),),
-    (("authorization", "Bearer "),),
-    (("x-token", TOKEN),),
-)
-GOOD_METADATA = (("authorization", f"Bearer {TOKEN}"),)
+
+
 # grpc's src/proto/grpc/health/v1/health.proto, comments left out.
 HEALTH_PROTO = """syntax = "proto3";
 package grpc.health.v1;
@@ -93,14 +77,6 @@ service Health {
   rpc Watch(HealthCheckRequest) returns (stream HealthCheckResponse);
 }
 """
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-# ---------------------------------------------------------------- servers
 
 
 @pytest.fixture
@@ -124,32 +100,6 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return counts
 
 
-@contextmanager
-def worker_server(security: SecurityConfig, host: str = "127.0.0.1") -> Iterator[WorkerServer]:
-    server = WorkerServer(ServerConfig(host=host, port=0, grace_seconds=5.0, security=security))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.shutdown(grace_seconds=1.0, abort=True)
-        assert server.wait(timeout=30)
-
-
-@contextmanager
-def secure_channel(
-    port: int, ca: bytes | None, cert: bytes | None = None, key: bytes | None = None
-) -> Iterator[grpc.Channel]:
-    credentials = grpc.ssl_channel_credentials(ca, key, cert)
-    with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        yield channel
-
-
-def _health(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> int:
-    stub = health_pb2_grpc.HealthStub(channel)
-    request = health_pb2.HealthCheckRequest()
-    return int(stub.Check(request, timeout=TIMEOUT, metadata=metadata).status)
-
-
 def _watch(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> int:
     """The first answer of a health Watch."""
     stream = health_pb2_grpc.HealthStub(channel).Watch(
@@ -165,49 +115,8 @@ def _health_code(
     channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = ()
 ) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as error:
-        _health(channel, metadata)
+        health_status(channel, metadata)
     return code_of(error.value)
-
-
-def _call(
-    channel: grpc.Channel,
-    service: ServiceDescriptor,
-    method: MethodDescriptor,
-    metadata: tuple[tuple[str, str], ...],
-) -> None:
-    """Calls `method` with an empty request (one on a request stream) and reads every answer."""
-    path = f"/{service.full_name}/{method.name}"
-    request = message_factory.GetMessageClass(method.input_type)()
-    response = message_factory.GetMessageClass(method.output_type)
-    if method.client_streaming:
-        both = channel.stream_stream(path, type(request).SerializeToString, response.FromString)
-        list(both(iter([request]), timeout=TIMEOUT, metadata=metadata))
-    elif method.server_streaming:
-        stream = channel.unary_stream(path, type(request).SerializeToString, response.FromString)
-        list(stream(request, timeout=TIMEOUT, metadata=metadata))
-    else:
-        unary = channel.unary_unary(path, type(request).SerializeToString, response.FromString)
-        unary(request, timeout=TIMEOUT, metadata=metadata)
-
-
-def _refused(call: Callable[..., object], *args: Any) -> bool:
-    """Whether `call(*args)` failed with UNAUTHENTICATED and the fixed message."""
-    try:
-        call(*args)
-    except grpc.RpcError as exc:
-        assert code_of(exc) == UNAUTHENTICATED, f"{code_of(exc)}: {details_of(exc)}"
-        assert details_of(exc) == UNAUTHENTICATED_DETAILS
-        return True
-    return False
-
-
-def _reflection_refused(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> bool:
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    return _refused(lambda: list(stub.ServerReflectionInfo(iter([ask]), metadata=metadata)))
-
-
-# ------------------------------------------------------------------ TLS
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
@@ -215,7 +124,7 @@ def test_plaintext_client_cannot_talk_to_a_tls_server(pki: Pki) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             assert _health_code(channel) == UNAVAILABLE
         with secure_channel(server.port, pki.read("ca")) as channel:
-            assert _health(channel) == SERVING
+            assert health_status(channel) == SERVING
 
 
 def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
@@ -225,7 +134,7 @@ def test_client_trusting_another_ca_is_refused(pki: Pki) -> None:
         # The certificate names both 127.0.0.1 and localhost.
         credentials = channel_credentials(pki.ca)
         with grpc.secure_channel(f"localhost:{server.port}", credentials) as channel:
-            assert _health(channel) == SERVING
+            assert health_status(channel) == SERVING
 
 
 def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
@@ -238,7 +147,7 @@ def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
             assert _health_code(channel) == UNAVAILABLE
         mine = (pki.read("client_cert"), pki.read("client_key"))
         with secure_channel(server.port, ca, *mine) as channel:
-            assert _health(channel) == SERVING
+            assert health_status(channel) == SERVING
 
 
 # --------------------------------------------------------------- tokens
@@ -250,21 +159,21 @@ def test_every_worker_rpc_is_refused_without_the_token(served: Counter[str]) -> 
             refused = Counter[str]()
             for metadata in BAD_METADATA:
                 for method in WORKER_SERVICE.methods:
-                    refusal = _refused(_call, channel, WORKER_SERVICE, method, metadata)
+                    refusal = is_refused(call_empty, channel, WORKER_SERVICE, method, metadata)
                     assert refusal, f"{method.name} with {metadata} was served"
                     refused[method.name] += 1
-                assert _reflection_refused(channel, metadata)
+                assert is_reflection_refused(channel, metadata)
                 refused["ServerReflectionInfo"] += 1
                 # Health too: the probe flag is off.
-                assert _refused(_health, channel, metadata)
+                assert is_refused(health_status, channel, metadata)
                 refused["Health.Check"] += 1
-                assert _refused(_watch, channel, metadata)
+                assert is_refused(_watch, channel, metadata)
                 refused["Health.Watch"] += 1
                 # An unknown method reveals nothing either.
                 unknown = channel.unary_unary(
                     "/mlx_worker.v1.WorkerService/NoSuchMethod", None, None
                 )
-                assert _refused(unknown, b"", TIMEOUT, metadata)
+                assert is_refused(unknown, b"", TIMEOUT, metadata)
         assert len(WORKER_SERVICE.methods) == 22
         assert set(refused.values()) == {len(BAD_METADATA)}
         assert sum(refused.values()) == (22 + 3) * len(BAD_METADATA) == 175
@@ -301,13 +210,13 @@ def test_health_answers_without_a_token_only_with_the_flag(served: Counter[str])
         worker_server(security) as server,
         grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
-        assert _health(channel) == SERVING
+        assert health_status(channel) == SERVING
         assert _watch(channel) == SERVING
         # Only health: the worker's own CheckHealth and reflection still need the token.
         for method in WORKER_SERVICE.methods:
-            assert _refused(_call, channel, WORKER_SERVICE, method, ())
-        assert _reflection_refused(channel, ())
-        assert _health(channel, GOOD_METADATA) == SERVING
+            assert is_refused(call_empty, channel, WORKER_SERVICE, method, ())
+        assert is_reflection_refused(channel, ())
+        assert health_status(channel, GOOD_METADATA) == SERVING
     assert sum(served.values()) == 0
 
 
@@ -404,219 +313,3 @@ def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: P
             check=False,
         )
         assert plaintext.returncode != 0
-
-
-# ---------------------------------------------------------------- fleet
-
-
-def test_fleet_with_a_token_and_tls_toward_a_secured_worker(pki: Pki) -> None:
-    """The fleet refuses its own RPCs without its token, and reaches an mTLS+token worker."""
-    worker_security = tls(pki, tls_client_ca=pki.ca, tokens=(OTHER_TOKEN,))
-    with worker_server(worker_security) as worker:
-        target = f"127.0.0.1:{worker.port}"
-        asyncio.run(_fleet_scenario(pki, target))
-        # The link went through TLS and the token: InitDevice ran on the worker.
-        assert worker.worker.state is WorkerState.DEVICE_READY
-
-
-def _fleet_reflection_refused(port: int, pki: Pki, metadata: tuple[tuple[str, str], ...]) -> bool:
-    credentials = grpc.ssl_channel_credentials(pki.read("ca"))
-    with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        return _reflection_refused(channel, metadata)
-
-
-async def _fleet_scenario(pki: Pki, target: str) -> None:
-    credentials = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
-
-    def link(token: str) -> LinkConfig:
-        client = ClientConfig(credentials=credentials, token=token, backoff=0.01, max_backoff=0.05)
-        return LinkConfig(client=client, retry_backoff=0.05, max_backoff=0.2)
-
-    wrong = FleetScheduler([target], FleetConfig(link=link(WRONG_TOKEN)))
-    fleet = FleetScheduler([target], FleetConfig(link=link(OTHER_TOKEN)))
-    await wrong.start()
-    await fleet.start()
-    server, port = await serve_fleet(
-        fleet, "127.0.0.1", 0, tls(pki, tokens=(TOKEN,), allow_health_without_token=True)
-    )
-    try:
-        channel_creds = grpc.ssl_channel_credentials(pki.read("ca"))
-        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", channel_creds) as channel:
-            stub = fleet_pb2_grpc.FleetServiceStub(channel)
-            refused = 0
-            for metadata in BAD_METADATA:
-                for call in (
-                    lambda md: stub.Status(fleet_pb2.StatusRequest(), timeout=TIMEOUT, metadata=md),
-                    lambda md: _drain(stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=md)),
-                ):
-                    with pytest.raises(grpc.aio.AioRpcError) as error:
-                        await call(metadata)
-                    assert error.value.code() == UNAUTHENTICATED, error.value
-                    assert error.value.details() == UNAUTHENTICATED_DETAILS
-                    refused += 1
-                # Through the sync client: grpc.aio reports a stream refused before it
-                # read its first request as INTERNAL in ~2 % of calls (a client-side race).
-                assert await asyncio.to_thread(_fleet_reflection_refused, port, pki, metadata)
-            assert refused == len(FLEET_SERVICE.methods) * len(BAD_METADATA) == 14
-            assert fleet.num_finished == 0 and fleet.status().num_queued == 0
-            # Probes pass with the flag; the right token opens the rest.
-            health = health_pb2_grpc.HealthStub(channel)
-            answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
-            assert answer.status == SERVING
-            status = await stub.Status(fleet_pb2.StatusRequest(), metadata=GOOD_METADATA)
-            assert [w.target for w in status.workers] == [target]
-        for _ in range(200):  # the links retry quickly; give them a few rounds
-            if "no --model" in fleet.links[0].last_error and wrong.links[0].last_error:
-                break
-            await asyncio.sleep(0.05)
-        assert "no --model" in fleet.links[0].last_error  # past TLS, the token and InitDevice
-        assert "UNAUTHENTICATED" in wrong.links[0].last_error
-    finally:
-        await server.stop(0)
-        await fleet.stop()
-        await wrong.stop()
-
-
-async def _drain(call: Any) -> None:
-    async for _ in call:
-        pass
-
-
-# ------------------------------------------------------------ bind rule
-
-
-def test_bind_rule(pki: Pki) -> None:
-    for host in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"):
-        assert is_loopback(host), host
-        check_bind(host, SecurityConfig())
-    for host in ("0.0.0.0", "::", "[::]", "", "10.0.0.5", "example.com"):
-        assert not is_loopback(host), host
-        with pytest.raises(UnsafeBind, match="--insecure"):
-            check_bind(host, SecurityConfig())
-        check_bind(host, SecurityConfig(insecure=True))
-        check_bind(host, SecurityConfig(tokens=(TOKEN,)))
-        check_bind(host, tls(pki))
-    unsafe = WorkerServer(ServerConfig(host="0.0.0.0", port=0))
-    with pytest.raises(UnsafeBind):
-        unsafe.start()
-    unsafe.worker.close()
-
-
-def test_config_validation(pki: Pki, tmp_path: Path) -> None:
-    with pytest.raises(SecurityError, match="--tls-key"):
-        SecurityConfig(tls_cert=pki.server_cert)
-    with pytest.raises(SecurityError, match="--tls-cert"):
-        SecurityConfig(tls_client_ca=pki.ca)
-    with pytest.raises(SecurityError, match="printable ASCII"):
-        SecurityConfig(tokens=("",))
-    assert TOKEN not in repr(SecurityConfig(tokens=(TOKEN,)))
-    (tmp_path / "not.pem").write_text("hello")
-    broken = SecurityConfig(tls_cert=str(tmp_path / "not.pem"), tls_key=pki.server_key)
-    server = WorkerServer(ServerConfig(port=0, security=broken))
-    with pytest.raises(SecurityError, match="not a PEM file"):
-        server.start()
-    server.worker.close()
-    mismatched = SecurityConfig(tls_cert=pki.server_cert, tls_key=pki.client_key)
-    server = WorkerServer(ServerConfig(port=0, security=mismatched))
-    with pytest.raises(OSError, match="TLS key does not match"):
-        server.start()
-    server.worker.close()
-    with pytest.raises(ValueError, match="needs its key"):
-        channel_credentials(pki.ca, cert_file=pki.client_cert)
-
-
-# ------------------------------------------------------------ the CLI
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, CLIENT_TOKEN_ENV)}
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_worker_svc", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=_env(),
-    )
-
-
-def test_cli_refuses_an_unsafe_bind() -> None:
-    done = _cli("serve", "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent")
-    assert done.returncode == 2, done.stderr
-    [line] = done.stderr.strip().splitlines()
-    assert line.startswith("mlx-worker serve: refusing to listen on 0.0.0.0 without TLS or a token")
-    assert "--insecure" in line
-    fleet = _cli("fleet", "--worker", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
-    assert fleet.returncode == 2 and "fleet: refusing to listen on 0.0.0.0" in fleet.stderr
-    half = _cli("serve", "--tls-cert", "cert.pem", "--model", "/nonexistent")
-    assert half.returncode == 2 and "--tls-key" in half.stderr
-
-
-class _Serve:
-    """`mlx-worker serve` (no model needed without --auto-init), stopped with SIGTERM."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_worker_svc", "serve", "--port", "0", "--model", "x", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env or _env(),
-        )
-        self.lines: list[str] = []
-        listening = threading.Event()
-        self.port = 0
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if match := re.search(r"listening on [\d.]+:(\d+)", line):
-                    self.port = int(match.group(1))
-                    listening.set()
-            listening.set()
-
-        self._reader = threading.Thread(target=read, daemon=True)
-        self._reader.start()
-        assert listening.wait(120) and self.port, "".join(self.lines)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=60)
-        self._reader.join(timeout=10)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-        return code
-
-
-def test_cli_insecure_starts_on_all_interfaces() -> None:
-    serve = _Serve("--host", "0.0.0.0", "--insecure")
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{serve.port}") as channel:
-            assert _health(channel) == SERVING
-    finally:
-        assert serve.stop() == 0, "".join(serve.lines)
-    assert "without TLS or a token (--insecure)" in "".join(serve.lines)
-
-
-def test_cli_token_from_the_environment_and_the_probe_flag(tmp_path: Path) -> None:
-    (tmp_path / "tokens").write_text(f"# the worker token\n{TOKEN}\n")
-    env = {**_env(), TOKEN_ENV: OTHER_TOKEN}
-    serve = _Serve(
-        "--host", "0.0.0.0", "--token-file", str(tmp_path / "tokens"),
-        "--allow-health-without-token", env=env,
-    )  # fmt: skip
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{serve.port}") as channel:
-            assert _health(channel) == SERVING
-            get_info = WORKER_SERVICE.methods_by_name["GetInfo"]
-            assert _refused(_call, channel, WORKER_SERVICE, get_info, ())
-            for token in (TOKEN, OTHER_TOKEN):
-                _call(channel, WORKER_SERVICE, get_info, (("authorization", f"Bearer {token}"),))
-    finally:
-        assert serve.stop() == 0, "".join(serve.lines)
-    assert "tokens travel in clear" in "".join(serve.lines)

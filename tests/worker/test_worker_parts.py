@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 from driver import mlx_lm_tokens
 
-from mlx_worker_svc.core.domain import (
-    DeviceKind,
-    GenerateChunk,
-    GenerateSpec,
-    LoadSpec,
-    SamplingParams,
-    WorkerState,
-)
+from mlx_worker_svc.core.domain import DeviceKind, SamplingParams
 from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted
+from mlx_worker_svc.core.generate import GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.reports import LoadSpec, WorkerState
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import Lifecycle

@@ -35,15 +35,13 @@ import mlx.core as mx
 from mlx_worker_svc.core.domain import (
     FLOAT_KV,
     CacheConfig,
-    DeviceInfo,
     DeviceKind,
-    GroupRank,
-    LoadSpec,
     MemoryProfile,
     Origin,
     StepPlan,
 )
 from mlx_worker_svc.core.errors import Internal, WorkerError
+from mlx_worker_svc.core.reports import DeviceInfo, GroupRank, LoadSpec
 from mlx_worker_svc.engine.group.channel import IDLE_POLL, PING, GroupChannel, Watchdog
 from mlx_worker_svc.engine.memory import device as device_mod
 from mlx_worker_svc.engine.memory import profile as memory

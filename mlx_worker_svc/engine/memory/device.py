@@ -13,8 +13,9 @@ from importlib.metadata import version
 
 import mlx.core as mx
 
-from mlx_worker_svc.core.domain import DeviceInfo, DeviceKind
+from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.errors import FailedPrecondition
+from mlx_worker_svc.core.reports import DeviceInfo
 
 
 def _os_memory_bytes() -> int:

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 
-from mlx_worker_svc.core.domain import MemoryProfile, MemoryUsage
+from mlx_worker_svc.core.domain import MemoryProfile
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
+from mlx_worker_svc.core.reports import MemoryUsage
 
 _MIB = 1 << 20
 

@@ -17,8 +17,9 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_worker_svc.core.domain import FLOAT_KV, KVFormat, MemoryProfile, ModelInfo
+from mlx_worker_svc.core.domain import FLOAT_KV, KVFormat, MemoryProfile
 from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.reports import ModelInfo
 from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import merge_caches
 from mlx_worker_svc.engine.memory.device import memory_facts

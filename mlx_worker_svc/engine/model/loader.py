@@ -22,9 +22,9 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_worker_svc.core.domain import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.core.reports import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.engine.lora.registry import AdapterSet
 from mlx_worker_svc.engine.model import sharding
 

@@ -24,8 +24,8 @@ from mlx import nn
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
-from mlx_worker_svc.core.domain import Parallelism
 from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.reports import Parallelism
 
 _VOCAB_MODULES = (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear)
 

@@ -1,0 +1,146 @@
+"""What a step's reply does to the requests of one worker (the link's lists).
+
+`apply_outputs` takes a step's outputs into the requests (tokens, cache hits,
+finishes); `refuse_step` settles a step the worker refused without being lost:
+the step changed nothing there, so its new requests go back to the queue, a
+request out of KV is put back or preempted, and a request the worker refused
+fails in its own terms. `undo_step` puts back a step that failed behind an
+earlier failure. `worker_lost` says when an error means the worker (not the
+request) is gone or restarted, which the link handles by failing everything
+over. These only move requests between `waiting`, `running` and `to_free`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import grpc
+
+from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+# How the worker names a field of one new request of a step.
+_NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
+# Codes that mean the worker (not the request) is gone or restarted.
+WORKER_DOWN = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class Queues:
+    """One link's request lists (the link's own objects, changed in place)."""
+
+    waiting: list[FleetRequest]  # routed here, not started on the worker
+    running: dict[str, FleetRequest]  # worker id -> a request the worker holds
+    to_free: list[str]  # worker ids to free at the next step
+
+
+def worker_lost(exc: ClientError) -> bool:
+    """The worker is down, or answers for another epoch (it restarted)."""
+    stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in exc.details
+    return exc.code in WORKER_DOWN or stale
+
+
+def refuse_step(
+    exc: ClientError,
+    request: pb.ExecuteRequest,
+    started: list[FleetRequest],
+    queues: Queues,
+) -> None:
+    """Settles a step the worker refused (not `worker_lost`)."""
+    # The step changed nothing on the worker: undo it here too (an id the
+    # worker does not know is already free there).
+    if exc.code != grpc.StatusCode.NOT_FOUND:
+        queues.to_free.extend(request.finished_req_ids)
+    for r in started:
+        queues.running.pop(r.worker_id, None)
+        r.attempt -= 1
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (started or len(queues.running) > 1):
+        # Out of KV or memory: put back the newest request (preempt it if running).
+        if started:
+            for r in reversed(started):
+                r.phase = Phase.QUEUED
+                queues.waiting.insert(0, r)
+        else:
+            newest = list(queues.running.values())[-1]
+            _preempt(newest, queues)
+        return
+    named = _NEW_REQUEST.match(exc.details)
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT and named and started:
+        # One new request's own field (a grammar that does not compile): fail
+        # only it, in its own terms; the others of the step start next time.
+        bad = started[min(int(named.group(1)), len(started) - 1)]
+        for r in reversed(started):
+            if r is not bad:
+                r.phase = Phase.QUEUED
+                queues.waiting.insert(0, r)
+        started = [bad]
+        exc = ClientError(exc.code, exc.details[named.end() :], exc.method, exc.attempts)
+    # The worker refused the request itself (or the only one left): fail it.
+    # A refused step started nothing: only requests running before it are
+    # on the worker, to be freed there.
+    victims = started or list(queues.running.values())
+    for r in victims:
+        queues.running.pop(r.worker_id, None)
+        if not started:
+            queues.to_free.append(r.worker_id)
+        r.phase = Phase.DONE
+        r.outbox.put_nowait(exc)
+
+
+def undo_step(
+    request: pb.ExecuteRequest,
+    started: list[FleetRequest],
+    queues: Queues,
+) -> None:
+    """A step that failed behind an earlier failure changed nothing: plan it again."""
+    queues.to_free.extend(request.finished_req_ids)
+    for r in reversed(started):
+        queues.running.pop(r.worker_id, None)
+        r.attempt -= 1
+        r.phase = Phase.QUEUED
+        queues.waiting.insert(0, r)
+
+
+def _preempt(r: FleetRequest, queues: Queues) -> None:
+    """Frees a running request's KV; it restarts later from prompt + tokens."""
+    queues.running.pop(r.worker_id, None)
+    queues.to_free.append(r.worker_id)
+    r.phase = Phase.PREEMPTED
+    queues.waiting.insert(0, r)
+
+
+def apply_outputs(
+    response: pb.ExecuteResponse,
+    running: dict[str, FleetRequest],
+    stats: fleet_pb2.WorkerStatus,
+) -> list[FleetRequest]:
+    """Takes a step's outputs; returns the requests with something to stream."""
+    touched: list[FleetRequest] = []
+    for out in response.outputs:
+        r = running.get(out.req_id)
+        if r is None:
+            continue
+        r.computed = out.num_computed_tokens
+        if not r.reported_cached:
+            r.reported_cached = True
+            if out.num_cached_prompt_tokens:
+                stats.prefix_hits += 1
+                stats.cached_prompt_tokens += out.num_cached_prompt_tokens
+                if r.attempt == 1:
+                    r.cached_tokens = out.num_cached_prompt_tokens
+        r.generated.extend(out.sampled_token_ids)
+        r.logprobs.extend(out.logprobs)
+        if out.finish_reason:
+            # The worker has freed it already.
+            del running[out.req_id]
+            stats.num_finished += 1
+            r.phase = Phase.DONE
+            r.finish_reason = out.finish_reason
+        if out.sampled_token_ids or out.finish_reason:
+            touched.append(r)
+    return touched

@@ -1,0 +1,160 @@
+"""The fleet end to end, routing and admission: prefix affinity, least-loaded, the queue bound.
+
+The same worker processes and fleet subprocesses as test_fleet.py (conftest.py):
+requests sharing a long prefix go where it is cached, `--routing least-loaded`
+spreads them, and a full queue refuses at once, also while text prompts are
+being tokenized, while every admitted request completes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from driver import code_of, details_of, greedy
+from processes import (
+    Fleet,
+    WorkerPool,
+    by_target,
+    distinct_prompts,
+    run_streams,
+    token_request,
+    tokens_of,
+)
+
+from mlx_worker_svc.fleet import LinkConfig
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+
+class StatusPoller(threading.Thread):
+    """Polls the fleet's Status until stopped; keeps the largest queue it saw."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.peak_queued = 0
+        self.samples = 0
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                status = self.fleet.status()
+                self.peak_queued = max(self.peak_queued, status.num_queued)
+                self.samples += 1
+                self._halt.wait(0.01)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+        assert self.error is None, self.error
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets)  # --routing prefix, the default
+    [prefix] = distinct_prompts(1, 512, seed=3)
+    cached: list[int] = []
+    for suffix in distinct_prompts(4, 8, seed=4):
+        messages = fleet.generate(token_request(prefix + suffix, 4))
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(tokens_of(messages)) == 4
+        cached.append(messages[0].num_cached_prompt_tokens)
+    assert cached == [0, 512, 512, 512]
+    status = fleet.status()
+    [home] = [w for w in status.workers if w.num_finished]
+    assert home.num_finished == 4
+    assert (home.prefix_hits, home.cached_prompt_tokens) == (3, 3 * 512)
+
+    # Prompts shorter than the affinity window (256 tokens) spread over every worker.
+    for prompt in distinct_prompts(6, 8, seed=5):
+        assert len(tokens_of(fleet.generate(token_request(prompt, 4)))) == 4
+    before, after = by_target(status), by_target(fleet.status())
+    gained = {target: after[target].num_finished - before[target].num_finished for target in after}
+    assert all(gained.values()), gained
+
+
+def test_least_loaded_routing_spreads_a_shared_prefix(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets, "--routing", "least-loaded")
+    [prefix] = distinct_prompts(1, 512, seed=6)
+    for suffix in distinct_prompts(6, 8, seed=7):
+        messages = fleet.generate(token_request(prefix + suffix, 4))
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finished = {w.target: w.num_finished for w in fleet.status().workers}
+    assert all(finished.values()) and sum(finished.values()) == 6, finished
+
+
+def test_a_full_queue_refuses_at_once_and_admitted_requests_complete(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = start_fleet(pool.targets[:1], "--queue", "4", "--max-num-seqs", "2")
+    poller = StatusPoller(fleet)
+    poller.start()
+    try:
+        prompts = distinct_prompts(30, 6, seed=8)
+        streams = run_streams(fleet.stub, [token_request(p, 32) for p in prompts])
+    finally:
+        poller.stop()
+    rejected = [s for s in streams if s.error is not None]
+    admitted = [s for s in streams if s.error is None]
+    assert rejected and len(admitted) >= 4, (len(admitted), len(rejected))
+    for stream in rejected:
+        assert stream.error is not None
+        assert code_of(stream.error) == grpc.StatusCode.RESOURCE_EXHAUSTED, stream.error
+        assert "queue is full" in details_of(stream.error)
+        assert stream.messages == [], "a refused request streamed something first"
+        assert stream.elapsed < 5.0
+    for stream in admitted:
+        assert stream.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(stream.tokens) == 32
+    # Refused at once: before any admitted request could have finished.
+    assert max(s.elapsed for s in rejected) < min(s.elapsed for s in admitted)
+    status = fleet.status()
+    assert status.num_rejected == len(rejected)
+    assert status.num_finished == len(admitted)
+    assert (status.num_queued, status.queue_capacity) == (0, 4)
+    assert poller.samples > 0 and poller.peak_queued <= 4, poller.peak_queued
+
+
+def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
+    tiny_stub: pb_grpc.WorkerServiceStub, server: Any
+) -> None:
+    """The queue bound counts requests whose prompt is still being tokenized."""
+    import asyncio
+
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, Overloaded
+
+    async def main() -> tuple[list[str], int]:
+        config = FleetConfig(link=LinkConfig(max_num_seqs=1), queue_capacity=2)
+        fleet = FleetScheduler([f"127.0.0.1:{server.port}"], config)
+        await fleet.start()
+        await fleet.wait_ready()
+        sampling = greedy(4, ignore_eos=True)
+        peak = 0
+
+        async def one(i: int) -> str:
+            nonlocal peak
+            request = pb.GenerateRequest(prompt=f"hi {i}", sampling_params=sampling)
+            try:
+                async for _ in fleet.generate(request):
+                    peak = max(peak, fleet.status().num_queued)
+            except Overloaded:
+                return "rejected"
+            return "ok"
+
+        results = await asyncio.gather(*(one(i) for i in range(10)))
+        await fleet.stop()
+        return list(results), peak
+
+    results, peak = asyncio.run(main())
+    assert results.count("rejected") >= 7 and peak <= 2
+    assert results.count("ok") + results.count("rejected") == 10

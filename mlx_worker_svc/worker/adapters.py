@@ -7,13 +7,17 @@ model), the group rule (a worker group serves no adapters: its weights are
 sharded and adapters would have to be too), the memory check against the KV
 budget once InitCache set one, and the adapters loaded with every model
 (`serve --lora-modules`, `EngineOptions.lora_modules`), again after a deep
-sleep. Invariants: a failed call changes nothing; adapters live and die with
+sleep. After InitCache, adapters that do not fit the memory limit beside the
+full KV budget take their bytes from it: the budget shrinks by the blocks they
+fill, while that many are free (else RESOURCE_EXHAUSTED), and grows back when
+they go. Invariants: a failed call changes nothing; adapters live and die with
 the model they were loaded on (a new LoadModel starts with the start-up ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted
@@ -51,32 +55,32 @@ class AdapterCalls:
 
         def job() -> AdapterAdded:
             added = self._adapters("AddLora").add(name, path, self._room)
+            fit_budget(self.core)
             core.lifecycle.forget()  # a repeated DetermineMemory measures again
             return added
 
         return core.engine.call(job)
 
     def _room(self, more: int) -> None:
-        """Refuses `more` adapter bytes that the KV budget InitCache set leaves no room for."""
-        core = self.core
-        config, profile, loaded = core.cache_config, core.memory, core.loaded
-        if config is None or profile is None or loaded is None:
-            return  # DetermineMemory counts the adapters resident when it runs
+        """Refuses `more` adapter bytes the KV budget cannot give room for (free blocks)."""
+        core, loaded, config = self.core, self.core.loaded, self.core.cache_config
+        if loaded is None or config is None:
+            return
         adapters = loaded.adapters.nbytes + more
-        kv = memory_guard.kv_bytes(profile, config.num_blocks, config.block_size)
-        weights, peak = loaded.info.weight_bytes, profile.activation_peak_bytes
-        need = weights + adapters + kv + peak
-        if need > config.memory_limit_bytes:
+        give = given_up(self.core, adapters)
+        held = core.runner.state.request_blocks() if core.runner is not None else 0
+        if give and config.num_blocks - give < max(held, 1):
             raise ResourceExhausted(
-                f"AddLora: the adapters would take {adapters} bytes; with {weights} bytes of "
-                f"weights, {kv} bytes of KV budget and {peak} bytes of activations that is "
-                f"{need} bytes, over the memory limit of {config.memory_limit_bytes}: remove "
-                "an adapter, or set a smaller KV budget (InitCache)"
+                f"AddLora: the adapters would take {adapters} bytes, which the memory limit "
+                f"({config.memory_limit_bytes} bytes) leaves room for only if the KV budget "
+                f"gives up {give} of its {config.num_blocks} blocks, and requests hold {held}: "
+                "remove an adapter, finish requests, or set a smaller KV budget (InitCache)"
             )
 
     def remove(self, name: str) -> str:
         def job() -> str:
             path = self._adapters("RemoveLora").remove(name)
+            fit_budget(self.core)
             self.core.lifecycle.forget()
             return path
 
@@ -103,3 +107,29 @@ def load_adapters(loaded: LoadedModel, specs: Iterable[tuple[str, str, bool]], c
         loaded.adapters.add(name, path)
         if pinned:
             loaded.adapters.pin(name, True)
+
+
+def given_up(core: WorkerCore, adapter_bytes: int) -> int:
+    """KV blocks the budget gives up so that adapters of these bytes fit the memory limit
+    beside the weights, the full InitCache budget and the activation peak."""
+    config, profile, loaded = core.cache_config, core.memory, core.loaded
+    if config is None or profile is None or loaded is None:
+        return 0  # DetermineMemory counts the adapters resident when it runs
+    kv = memory_guard.kv_bytes(profile, config.num_blocks, config.block_size)
+    need = loaded.info.weight_bytes + adapter_bytes + kv + profile.activation_peak_bytes
+    per_block = memory_guard.kv_bytes(profile, 1, config.block_size)
+    over = need - config.memory_limit_bytes
+    return -(-over // per_block) if over > 0 and per_block else 0
+
+
+def fit_budget(core: WorkerCore) -> None:
+    """The KV budget after the adapters changed: InitCache's, less the blocks they take."""
+    loaded, config = core.loaded, core.cache_config
+    runner = core.runner
+    if runner is None or loaded is None or config is None:
+        return
+    keep = config.num_blocks - given_up(core, loaded.adapters.nbytes)
+    state = runner.state
+    state.budget = replace(state.budget, num_blocks=keep)
+    if state.prefix is not None:
+        state.prefix.evict(len(state.prefix) + state.request_blocks() - keep)

@@ -25,7 +25,7 @@ from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
-from mlx_worker_svc.worker.adapters import load_adapters
+from mlx_worker_svc.worker.adapters import fit_budget, load_adapters
 from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
@@ -220,6 +220,7 @@ class Lifecycle:
                 return config
             core.require_idle("InitCache")
             core.runner = core.replica.new_runner(config, profile)
+            fit_budget(core)  # adapters loaded since DetermineMemory
             core.cache_config = config
             if core.state is S.MEMORY_PROFILED:
                 core.set_state(S.READY)
@@ -313,6 +314,7 @@ class Lifecycle:
                 core.loaded = loaded
             assert core.cache_config is not None and core.memory is not None
             core.runner = core.replica.new_runner(core.cache_config, core.memory)
+            fit_budget(core)
             core.sleep_level = 0
             core.set_state(core.awake_state)
             return core.state, core.epoch, time.perf_counter() - start

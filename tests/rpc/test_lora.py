@@ -249,4 +249,26 @@ def test_adapter_bytes_count_in_memory(tiny_dir: Path, adapters: dict[str, Path]
         stub.InitCache(pb.InitCacheRequest(num_blocks=4, block_size=16, memory_limit_bytes=limit))
         code, text = _fails(stub.AddLora, pb.AddLoraRequest(name="big", path=str(adapters["big"])))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory limit" in text
+        assert "gives up" in text and "of its 4 blocks" in text
         assert [a.name for a in stub.ListLoras(pb.ListLorasRequest()).adapters] == ["a"]
+        assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == 4
+
+
+def test_adapters_after_init_cache_take_their_bytes_from_the_kv_budget(
+    tiny_dir: Path, adapters: dict[str, Path]
+) -> None:
+    with live_server() as (_, stub):
+        stub.InitDevice(pb.InitDeviceRequest())
+        stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir)))
+        profile = stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=16))
+        blocks = 400
+        limit = profile.weight_bytes + blocks * profile.bytes_per_block
+        limit += profile.activation_peak_bytes  # no byte to spare beside the budget
+        stub.InitCache(
+            pb.InitCacheRequest(num_blocks=blocks, block_size=16, memory_limit_bytes=limit)
+        )
+        added = stub.AddLora(pb.AddLoraRequest(name="b", path=str(adapters["b"]))).adapter
+        given = -(-added.bytes // profile.bytes_per_block)  # whole blocks of its bytes
+        assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks - given
+        stub.RemoveLora(pb.RemoveLoraRequest(name="b"))
+        assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks

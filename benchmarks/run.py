@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-quality-tokens", type=int, help="(j) quality tokens (default 48)")
     p.add_argument("--kv-mib", type=int, help="(j) KV MiB beside the weights (default 512)")
     p.add_argument("--lora-tokens", type=int, help="(k) tokens per request (default 64)")
-    p.add_argument("--lora-repeats", type=int, help="(k) interleaved repeats (default 5)")
+    p.add_argument("--lora-repeats", type=int, help="(k) interleaved repeats (default 7)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "kv_quality_tokens": 48,
         "kv_mib": 512,
         "lora_tokens": 64,
-        "lora_repeats": 5,
+        "lora_repeats": 7,
     }
     quick = {
         "tokens": 8,

@@ -86,7 +86,7 @@ class ModelRunner:
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
         self.adapters = loaded.adapters
         self.adapters.deltas.bind()  # the layers the rewrites above put in place
-        self.adapters.in_use = self._adapter_users
+        self.adapters.in_use = self.adapter_users
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
             prefix=PrefixCache(config.block_size, config.kv) if config.prefix_caching else None,
@@ -128,7 +128,7 @@ class ModelRunner:
         if self.state.prefix is not None:
             self.state.prefix.drop_root(root)
 
-    def _adapter_users(self) -> Counter[str]:
+    def adapter_users(self) -> Counter[str]:
         """Live requests per adapter (ListLoras; RemoveLora and eviction refuse adapters in use)."""
         return Counter(seq.adapter for seq in list(self.state.seqs.values()) if seq.adapter)
 

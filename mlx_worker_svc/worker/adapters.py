@@ -16,6 +16,7 @@ the model they were loaded on (a new LoadModel starts with the start-up ones).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -48,7 +49,12 @@ class AdapterCalls:
             core.require(call, S.MODEL_LOADED)
         adapters = core.need_model().adapters
         adapters.max_loras = core.replica.options.max_loras
+        adapters.in_use = self._users  # the live runner's requests (none while asleep)
         return adapters
+
+    def _users(self) -> Counter[str]:
+        runner = self.core.runner
+        return runner.adapter_users() if runner is not None else Counter()
 
     def add(self, name: str, path: str) -> AdapterAdded:
         core = self.core
@@ -95,7 +101,10 @@ class AdapterCalls:
 
         def job() -> list[AdapterInfo]:
             loaded = self.core.loaded
-            return loaded.adapters.infos() if loaded is not None else []
+            if loaded is None:
+                return []
+            loaded.adapters.in_use = self._users
+            return loaded.adapters.infos()
 
         return self.core.engine.call(job), cap
 

@@ -220,8 +220,8 @@ class Lifecycle:
                 return config
             core.require_idle("InitCache")
             core.runner = core.replica.new_runner(config, profile)
-            fit_budget(core)  # adapters loaded since DetermineMemory
             core.cache_config = config
+            fit_budget(core)  # adapters loaded since DetermineMemory
             if core.state is S.MEMORY_PROFILED:
                 core.set_state(S.READY)
             return config

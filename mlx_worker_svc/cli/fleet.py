@@ -58,7 +58,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         queue_capacity=args.queue,
         routing=args.routing,
         models=dict(args.models or []),
-        lora_modules=dict(args.lora_modules),
+        lora_modules=dict(getattr(args, "lora_modules", [])),  # not on `generate`
     )
 
 
@@ -278,10 +278,10 @@ def add_commands(sub: Any) -> None:
         )
         _add_probe_arguments(cmd)
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
-        add_lora_arguments(cmd, "that the fleet loads (AddLora) on a worker when none holds one")
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name in ("fleet", "gateway"):
+            add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
             port = 50050 if name == "fleet" else 8000
             cmd.add_argument(
                 "--host",

@@ -143,18 +143,32 @@ def test_the_gateway_serves_adapters_as_models(
 ) -> None:
     holder, other = workers
     port = int(holder.rsplit(":", 1)[1])
-    gateway = Gateway(port, "--worker", other)
+    gateway = Gateway(port, "--worker", other, "--lora-modules", f"later={adapters['later']}")
     try:
         listed = gateway.http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
         cards = {card["id"]: card for card in listed["data"]}
         assert cards["held"]["parent"] == "model" and cards["model"]["parent"] is None
+        # Not held by any worker yet: listed from --lora-modules, loaded when asked for.
+        assert cards["later"]["parent"] == "model"
+        assert cards["later"]["root"] == str(adapters["later"])
         [prompt] = distinct_prompts(1, 12, seed=11)
         [want] = reference(fleet_model, adapters["held"], [prompt])
+        [later] = reference(fleet_model, adapters["later"], [prompt])
         with grpc.insecure_channel(holder) as channel:
-            text = pb_grpc.WorkerServiceStub(channel).Detokenize(
-                pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True)
+            worker = pb_grpc.WorkerServiceStub(channel)
+            text = worker.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True))
+            later_text = worker.Detokenize(
+                pb.DetokenizeRequest(token_ids=later, skip_special_tokens=True)
             )
         with gateway.client() as client:
+            loaded = client.completions.create(
+                model="later",
+                prompt=prompt,
+                max_tokens=TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert loaded.model == "later" and loaded.choices[0].text == later_text.text
             answer = client.completions.create(
                 model="held",
                 prompt=prompt,

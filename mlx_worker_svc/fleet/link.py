@@ -29,7 +29,7 @@ from typing import Literal
 
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
-from mlx_worker_svc.fleet.bring_up import drive_up
+from mlx_worker_svc.fleet.bring_up import drive_up, held_adapters
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.pipeline import Pipeline, views_of
@@ -224,7 +224,7 @@ class WorkerLink:
                 return "starting"
             began = time.monotonic()
             info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
-            loras = await self.client.list_loras(pb.ListLorasRequest())
+            loras = await held_adapters(self.client)
         except (ClientError, RuntimeError) as exc:
             self.last_error = str(exc)
             log.warning("worker %s not usable: %s", self.target, exc)
@@ -246,7 +246,7 @@ class WorkerLink:
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
         self.model_name = self.catalog.name_of(info.model.model, info.model.model_path)
-        self.chat_template, self.adapters = info.chat_template, set(loras.names)
+        self.chat_template, self.adapters = info.chat_template, loras
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import lora
+
 
 def fmt(value: Any, digits: int = 2) -> str:
     """`value` with `digits` decimals, or "n/a" for a figure the run did not produce."""
@@ -220,6 +222,7 @@ def _stream_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             )
     if "j" in s:
         rows.extend(_kv_rows(s["j"]))
+    rows.extend(lora.report_rows(s["k"]) if "k" in s else [])
     return rows
 
 

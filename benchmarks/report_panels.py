@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import lora
 from benchmarks.chart import BASELINE, WORKER, Bar, Panel
 from benchmarks.report import fmt
 
 
 def panels(results: dict[str, Any]) -> list[Panel]:
     s = results["sections"]
-    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else [])
+    more = [lora.report_panel(s["k"])] if "k" in s else []
+    return _panels_a_to_i(s) + ([_kv_panel(s["j"])] if "j" in s else []) + more
 
 
 def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:

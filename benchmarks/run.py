@@ -29,12 +29,13 @@ from benchmarks.decode import section_a, section_b
 from benchmarks.fleet import section_g
 from benchmarks.kv_quant import float16_copy, section_j
 from benchmarks.latency import section_c, section_d, section_e
+from benchmarks.lora import section_k
 from benchmarks.prefix import section_f
 from benchmarks.prompts import SHORT, distinct_prompts, encode, long_tokens
 from benchmarks.stream import section_i
 from benchmarks.structured import section_h
 
-ALL_SECTIONS = "abcdefghij"
+ALL_SECTIONS = "abcdefghijk"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-tokens", type=int, help="(j) decode tokens per request (default 32)")
     p.add_argument("--kv-quality-tokens", type=int, help="(j) quality tokens (default 48)")
     p.add_argument("--kv-mib", type=int, help="(j) KV MiB beside the weights (default 512)")
+    p.add_argument("--lora-tokens", type=int, help="(k) tokens per request (default 64)")
+    p.add_argument("--lora-repeats", type=int, help="(k) interleaved repeats (default 7)")
     p.add_argument(
         "--sections", default=ALL_SECTIONS, help=f"which sections to run (default {ALL_SECTIONS})"
     )
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "kv_tokens": 32,
         "kv_quality_tokens": 48,
         "kv_mib": 512,
+        "lora_tokens": 64,
+        "lora_repeats": 7,
     }
     quick = {
         "tokens": 8,
@@ -122,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "kv_tokens": 4,
         "kv_quality_tokens": 4,
         "kv_mib": 64,
+        "lora_tokens": 8,
+        "lora_repeats": 1,
     }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -183,12 +190,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     wanted = set(args.sections)
     with temp_dir() as tmp:
-        if wanted & {"c", "d", "g", "h", "i"}:
+        if wanted & {"c", "d", "g", "h", "i", "k"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
         if wanted & {"c", "d", "i"}:
             sections.update(_tiny_worker_sections(args, tiny, wanted, seconds))
         if "h" in wanted:
             sections["h"] = timed("h", seconds, lambda: _structured(args, tiny))
+        if "k" in wanted:
+            sections["k"] = timed("k", seconds, lambda: _lora(args, tiny, tmp))
         if wanted & {"a", "b", "e", "f"}:
             model, tokenizer = load(str(main_model))
         if wanted & {"a", "b", "e"}:
@@ -244,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "g": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "h": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
             "j": "the embedded SmolLM2, weights expanded to float16",
+            "k": args.tiny_model or "tiny random llama (tests/tiny_model.py), float32",
         },
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run_seconds": round(time.perf_counter() - started, 1),
@@ -251,6 +261,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sections": sections,
         "notes": notes,
     }
+
+
+def _lora(args: argparse.Namespace, tiny: Path, tmp: Path) -> dict[str, Any]:
+    from mlx_lm import load
+
+    _, tokenizer = load(str(tiny))
+    prompts = distinct_prompts(tokenizer, 8, 16)
+    return section_k(tiny, tmp / "adapters", prompts, args.lora_tokens, repeats=args.lora_repeats)
 
 
 def _kv_quant(args: argparse.Namespace, embedded: Path, tmp: Path) -> dict[str, Any]:

@@ -35,6 +35,7 @@ RPCS = (
     "ResetPrefixCache",
     "AddLora",
     "RemoveLora",
+    "PinLora",
     "ListLoras",
     "StartProfile",
     "StopProfile",

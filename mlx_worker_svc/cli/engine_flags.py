@@ -28,7 +28,37 @@ def _rows(text: str) -> int:
     return value
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One `NAME=PATH` of `--lora-modules` (vLLM's form)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH (an adapter directory)")
+    return name, path
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser, who: str) -> None:
+    """`--lora-modules NAME=PATH ...` (vLLM's flag); `who` says where they load."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help=f"LoRA adapters (mlx_lm.lora's directories) {who}, served under NAME "
+        "(requests' lora_name; the gateway's model id); docs/adapters.md",
+    )
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_lora_arguments(parser, "loaded with the model")
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=8,
+        metavar="N",
+        help="LoRA adapters resident at once; AddLora past N evicts the least recently used "
+        "one that is neither pinned nor in use (default 8)",
+    )
     group = parser.add_argument_group("engine options (see README: Command line)")
     group.add_argument(
         "--look-ahead",
@@ -67,6 +97,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         aligned_decode=not args.no_aligned_decode,
         fuse=_FUSE[args.fuse],
         dequant_min_batch=args.dequant_min_batch,
+        max_loras=args.max_loras,
+        lora_modules=tuple(args.lora_modules),
     )
 
 

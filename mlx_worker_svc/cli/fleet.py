@@ -54,7 +54,11 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         kv_group_size=kv.group_size,
     )
     return FleetConfig(
-        link=link, queue_capacity=args.queue, routing=args.routing, models=dict(args.models or [])
+        link=link,
+        queue_capacity=args.queue,
+        routing=args.routing,
+        models=dict(args.models or []),
+        lora_modules=dict(getattr(args, "lora_modules", [])),  # not on `generate`
     )
 
 
@@ -224,7 +228,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
 def add_commands(sub: Any) -> None:
     """Adds `fleet`, `gateway` and `generate` to the `mlx-worker` subcommands."""
     from mlx_worker_svc.cli.config_file import COMMANDS, add_config_arguments
-    from mlx_worker_svc.cli.engine_flags import add_kv_arguments
+    from mlx_worker_svc.cli.engine_flags import add_kv_arguments, add_lora_arguments
     from mlx_worker_svc.cli.security_flags import add_server_arguments, add_worker_client_arguments
     from mlx_worker_svc.rpc.metrics import add_metrics_arguments
 
@@ -277,6 +281,7 @@ def add_commands(sub: Any) -> None:
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         if name in ("fleet", "gateway"):
+            add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
             port = 50050 if name == "fleet" else 8000
             cmd.add_argument(
                 "--host",

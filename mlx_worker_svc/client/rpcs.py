@@ -148,6 +148,13 @@ REMOVE_LORA = _rpc(
     False,
     "Unloads a LoRA adapter (never retried).",
 )
+PIN_LORA = _rpc(
+    "PinLora",
+    pb.PinLoraRequest,
+    pb.PinLoraResponse,
+    True,
+    "Pins or unpins a LoRA adapter (retried: the same call again changes nothing).",
+)
 LIST_LORAS = _rpc(
     "ListLoras",
     pb.ListLorasRequest,
@@ -194,6 +201,7 @@ UNARY: tuple[Rpc[Any, Any], ...] = (
     RESET_PREFIX_CACHE,
     ADD_LORA,
     REMOVE_LORA,
+    PIN_LORA,
     LIST_LORAS,
     START_PROFILE,
     STOP_PROFILE,

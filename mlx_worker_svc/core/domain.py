@@ -136,6 +136,7 @@ class NewRequest:
     sampling: SamplingParams
     # The last tokens of the prompt that are output generated elsewhere (a continuation).
     num_generated_tokens: int = 0
+    lora_name: str = ""  # the adapter it runs with; empty: the base model
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ class MemoryProfile:
     activation_bytes_per_token: float = 0.0
     activation_bytes_per_token_pair: float = 0.0
     kv: KVFormat = FLOAT_KV  # the KV format bytes_per_block was measured in
+    adapter_bytes: int = 0  # LoRA adapters resident when measured (within weight_bytes)
 
 
 @dataclass(frozen=True)

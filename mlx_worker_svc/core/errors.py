@@ -17,6 +17,7 @@ class Code(enum.Enum):
 
     INVALID_ARGUMENT = 3
     NOT_FOUND = 5
+    ALREADY_EXISTS = 6
     RESOURCE_EXHAUSTED = 8
     FAILED_PRECONDITION = 9
     ABORTED = 10
@@ -45,6 +46,12 @@ class NotFound(WorkerError):
     """A named thing (model path, request id) does not exist."""
 
     code = Code.NOT_FOUND
+
+
+class AlreadyExists(WorkerError):
+    """A name is taken by something else (a LoRA adapter loaded from another path)."""
+
+    code = Code.ALREADY_EXISTS
 
 
 class FailedPrecondition(WorkerError):

@@ -32,6 +32,7 @@ class GenerateSpec:
     skip_special_tokens: bool = True
     tools_json: str = ""  # with messages: the tools given to the chat template
     model: str = ""  # empty: the loaded model; else it must name it (GenerateRequest.model)
+    lora_name: str = ""  # the adapter it runs with; empty: the base model
 
 
 @dataclass

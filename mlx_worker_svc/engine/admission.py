@@ -17,6 +17,8 @@ from collections.abc import Sequence as Seq
 import mlx.core as mx
 
 from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
+from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.engine.lora.registry import check_adapter
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.planning import Limits, plan_step
 from mlx_worker_svc.engine.sequence import RequestKey, Work
@@ -50,6 +52,9 @@ class Admission:
         """Validates a scheduler step (raises; changes nothing but the prefix cache)."""
         state = self.state
         work = plan_step(plan, state.seqs, state.recently_finished, self.limits)
+        for i, new in enumerate(work.new):
+            where = f"new_requests[{i}] (req_id {clip(new.key[1])!r}).lora_name"
+            check_adapter(state.adapters, new.adapter, where)
         spans = self._spans(work) if plan.grammar_bitmask else {}
         plan_structured(
             plan, work, state.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
@@ -59,30 +64,32 @@ class Admission:
         self.check_memory(work, what)
         return work
 
-    def hit(self, tokens: Seq[int], params: SamplingParams) -> int:
-        """Tokens a fresh request would take from the prefix cache (read-only)."""
+    def hit(self, tokens: Seq[int], params: SamplingParams, adapter: str = "") -> int:
+        """Tokens a fresh request (of `adapter`) would take from the prefix cache (read-only)."""
         prefix = self.state.prefix
         if prefix is None or params.prompt_logprobs is not None:
             return 0
-        return prefix.match(tokens, len(tokens) - 1)
+        return prefix.match(tokens, len(tokens) - 1, self.state.root(adapter))
 
     def _spans(self, work: Work) -> dict[RequestKey, tuple[int, int, int]]:
         """(computed before, end, length) of each request after `work`'s changes."""
         seqs = self.state.seqs
         lengths = {new.key: len(new.prompt) for new in work.new}
-        starts = {new.key: self.hit(new.prompt, new.params) for new in work.new}
+        starts = {new.key: self.hit(new.prompt, new.params, new.adapter) for new in work.new}
         for key, tokens, resumed in work.appends:
             held = seqs[key]
             lengths[key] = len(held.tokens) + len(tokens)
             if resumed:
-                starts[key] = self.hit([*held.tokens, *tokens], held.params)
+                starts[key] = self.hit([*held.tokens, *tokens], held.params, held.adapter)
         spans = {}
         for key, count in work.scheduled.items():
             seq = seqs.get(key)
             length = lengths.get(key, len(seq.tokens) if seq else 0)
             if key not in starts and seq is not None:
                 fresh = seq.fresh and not seq.preempted
-                starts[key] = self.hit(seq.tokens, seq.params) if fresh else seq.num_computed
+                starts[key] = (
+                    self.hit(seq.tokens, seq.params, seq.adapter) if fresh else seq.num_computed
+                )
             start = starts[key]
             spans[key] = (start, min(start + count, length), length)
         return spans
@@ -160,7 +167,9 @@ class Admission:
         for key, seq in self.state.seqs.items():
             if key[0] is not Origin.GENERATE or key in base.scheduled:
                 continue
-            before = self.hit(seq.tokens, seq.params) if seq.fresh else seq.num_computed
+            before = (
+                self.hit(seq.tokens, seq.params, seq.adapter) if seq.fresh else seq.num_computed
+            )
             count = min(len(seq.tokens) - before, prefill_chunk)
             # Beside a multi-step Execute, a request that samples decodes its steps too.
             more = base.decode_steps - 1 if before + count == len(seq.tokens) else 0

@@ -72,12 +72,18 @@ class EngineOptions:
     # Decode batches of a quantized model with at least this many rows multiply by
     # dequantized weights (rewrite/dequant.py); 0: never; None: 32 with CUDA, else 0.
     dequant_min_batch: int | None = None
+    # LoRA adapters resident at once (AddLora evicts the least recently used unpinned one).
+    max_loras: int = 8
+    # Adapters loaded with the model (serve --lora-modules NAME=PATH): (name, path) pairs.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.look_ahead not in LOOK_AHEAD_MODES:
             raise ValueError(f"look_ahead {self.look_ahead!r}: use one of {LOOK_AHEAD_MODES}")
         if self.dequant_min_batch is not None and self.dequant_min_batch < 0:
             raise ValueError(f"dequant_min_batch must be >= 0, got {self.dequant_min_batch}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
 
     def fused(self, cuda: bool) -> bool:
         """Whether runners fuse sibling projections, on a CUDA backend or not."""

@@ -153,7 +153,9 @@ def _new_requests(
                 f"least one of the {len(new.prompt_token_ids)} prompt tokens"
             )
         work.new.append(
-            NewSequence(key, new.prompt_token_ids, new.sampling, new.num_generated_tokens)
+            NewSequence(
+                key, new.prompt_token_ids, new.sampling, new.num_generated_tokens, new.lora_name
+            )
         )
         counts[new.req_id] = (0, len(new.prompt_token_ids))
     return counts

@@ -15,6 +15,8 @@ each chunk's float KV is quantized right after it, as mlx-lm's generate does
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
@@ -39,21 +41,26 @@ class Prefill:
         self.admission = admission  # its prefix-cache hits and batch_prefill
         self.kv = kv  # how requests' KV is stored
 
+    def _scope(self, adapters: list[str]) -> AbstractContextManager[bool]:
+        """A forward's construction for rows of these adapters (engine/lora)."""
+        held = self.state.adapters
+        return held.rows(adapters) if held is not None else nullcontext(False)
+
     def ready_kv(self, seq: Sequence, output: RequestOutput) -> None:
         """Before a request computes: its prefix-cache hit, or its lost KV rebuilt."""
         prefix = self.state.prefix
         if seq.fresh:
             seq.fresh = False
-            hit = self.admission.hit(seq.tokens, seq.params)
+            hit = self.admission.hit(seq.tokens, seq.params, seq.adapter)
             if hit and prefix is not None:
-                taken, cache = prefix.load(seq.tokens, hit)
+                taken, cache = prefix.load(seq.tokens, hit, self.state.root(seq.adapter))
                 seq.cache, seq.num_computed = cache, taken
                 output.num_cached_prompt_tokens = taken
         elif seq.kv_lost:
             target = seq.num_computed
             taken, cache = (0, None)
             if prefix is not None:
-                taken, cache = prefix.load(seq.tokens, target)
+                taken, cache = prefix.load(seq.tokens, target, self.state.root(seq.adapter))
             seq.cache, seq.num_computed = cache, taken
             self.prefill(seq, target)
             seq.kv_lost = False
@@ -81,7 +88,8 @@ class Prefill:
             seqs = [state.seqs[key] for key in group]
             if state.step is not None:
                 state.step.touched.update(group)
-            caches = prefill_together(self.model, [seq.tokens[:tokens] for seq in seqs])
+            scope = self._scope([seq.adapter for seq in seqs])
+            caches = prefill_together(self.model, [seq.tokens[:tokens] for seq in seqs], scope)
             for seq, cache in zip(seqs, caches, strict=True):
                 seq.cache, seq.num_computed = quantized.quantize(cache, self.kv), tokens
 
@@ -103,7 +111,8 @@ class Prefill:
         while seq.num_computed < end:
             start, stop = seq.num_computed, min(end, seq.num_computed + PREFILL_STEP)
             chunk = mx.array(seq.tokens[start:stop], dtype=mx.uint32)[None]
-            logits = self.model(chunk, cache=seq.cache)
+            with self._scope([seq.adapter]):
+                logits = self.model(chunk, cache=seq.cache)
             # Score prompt tokens once: not again when a preempted request recomputes.
             last = min(stop, seq.prompt_len - 1)
             first = max(start, seq.prompt_scored)

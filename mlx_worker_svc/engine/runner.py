@@ -15,14 +15,15 @@ views (`kv_usage`, `count`), which copy what they read.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Sequence as Sequence_
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
 from mlx_worker_svc.core.domain import (
     CacheConfig,
-    FinishReason,
     KVUsage,
     MemoryProfile,
     Origin,
@@ -35,9 +36,10 @@ from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine import structured
 from mlx_worker_svc.engine.admission import Admission
-from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.decode import Decoder
+from mlx_worker_svc.engine.lora.registry import check_adapter
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.model.loader import LoadedModel
@@ -46,12 +48,7 @@ from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
 from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, transposed
-from mlx_worker_svc.engine.sampling import (
-    RequestSampler,
-    choose_tokens,
-    read_tokens,
-    token_logprobs,
-)
+from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState
 
@@ -87,11 +84,16 @@ class ModelRunner:
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
+        self.adapters = loaded.adapters
+        self.adapters.deltas.bind()  # the layers the rewrites above put in place
+        self.adapters.in_use = self.adapter_users
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
             prefix=PrefixCache(config.block_size, config.kv) if config.prefix_caching else None,
-            batch=DecodeBatch(aligned=options.aligned_decode),
+            batch=DecodeBatch(aligned=options.aligned_decode, scope=self._rows),
+            adapters=self.adapters,
         )
+        self.adapters.on_drop = self._drop_adapter_kv
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.grammars = structured.GrammarCompiler(
             loaded.tokenizer, vocab_size=loaded.info.vocab_size, eos_ids=sorted(self.eos_ids)
@@ -105,6 +107,30 @@ class ModelRunner:
         )
         self.kv = config.kv  # how every request's KV is stored
         self.prefill = Prefill(self.state, self.model, self.admission, config.kv)
+        self.decoder = Decoder(
+            self.state,
+            self.model,
+            self.grammars,
+            options,
+            kv=config.kv,
+            eos_ids=self.eos_ids,
+            max_context=self.limits.max_context,
+            free_all=self._free_all,
+        )
+
+    def _rows(self, keys: Sequence_[RequestKey]) -> AbstractContextManager[bool]:
+        """A decode forward's construction for these rows' adapters (engine/lora)."""
+        seqs = self.state.seqs
+        return self.adapters.rows([seqs[key].adapter for key in keys])
+
+    def _drop_adapter_kv(self, root: int) -> None:
+        """An adapter is gone: its prefix-cache blocks go too."""
+        if self.state.prefix is not None:
+            self.state.prefix.drop_root(root)
+
+    def adapter_users(self) -> Counter[str]:
+        """Live requests per adapter (ListLoras; RemoveLora and eviction refuse adapters in use)."""
+        return Counter(seq.adapter for seq in list(self.state.seqs.values()) if seq.adapter)
 
     # ------------------------------------------------------------ admission
     def plan(self, plan: StepPlan) -> Work:
@@ -154,11 +180,14 @@ class ModelRunner:
     def has(self, origin: Origin) -> bool:
         return any(key[0] is origin for key in self.state.seqs)
 
-    def add_generate(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
-        """Registers a Generate request; the engine schedules it from now on."""
+    def add_generate(
+        self, req_id: str, prompt: tuple[int, ...], params: SamplingParams, adapter: str = ""
+    ) -> None:
+        """Registers a Generate request (of `adapter`); the engine schedules it from now on."""
         key = (Origin.GENERATE, req_id)
         if key in self.state.seqs:
             raise InvalidArgument(f"request_id {clip(req_id)!r} is already running")
+        check_adapter(self.adapters, adapter, "GenerateRequest.lora_name")
         check_prompt(prompt, "prompt", self.limits)
         check_sampling(params, "sampling_params", self.limits)
         if self.state.budget.blocks_for(len(prompt) + 1) > self.state.budget.num_blocks:
@@ -166,14 +195,21 @@ class ModelRunner:
                 f"the prompt ({len(prompt)} tokens) does not fit the KV budget of "
                 f"{self.state.budget.num_blocks} blocks of {self.state.budget.block_size} tokens"
             )
-        self.state.seqs[key] = self._new_sequence(key, prompt, params)
+        self.state.seqs[key] = self._new_sequence(key, prompt, params, adapter=adapter)
 
     # ------------------------------------------------------------- mutation
     def _new_sequence(
-        self, key: RequestKey, prompt: tuple[int, ...], params: SamplingParams, generated: int = 0
+        self,
+        key: RequestKey,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        generated: int = 0,
+        adapter: str = "",
     ) -> Sequence:
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
-        seq = Sequence.start(key, prompt, params, sampler, max_context=self.limits.max_context)
+        limit = self.limits.max_context
+        seq = Sequence.start(key, prompt, params, sampler, max_context=limit, adapter=adapter)
+        self.adapters.touch(adapter)
         if params.structured_outputs is not None:  # compiled already: a copy from the cache
             seq.grammar = self.grammars.grammar(
                 params.structured_outputs,
@@ -237,7 +273,7 @@ class ModelRunner:
                 state.batch.remove({seq.key})
         seq.cache = None
         if keep and cache is not None and state.prefix is not None:
-            state.prefix.insert(seq.tokens, cache, self._prefix_capacity())
+            state.prefix.insert(seq.tokens, cache, self._prefix_capacity(), state.root(seq.adapter))
 
     def _fit_prefix(self, work: Work) -> None:
         """Evicts prefix blocks so the requests of `work` have their blocks."""
@@ -273,7 +309,7 @@ class ModelRunner:
             self._preempt(key)
         for new in work.new:
             self.state.seqs[new.key] = self._new_sequence(
-                new.key, new.prompt, new.params, new.generated
+                new.key, new.prompt, new.params, new.generated, new.adapter
             )
         for key, tokens, resumed in work.appends:
             seq = self.state.seqs[key]
@@ -301,15 +337,16 @@ class ModelRunner:
         for seq, private_end, samples in prefills:
             outputs[seq.key].prompt_logprobs.extend(self.prefill.prefill(seq, private_end))
             if samples and self.state.prefix is not None and seq.cache is not None:
-                self.state.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity())
+                root = self.state.root(seq.adapter)
+                self.state.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity(), root)
         if sampling:
-            self._decode(sampling, outputs, work.bitmasks)
+            self.decoder.decode(sampling, outputs, work.bitmasks)
         for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
             sampling = [key for key in sampling if key in self.state.seqs]
             if not sampling:
                 break
             num_tokens += len(sampling)
-            self._decode(sampling, outputs)
+            self.decoder.decode(sampling, outputs)
         forward_ns = time.perf_counter_ns() - forward_start
         for key, output in outputs.items():
             live = self.state.seqs.get(key)
@@ -322,85 +359,6 @@ class ModelRunner:
             decode_batch_size=len(sampling),
         )
         return StepOutcome(outputs=outputs, timings=timings)
-
-    def _decode(
-        self,
-        keys: list[RequestKey],
-        outputs: dict[RequestKey, RequestOutput],
-        bitmasks: dict[RequestKey, bytes] | None = None,
-    ) -> None:
-        """One batched forward for `keys` (their last token each), then sampling.
-
-        Rows with a grammar or a scheduler's bitmask sample from the masked
-        logits (structured.py); logprobs stay the raw model's.
-        """
-        if self.state.step is not None:
-            self.state.step.decoding = True
-        wanted = set(keys)
-        stray = {key for key in self.state.batch.keys if key not in wanted}
-        for key, cache in self.state.batch.extract(stray).items():
-            self.state.seqs[key].cache = cache
-        joining: list[tuple[RequestKey, list[Any]]] = []
-        for key in keys:
-            if key not in self.state.batch:
-                seq = self.state.seqs[key]
-                joining.append((key, seq.cache or quantized.empty(self.model, self.kv)))
-                seq.cache = None
-        self.state.batch.join(joining)
-        rows = [self.state.seqs[key] for key in self.state.batch.keys]
-        logits = self.state.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
-        samplers = [s.sampler for s in rows]
-        mask = structured.step_mask(self.grammars, rows, bitmasks or {})
-        greedy = mask is None and all(s.trivial for s in samplers)
-        # Launched with the look-ahead's forward (greedy rows, no mask).
-        chosen = self.state.batch.choice if mask is None else None
-        if chosen is None:
-            masked = logits if mask is None else mask.apply(logits)
-            chosen = choose_tokens(masked, samplers, [(s.tokens, s.prompt_len) for s in rows])
-            mx.async_eval(chosen)  # type: ignore[no-untyped-call]
-        # The next forward is queued before the host waits for this step's
-        # tokens: the device never idles while the host reads, answers and
-        # waits for the scheduler (batch.DecodeBatch, look-ahead).
-        # A row whose next token is surely its last would leave the batch and take
-        # the look-ahead's work with it: then `prefetch` starts the next forward
-        # for the rows that stay, once they are known.
-        if self.options.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
-            self.state.batch.speculate(self.model, chosen, greedy=greedy)
-        tokens = read_tokens(chosen)
-        self.state.batch.confirm(tokens)
-        infos = None if greedy else token_logprobs(logits, samplers, tokens)
-        complete = structured.advance(mask, rows, tokens)
-        finished: list[RequestKey] = []
-        for i, seq in enumerate(rows):
-            token = tokens[i]
-            seq.num_computed = len(seq.tokens)
-            seq.tokens.append(token)
-            output = outputs.get(seq.key)
-            if output is None:
-                output = outputs[seq.key] = RequestOutput(req_id=seq.key[1])
-            output.sampled_token_ids.append(token)
-            info = infos[i] if infos is not None else None
-            if info is not None:
-                output.logprobs.append(info)
-            reason = self._finish_reason(seq, grammar_complete=i in complete)
-            if reason is not None:
-                output.finish_reason = reason
-                output.num_computed_tokens = seq.num_computed
-                finished.append(seq.key)
-        self._free_all(finished)
-        rows = [self.state.seqs[key] for key in self.state.batch.keys]
-        if self.options.look_ahead != "off":
-            greedy = all(s.sampler.trivial and s.grammar is None for s in rows)
-            self.state.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
-
-    def _finish_reason(self, seq: Sequence, *, grammar_complete: bool) -> FinishReason | None:
-        """The stopping rule the last token fired; a completed grammar beats a length limit."""
-        if not seq.may_finish() and not grammar_complete:
-            return None
-        reason = seq.finish_reason(self.eos_ids, self.limits.max_context)
-        if grammar_complete and reason in (None, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH):
-            return FinishReason.GRAMMAR_COMPLETE
-        return reason
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:
         """Frees every request (of one origin); returns their keys."""

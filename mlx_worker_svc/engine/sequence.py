@@ -46,6 +46,8 @@ class Sequence:
     kv_lost: bool = False
     # Its structured-outputs grammar (SamplingParams.structured_outputs), if any.
     grammar: Grammar | None = None
+    # The LoRA adapter it runs with (engine/lora); empty: the base model.
+    adapter: str = ""
 
     @classmethod
     def start(
@@ -56,12 +58,15 @@ class Sequence:
         sampler: RequestSampler,
         *,
         max_context: int,
+        adapter: str = "",
     ) -> Sequence:
         """A new request's state (nothing computed yet)."""
         limit = max_context
         if params.max_tokens is not None:
             limit = min(limit, len(prompt) + params.max_tokens)
-        return cls(key, list(prompt), len(prompt), params, sampler, sampler.stops, limit)
+        seq = cls(key, list(prompt), len(prompt), params, sampler, sampler.stops, limit)
+        seq.adapter = adapter
+        return seq
 
     def may_finish(self) -> bool:
         """Whether the last token could end it (False: `finish_reason` is surely None)."""
@@ -100,6 +105,7 @@ class NewSequence:
     params: SamplingParams
     # Trailing prompt tokens its grammar consumes first (NewRequest.num_generated_tokens).
     generated: int = 0
+    adapter: str = ""  # NewRequest.lora_name
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mlx_worker_svc.engine.cache.batch import DecodeBatch
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
+from mlx_worker_svc.engine.lora.registry import AdapterSet
 from mlx_worker_svc.engine.memory.kv_budget import KVBudget
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence
 
@@ -40,6 +41,11 @@ class EngineState:
     recently_finished: OrderedDict[RequestKey, None] = field(default_factory=OrderedDict)
     reserved: int = 0  # request blocks the running step ends with
     step: StepMarks | None = None  # set while a step runs
+    adapters: AdapterSet | None = None  # the model's LoRA adapters (None: a bare state)
+
+    def root(self, adapter: str) -> int:
+        """The prefix-cache root of a request's adapter (0: the base model)."""
+        return self.adapters.root(adapter) if adapter and self.adapters is not None else 0
 
     def request_blocks(self) -> int:
         """Blocks the requests' KV takes now (preempted requests hold none)."""

@@ -9,11 +9,14 @@ weights freed) and loads that model in place of its own. It is called only for
 a worker that is not bringing itself up (CheckHealth.bringing_up), so it never
 races a worker's own start-up; a retry after a deadline joins the worker's call
 in progress instead of queueing another (the proto's lifecycle rule).
+`held_adapters` then reads the LoRA adapters the worker holds (fleet/adapters.py).
 """
 
 from __future__ import annotations
 
-from mlx_worker_svc.client.worker import AsyncWorkerClient
+import grpc
+
+from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -67,3 +70,13 @@ async def drive_up(
     if info.state not in FINAL:
         raise RuntimeError(f"the worker is {pb.WorkerState.Name(info.state)}")
     return info
+
+
+async def held_adapters(client: AsyncWorkerClient) -> set[str]:
+    """The adapters a worker holds (ListLoras); none from a worker that predates them."""
+    try:
+        return set((await client.list_loras(pb.ListLorasRequest())).names)
+    except ClientError as exc:
+        if exc.code is grpc.StatusCode.UNIMPLEMENTED:
+            return set()
+        raise

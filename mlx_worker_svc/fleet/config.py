@@ -67,3 +67,6 @@ class FleetConfig:
     no_worker_timeout: float = 30.0
     # The models to load on demand, name -> path (`fleet --models NAME=PATH`).
     models: Mapping[str, str] = field(default_factory=dict)
+    # LoRA adapters the fleet loads on a worker when none holds one, name -> path
+    # (`fleet --lora-modules NAME=PATH`; fleet/adapters.py).
+    lora_modules: Mapping[str, str] = field(default_factory=dict)

@@ -29,7 +29,7 @@ from typing import Literal
 
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
-from mlx_worker_svc.fleet.bring_up import drive_up
+from mlx_worker_svc.fleet.bring_up import drive_up, held_adapters
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.pipeline import Pipeline, views_of
@@ -85,6 +85,7 @@ class WorkerLink:
         self.max_context = 0
         self.vocab_size = 0
         self.chat_template = ""  # the model's, as GetInfo reports it
+        self.adapters: set[str] = set()  # LoRA adapters it holds (ListLoras; fleet/adapters.py)
         self.max_seqs = config.max_num_seqs
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
@@ -120,6 +121,7 @@ class WorkerLink:
         out.up, out.state, out.worker_epoch, out.model = self.up, self.state, self.epoch, self.model
         out.model_name, out.loading, out.num_loads = self.model_name, self.loading, self.num_loads
         out.num_running = len(self.running) + len(self.waiting)
+        out.lora_adapters.extend(sorted(self.adapters))
         out.last_error = self.last_error
         used = self._used_blocks()
         out.kv.CopyFrom(
@@ -222,6 +224,7 @@ class WorkerLink:
                 return "starting"
             began = time.monotonic()
             info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
+            loras = await held_adapters(self.client)
         except (ClientError, RuntimeError) as exc:
             self.last_error = str(exc)
             log.warning("worker %s not usable: %s", self.target, exc)
@@ -243,7 +246,7 @@ class WorkerLink:
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
         self.model_name = self.catalog.name_of(info.model.model, info.model.model_path)
-        self.chat_template = info.chat_template
+        self.chat_template, self.adapters = info.chat_template, loras
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size

@@ -32,6 +32,7 @@ class FleetRequest:
     prompt: list[int]
     params: pb.SamplingParams  # as the caller sent it, stop strings included
     model: str = ""  # the fleet's name for it ("": the only model there is)
+    lora_name: str = ""  # its LoRA adapter (GenerateRequest.lora_name; "": none)
     waited_for_load: bool = False  # no worker held its model when it came
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True

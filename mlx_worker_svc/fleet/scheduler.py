@@ -12,7 +12,8 @@ Workers may serve different models: a request names one
 (`GenerateRequest.model`, resolved against `ModelCatalog`, fleet/models.py)
 and is tokenized, routed, given prefix affinity and failed over among the
 workers of that model only. A configured model that no worker holds is loaded
-on demand (`models.plan_loads`): its requests wait in the queue meanwhile.
+on demand (`models.plan_loads`): its requests wait in the queue meanwhile; one
+naming a LoRA adapter runs on a worker that holds it (fleet/adapters.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import grpc
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.fleet.adapters import AdapterPlacement
 from mlx_worker_svc.fleet.checks import check_fits, check_forms
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import LoadFailed, NoWorkers, Overloaded
@@ -76,6 +78,7 @@ class FleetScheduler:
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
+        self.adapters = AdapterPlacement(self.config.lora_modules)
         self._up = self.residency.up
 
     # --------------------------------------------------------- lifecycle
@@ -182,6 +185,7 @@ class FleetScheduler:
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed
                 link = await self._some_link(model, want=False)
+                await self.adapters.ensure(self._up(model), request.lora_name)
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
                     prompt = list((await link.client.tokenize(ask)).token_ids)
@@ -190,6 +194,7 @@ class FleetScheduler:
                 r = FleetRequest(
                     request_id=request.request_id or uuid.uuid4().hex,
                     model=model,
+                    lora_name=request.lora_name,
                     waited_for_load=waits,
                     prompt=prompt,
                     params=params,
@@ -281,11 +286,12 @@ class FleetScheduler:
 
     # ----------------------------------------------------------- routing
     def _route(self, r: FleetRequest, *, front: bool = False) -> None:
-        up = self._up(r.model)
+        up = self.adapters.holders(self._up(r.model), r.lora_name)
         if not up:
             entry = (time.monotonic(), r)
             self._pending.insert(0, entry) if front else self._pending.append(entry)
             self._place()
+            self.adapters.place(self._up(r.model), r.lora_name, self._on_up)
             return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
@@ -299,7 +305,7 @@ class FleetScheduler:
         self.residency.on_up(link)
         waiting, self._pending = self._pending, []
         for since, r in waiting:
-            if r.model in ("", link.model_name):
+            if r.model in ("", link.model_name) and r.lora_name in {"", *link.adapters}:
                 self._route(r)
             else:
                 self._pending.append((since, r))
@@ -321,8 +327,7 @@ class FleetScheduler:
         self._pending = [(t, p) for t, p in self._pending if p is not r]
 
     async def _watchdog(self) -> None:
-        """Fails requests that waited too long for a worker of their model to come up,
-        and starts loads for models waited for (a worker fell idle)."""
+        """Fails requests that waited too long for a worker; starts loads waited for."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()

@@ -71,6 +71,7 @@ def plan_step(
                 prompt_token_ids=prompt,
                 sampling_params=params,
                 num_generated_tokens=len(r.generated),
+                lora_name=r.lora_name,
             )
         )
         request.num_scheduled_tokens[r.worker_id] = count

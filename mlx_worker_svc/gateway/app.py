@@ -83,10 +83,18 @@ class Gateway:
 
     # ----------------------------------------------------------- models
     def model_names(self) -> list[str]:
-        """The served models: the configured name, or the fleet's (`FleetScheduler.models`)."""
+        """The served models: the configured name, or the fleet's (`FleetScheduler.models`),
+        then the LoRA adapters (vLLM's `--lora-modules`: each is a model id of its own)."""
         if self.config.served_model_name:
-            return [self.config.served_model_name]
-        return self.fleet.models()
+            return [self.config.served_model_name, *self.adapter_parents()]
+        return [*self.fleet.models(), *self.adapter_parents()]
+
+    def adapter_parents(self) -> dict[str, str]:
+        """Adapter -> the model id it runs on (its `parent` in /v1/models)."""
+        fleet = self.fleet
+        parents = fleet.adapters.parents(fleet.links, fleet.models())
+        served = self.config.served_model_name
+        return {name: served or parent for name, parent in sorted(parents.items())}
 
     def texts(self, model: str) -> TokenTexts:
         """The token-text cache of one model (GenerateRequest.model)."""
@@ -95,7 +103,11 @@ class Gateway:
         return self._texts_by_model[model]
 
     def _model_card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlx-worker"}
+        """OpenAI's model object, with vLLM's `root` and `parent` (an adapter's base model)."""
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "mlx-worker"}
+        parent = self.adapter_parents().get(name)
+        root = self.fleet.adapters.configured.get(name, name) if parent is not None else name
+        return {**card, "root": root, "parent": parent}
 
     async def list_models(self, request: Request) -> JSONResponse:
         return JSONResponse(
@@ -112,6 +124,7 @@ class Gateway:
         """Resolves the request's model (`resolve_model`) and routes its GenerateRequest
         there; returns the id its answer carries."""
         shown, parsed.generate.model = self.resolve_model(parsed.model)
+        parsed.generate.lora_name = shown if shown in self.adapter_parents() else ""
         return shown
 
     def resolve_model(self, asked: str | None) -> tuple[str, str]:
@@ -128,7 +141,8 @@ class Gateway:
             return (names[0] if names else "unknown"), ""
         if names and asked not in names:
             raise _no_such_model(asked)
-        return asked, "" if self.config.served_model_name else asked
+        model = self.adapter_parents().get(asked, asked)  # an adapter runs on its parent
+        return asked, "" if self.config.served_model_name else model
 
     # -------------------------------------------------- health, metrics
     async def health(self, request: Request) -> JSONResponse:

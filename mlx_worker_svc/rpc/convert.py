@@ -24,7 +24,6 @@ from mlx_worker_svc.core.domain import (
     TokenLogprobs,
 )
 from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented
-from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.reports import (
     DeviceInfo,
@@ -148,6 +147,7 @@ def memory_profile(profile: MemoryProfile, worker_state: WorkerState) -> pb.Dete
         suggested_num_blocks=profile.suggested_num_blocks,
         state=state(worker_state),
         kv_bits=profile.kv.bits,
+        adapter_bytes=profile.adapter_bytes,
         kv_group_size=profile.kv.group_size,
     )
 
@@ -253,6 +253,7 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
                 r.sampling_params, f"new_requests[{i}] (req_id {clip(r.req_id)!r}).sampling_params"
             ),
             num_generated_tokens=r.num_generated_tokens,
+            lora_name=r.lora_name,
         )
         for i, r in enumerate(request.new_requests)
     )
@@ -350,49 +351,4 @@ def health(report: HealthReport) -> pb.CheckHealthResponse:
         uptime_seconds=report.uptime_seconds,
         memory=memory_usage(report.memory),
         bringing_up=report.bringing_up,
-    )
-
-
-def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
-    return tuple(
-        ChatMessage(
-            role=m.role,
-            content=m.content,
-            tool_calls_json=m.tool_calls_json,
-            tool_call_id=m.tool_call_id,
-            name=m.name,
-        )
-        for m in messages
-    )
-
-
-def generate_spec(request: pb.GenerateRequest) -> GenerateSpec:
-    if request.sampling_params.HasField("prompt_logprobs"):
-        raise InvalidArgument(
-            "sampling_params.prompt_logprobs: GenerateResponse has no field for them; use Execute"
-        )
-    return GenerateSpec(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        messages=chat_messages(list(request.messages)),
-        prompt_token_ids=tuple(request.prompt_token_ids),
-        sampling=sampling_params(request.sampling_params, "sampling_params"),
-        skip_special_tokens=(
-            request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        ),
-        tools_json=request.tools_json,
-        model=request.model,
-    )
-
-
-def generate_chunk(chunk: GenerateChunk) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        token_ids=chunk.token_ids,
-        text=chunk.text,
-        logprobs=[token_logprobs(i) for i in chunk.logprobs],
-        finish_reason=finish_reason(chunk.finish_reason),
-        prompt_tokens=chunk.prompt_tokens,
-        completion_tokens=chunk.completion_tokens,
-        request_id=chunk.request_id,
-        num_cached_prompt_tokens=chunk.num_cached_prompt_tokens,
     )

@@ -16,13 +16,13 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from mlx_worker_svc.core.errors import InvalidArgument, Unimplemented, WorkerError
+from mlx_worker_svc.core.errors import InvalidArgument, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.profiling import ProfileSort
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.rpc import convert
+from mlx_worker_svc.rpc import convert, text_convert
 from mlx_worker_svc.rpc.status import grpc_code
 from mlx_worker_svc.rpc.step_reader import StepReader
 from mlx_worker_svc.worker.worker import Worker
@@ -240,7 +240,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             )
             ids, text = self._worker.tokenize_chat(
-                convert.chat_messages(list(request.messages)), add_prompt, request.tools_json
+                text_convert.chat_messages(list(request.messages)), add_prompt, request.tools_json
             )
             return pb.TokenizeResponse(token_ids=ids, text=text)
         ids = self._worker.tokenize_text(request.text, request.add_special_tokens)
@@ -257,13 +257,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         try:
-            chunks, cancel = self._worker.generate(convert.generate_spec(request))
+            chunks, cancel = self._worker.generate(text_convert.generate_spec(request))
         except Exception as exc:
             _status(context, exc, "Generate", request.request_id)
         context.add_callback(cancel)
         try:
             for chunk in chunks:
-                yield convert.generate_chunk(chunk)
+                yield text_convert.generate_chunk(chunk)
         except Exception as exc:
             _status(context, exc, "Generate", request.request_id)
 
@@ -288,21 +288,36 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def AddLora(
         self, request: pb.AddLoraRequest, context: grpc.ServicerContext
     ) -> pb.AddLoraResponse:
-        raise Unimplemented(
-            "AddLora is not implemented yet; LoadModel.adapter_path applies one adapter at load"
+        added = self._worker.add_lora(request.name, request.path)
+        return pb.AddLoraResponse(
+            adapter=text_convert.lora_adapter(added.info),
+            already_loaded=added.already_loaded,
+            evicted=added.evicted,
         )
 
     @_unary
     def RemoveLora(
         self, request: pb.RemoveLoraRequest, context: grpc.ServicerContext
     ) -> pb.RemoveLoraResponse:
-        raise Unimplemented("RemoveLora is not implemented yet")
+        return pb.RemoveLoraResponse(path=self._worker.remove_lora(request.name))
+
+    @_unary
+    def PinLora(
+        self, request: pb.PinLoraRequest, context: grpc.ServicerContext
+    ) -> pb.PinLoraResponse:
+        info = self._worker.pin_lora(request.name, pinned=not request.unpin)
+        return pb.PinLoraResponse(adapter=text_convert.lora_adapter(info))
 
     @_unary
     def ListLoras(
         self, request: pb.ListLorasRequest, context: grpc.ServicerContext
     ) -> pb.ListLorasResponse:
-        raise Unimplemented("ListLoras is not implemented yet")
+        infos, cap = self._worker.list_loras()
+        return pb.ListLorasResponse(
+            names=[i.name for i in infos],
+            adapters=[text_convert.lora_adapter(i) for i in infos],
+            max_loras=cap,
+        )
 
     @_unary
     def StartProfile(

@@ -75,6 +75,8 @@ class WorkerCore:
         self.cache_config: CacheConfig | None = None
         self.runner: ModelRunner | None = None
         self.model_info: ModelInfo | None = None
+        # Asleep at level 2: the adapters (name, path, pinned) WakeUp loads again.
+        self.asleep_adapters: list[tuple[str, str, bool]] = []
         self.chat_template = ""
         # While SLEEPING: the level, and the state WakeUp returns to.
         self.sleep_level = 0

@@ -25,6 +25,7 @@ from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
+from mlx_worker_svc.worker.adapters import fit_budget, load_adapters
 from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
@@ -105,6 +106,9 @@ class Lifecycle:
                 return core.loaded, core.epoch
             core.require_idle("LoadModel")
             loaded = core.replica.load(spec)  # raises before anything changes
+            options = core.replica.options  # and so do the start-up adapters
+            starting = [(name, path, False) for name, path in options.lora_modules]
+            load_adapters(loaded, starting, options.max_loras)
             core.sleep_level = 0
             core.loaded, core.load_spec = loaded, spec
             core.model_info = loaded.info
@@ -156,6 +160,7 @@ class Lifecycle:
                 max_num_batched_tokens=tokens,
                 block_size=block,
                 kv=kv,
+                adapter_bytes=loaded.adapters.nbytes,  # LoRA adapters count with the weights
             )
             if core.state is S.MODEL_LOADED:
                 core.set_state(S.MEMORY_PROFILED)
@@ -216,6 +221,7 @@ class Lifecycle:
             core.require_idle("InitCache")
             core.runner = core.replica.new_runner(config, profile)
             core.cache_config = config
+            fit_budget(core)  # adapters loaded since DetermineMemory
             if core.state is S.MEMORY_PROFILED:
                 core.set_state(S.READY)
             return config
@@ -281,6 +287,8 @@ class Lifecycle:
                 core.new_epoch(f"slept (Sleep level {level} aborted every request)")
                 core.set_state(S.SLEEPING)
             if level == 2:
+                if core.loaded is not None:  # WakeUp loads its adapters again
+                    core.asleep_adapters = core.loaded.adapters.specs()
                 core.loaded = None
             core.sleep_level = max(core.sleep_level, level)
             core.replica.release(model=level == 2)
@@ -300,9 +308,13 @@ class Lifecycle:
                 return core.state, core.epoch, 0.0
             if core.loaded is None:
                 assert core.load_spec is not None
-                core.loaded = core.replica.load(core.load_spec)  # raises: still asleep
+                loaded = core.replica.load(core.load_spec)  # raises: still asleep
+                cap = core.replica.options.max_loras
+                load_adapters(loaded, core.asleep_adapters, cap)
+                core.loaded = loaded
             assert core.cache_config is not None and core.memory is not None
             core.runner = core.replica.new_runner(core.cache_config, core.memory)
+            fit_budget(core)
             core.sleep_level = 0
             core.set_state(core.awake_state)
             return core.state, core.epoch, time.perf_counter() - start

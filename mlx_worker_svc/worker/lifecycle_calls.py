@@ -93,6 +93,11 @@ class LifecycleCalls:
         with self._cond:
             self._owner = None
 
+    def forget(self) -> None:
+        """Drops the kept result: what it measured changed (an adapter came or went)."""
+        with self._cond:
+            self._kept = None
+
     def close(self) -> None:
         """Refuses later calls, cancels a run not yet started and wakes every waiter."""
         with self._cond:

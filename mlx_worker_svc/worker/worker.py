@@ -4,7 +4,8 @@
 state, the engine thread and Generate scheduling) and the parts that take
 it: `Lifecycle` (InitDevice..WarmUp, Sleep, WakeUp, drain, close; its way-up
 calls one at a time through the core's `LifecycleCalls`) and
-`GenerateCalls` (Tokenize, Detokenize, Generate); it runs Execute steps,
+`GenerateCalls` (Tokenize, Detokenize, Generate) and `AdapterCalls` (AddLora,
+RemoveLora, PinLora, ListLoras); it runs Execute steps,
 answers the queries and starts and stops profiles (engine/profiler.py, with
 `profile_dir`) itself. Invariants: every state change and every MLX
 call runs on the engine thread, one at a time; the queries (CheckHealth,
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.domain import (
     CacheConfig,
     KVUsage,
@@ -52,6 +54,7 @@ from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.profiler import EngineProfiler
+from mlx_worker_svc.worker.adapters import AdapterCalls
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import GaveUp, Lifecycle
@@ -87,6 +90,7 @@ class Worker:
         )
         self.states = Lifecycle(self.core)
         self.text = GenerateCalls(self.core)
+        self.adapters = AdapterCalls(self.core)
         self.profiler = EngineProfiler(profile_dir) if profile_dir is not None else None
 
     # ------------------------------------------------------------- facts
@@ -268,6 +272,19 @@ class Worker:
             core.set_state(S.SERVING)
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, core.epoch, outputs, timings)
+
+    # ----------------------------------------------------------- adapters
+    def add_lora(self, name: str, path: str) -> AdapterAdded:
+        return self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> str:
+        return self.adapters.remove(name)
+
+    def pin_lora(self, name: str, *, pinned: bool) -> AdapterInfo:
+        return self.adapters.pin(name, pinned)
+
+    def list_loras(self) -> tuple[list[AdapterInfo], int]:
+        return self.adapters.list()
 
     # ---------------------------------------------------------- profiling
     def start_profile(self, label: str, gpu_capture: bool) -> ProfileStarted:

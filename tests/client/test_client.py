@@ -127,14 +127,15 @@ def _sync_session(target: str, model: Path) -> tuple[list[int], list[int]]:
             t for message in client.generate(generate_request()) for t in message.token_ids
         ]
 
-        for call in (
-            lambda: client.add_lora(pb.AddLoraRequest(name="a", path="/nowhere")),
-            lambda: client.remove_lora(pb.RemoveLoraRequest(name="a")),
-            client.list_loras,
+        for call, code in (
+            (lambda: client.add_lora(pb.AddLoraRequest(name="a", path="/nowhere")), "NOT_FOUND"),
+            (lambda: client.remove_lora(pb.RemoveLoraRequest(name="a")), "NOT_FOUND"),
+            (lambda: client.pin_lora(pb.PinLoraRequest(name="a")), "NOT_FOUND"),
         ):
             with pytest.raises(ClientError) as info:
                 call()
-            assert info.value.code == grpc.StatusCode.UNIMPLEMENTED and info.value.attempts == 1
+            assert info.value.code == grpc.StatusCode[code] and info.value.attempts == 1
+        assert list(client.list_loras().names) == []
 
         assert client.reset_prefix_cache().freed_blocks >= 0
         asleep = client.sleep(pb.SleepRequest(level=1))

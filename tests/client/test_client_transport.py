@@ -139,6 +139,7 @@ def test_idempotent_calls_are_retried_on_unavailable_and_the_rest_tried_once(
         "Detokenize",
         "WakeUp",
         "ResetPrefixCache",
+        "PinLora",
         "ListLoras",
         "Health.Check",
     }

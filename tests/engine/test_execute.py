@@ -281,9 +281,9 @@ def test_equally_long_prompts_prefill_together_and_give_mlx_lm_tokens(
 
     groups: list[int] = []
 
-    def counted(model: object, prompts: list[list[int]]) -> object:
+    def counted(model: object, prompts: list[list[int]], scope: object = None) -> object:
         groups.append(len(prompts))
-        return batch.prefill_together(model, prompts)
+        return batch.prefill_together(model, prompts, scope)  # type: ignore[arg-type]
 
     monkeypatch.setattr(prefill, "prefill_together", counted)
     prompts = [[7 + i, 100 + i, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] for i in range(5)] + [[1, 2, 3]]

@@ -317,6 +317,11 @@ def other_calls() -> dict[str, st.SearchStrategy[Call]]:
         "RemoveLora": st.builds(
             lambda name: Call("RemoveLora", pb.RemoveLoraRequest(name=name)), TEXT
         ),
+        "PinLora": st.builds(
+            lambda name, unpin: Call("PinLora", pb.PinLoraRequest(name=name, unpin=unpin)),
+            TEXT,
+            st.booleans(),
+        ),
         "ListLoras": st.just(Call("ListLoras", pb.ListLorasRequest())),
     }
 

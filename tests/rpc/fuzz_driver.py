@@ -49,9 +49,11 @@ ANSWERS = CLIENT_ERRORS | {Code.OK}
 # Tighter expectations where the request can only be refused one way.
 EXPECTED: dict[str, frozenset[Code]] = {
     "Sleep": frozenset({Code.INVALID_ARGUMENT}),  # only invalid levels are sent
-    "AddLora": frozenset({Code.UNIMPLEMENTED}),
-    "RemoveLora": frozenset({Code.UNIMPLEMENTED}),
-    "ListLoras": frozenset({Code.UNIMPLEMENTED}),
+    # Random names and paths: no adapter directory is ever found.
+    "AddLora": frozenset({Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    "RemoveLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "PinLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "ListLoras": frozenset({Code.OK}),
     "LoadModel": frozenset(
         {Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}
     ),

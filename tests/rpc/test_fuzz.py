@@ -75,6 +75,7 @@ IDLE_WEIGHTS = {
     "ResetPrefixCache": 1,
     "AddLora": 1,
     "RemoveLora": 1,
+    "PinLora": 1,
     "ListLoras": 1,
 }
 LIVE_WEIGHTS = {
@@ -94,6 +95,7 @@ LIVE_WEIGHTS = {
     "ResetPrefixCache": 2,
     "AddLora": 1,
     "RemoveLora": 1,
+    "PinLora": 1,
     "ListLoras": 1,
 }
 

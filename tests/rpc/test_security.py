@@ -174,9 +174,9 @@ def test_every_worker_rpc_is_refused_without_the_token(served: Counter[str]) -> 
                     "/mlx_worker.v1.WorkerService/NoSuchMethod", None, None
                 )
                 assert is_refused(unknown, b"", TIMEOUT, metadata)
-        assert len(WORKER_SERVICE.methods) == 21
+        assert len(WORKER_SERVICE.methods) == 22
         assert set(refused.values()) == {len(BAD_METADATA)}
-        assert sum(refused.values()) == (21 + 3) * len(BAD_METADATA) == 168
+        assert sum(refused.values()) == (22 + 3) * len(BAD_METADATA) == 175
         assert sum(served.values()) == 0, served  # 0 RPCs ran unauthenticated
         assert server.worker.state is WorkerState.NEW  # no InitDevice, no Shutdown
 

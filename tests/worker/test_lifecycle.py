@@ -201,12 +201,14 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
     [
         ("AddLora", pb.AddLoraRequest(name="x", path="/tmp")),
         ("RemoveLora", pb.RemoveLoraRequest(name="x")),
-        ("ListLoras", pb.ListLorasRequest()),
+        ("PinLora", pb.PinLoraRequest(name="x")),
     ],
 )
-def test_unbuilt_rpcs_answer_unimplemented(stub: Stub, rpc: str, request_message: Any) -> None:
+def test_adapter_calls_need_a_model(stub: Stub, rpc: str, request_message: Any) -> None:
     code, message = _code(lambda: getattr(stub, rpc)(request_message))
-    assert code == grpc.StatusCode.UNIMPLEMENTED and "not implemented" in message
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{rpc} needs state MODEL_LOADED or later" in message
+    assert list(stub.ListLoras(pb.ListLorasRequest()).names) == []
 
 
 def test_quantization_is_reported_from_the_weights_not_config_json(

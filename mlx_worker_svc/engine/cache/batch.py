@@ -11,7 +11,8 @@ scheduler did not ask for.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import mlx.core as mx
@@ -65,7 +66,19 @@ class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
         return cache
 
 
-def prefill_together(model: nn.Module, prompts: Sequence[Sequence[int]]) -> list[LayerCaches]:
+Scope = Callable[[Sequence[Any]], AbstractContextManager[bool]]
+"""Opens a forward's construction for rows (their LoRA adapters, engine/lora/forward.py)."""
+
+
+def _bare(_rows: Sequence[Any]) -> AbstractContextManager[bool]:
+    return nullcontext(False)
+
+
+def prefill_together(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    scope: AbstractContextManager[bool] | None = None,
+) -> list[LayerCaches]:
     """Prefills equally long prompts in one batched forward; returns each one's own cache.
 
     Every row attends as it would alone (no padding, the single request's
@@ -76,7 +89,8 @@ def prefill_together(model: nn.Module, prompts: Sequence[Sequence[int]]) -> list
     """
     layers = len(make_prompt_cache(model))
     cache = [AlignedBatchKVCache.empty(len(prompts)) for _ in range(layers)]
-    model(mx.array([list(p) for p in prompts], dtype=mx.uint32), cache=cache)
+    with scope or nullcontext(False):
+        model(mx.array([list(p) for p in prompts], dtype=mx.uint32), cache=cache)
     mx.eval([c.state for c in cache])
     rows = [[layer.extract(i) for layer in cache] for i in range(len(prompts))]
     mx.eval([c.state for row in rows for c in row])
@@ -141,11 +155,13 @@ class DecodeBatch(Generic[K]):
     token, so what runs is always what was asked. When every row samples
     greedily (`greedy=True`), the look-ahead launches the tokens' choice with
     the forward: one launch a step, as mlx-lm's generate loop does.
-    `aligned`: rows merge into aligned caches (`merge_caches`).
+    `aligned`: rows merge into aligned caches (`merge_caches`); `scope` opens
+    every forward for its rows' keys (their adapters).
     """
 
-    def __init__(self, *, aligned: bool = True) -> None:
+    def __init__(self, *, aligned: bool = True, scope: Scope = _bare) -> None:
         self.aligned = aligned
+        self.scope = scope
         self.keys: list[K] = []
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
@@ -247,8 +263,8 @@ class DecodeBatch(Generic[K]):
                 return ahead.logits
             self._rollback()
         inputs = mx.array(list(tokens), dtype=mx.uint32)
-        with dequant.rows(model, len(tokens)):
-            return decode_step.logits(model, inputs, self._cache)
+        with dequant.rows(model, len(tokens)), self.scope(self.keys) as adapted:
+            return decode_step.logits(model, inputs, self._cache, adapted=adapted)
 
     def speculate(self, model: nn.Module, sampled: mx.array, *, greedy: bool = False) -> None:
         """Queues the next forward on this step's sampled tokens (a lazy [B] array).
@@ -261,8 +277,10 @@ class DecodeBatch(Generic[K]):
         self._drop_ahead()
         if not self.keys or not self._trimmable():
             return
-        with dequant.rows(model, len(self.keys)):
-            logits = decode_step.logits(model, sampled.astype(mx.uint32), self._cache)
+        with dequant.rows(model, len(self.keys)), self.scope(self.keys) as adapted:
+            logits = decode_step.logits(
+                model, sampled.astype(mx.uint32), self._cache, adapted=adapted
+            )
         self._ahead = self._launch(None, logits, greedy)
 
     def confirm(self, tokens: Sequence[int]) -> None:

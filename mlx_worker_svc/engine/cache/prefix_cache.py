@@ -18,6 +18,8 @@ models with sliding-window or recurrent layers run without a prefix cache
 (`supported`). With quantized KV (`--kv-bits`) a block holds the quantized
 triplets (packed words, scales, biases) exactly as the request's cache held
 them, and a hit gives back quantized caches (engine/cache/quantized.py).
+Each LoRA adapter's KV hangs from its own root (`root`, negative; 0 is the base
+model's), so KV is never shared across adapters; `drop_root` frees one.
 """
 
 from __future__ import annotations
@@ -100,13 +102,13 @@ class PrefixCache:
         return len(self._lru)
 
     # ---------------------------------------------------------------- lookup
-    def match(self, tokens: Sequence[int], limit: int) -> int:
+    def match(self, tokens: Sequence[int], limit: int, root: int = _ROOT) -> int:
         """Tokens of the longest cached prefix of `tokens`, at most `limit` (read-only)."""
-        chain = self._chain(tokens, limit)
-        return len(chain) * self.block_size + self._head(tokens, chain, limit)[1]
+        chain = self._chain(tokens, limit, root)
+        return len(chain) * self.block_size + self._head(tokens, chain, limit, root)[1]
 
-    def _chain(self, tokens: Sequence[int], limit: int) -> list[_Block]:
-        bs, parent = self.block_size, _ROOT
+    def _chain(self, tokens: Sequence[int], limit: int, root: int = _ROOT) -> list[_Block]:
+        bs, parent = self.block_size, root
         chain: list[_Block] = []
         for start in range(0, min(limit, len(tokens)) - bs + 1, bs):
             block = self._index.get((parent, tuple(tokens[start : start + bs])))
@@ -117,23 +119,25 @@ class PrefixCache:
         return chain
 
     def _head(
-        self, tokens: Sequence[int], chain: list[_Block], limit: int
+        self, tokens: Sequence[int], chain: list[_Block], limit: int, root: int = _ROOT
     ) -> tuple[_Block | None, int]:
         """The cached block after `chain` sharing the most leading tokens with `tokens`."""
         start = len(chain) * self.block_size
         want = tokens[start : min(limit, len(tokens), start + self.block_size)]
         best: _Block | None = None
         shared = 0
-        for block in self._kids.get(chain[-1].id if chain else _ROOT, {}).values():
+        for block in self._kids.get(chain[-1].id if chain else root, {}).values():
             same = _common_length(block.tokens, want)
             if same > shared:
                 best, shared = block, same
         return best, shared
 
-    def load(self, tokens: Sequence[int], limit: int) -> tuple[int, LayerCaches | None]:
+    def load(
+        self, tokens: Sequence[int], limit: int, root: int = _ROOT
+    ) -> tuple[int, LayerCaches | None]:
         """A new private cache holding the longest cached prefix; (tokens, cache)."""
-        chain = self._chain(tokens, limit)
-        head, shared = self._head(tokens, chain, limit)
+        chain = self._chain(tokens, limit, root)
+        head, shared = self._head(tokens, chain, limit, root)
         if not chain and head is None:
             return 0, None
         # Leaves are touched first, so parents stay more recent than children.
@@ -160,7 +164,9 @@ class PrefixCache:
         return held, caches
 
     # ------------------------------------------------------------- insertion
-    def insert(self, tokens: Sequence[int], cache: LayerCaches, capacity: int) -> int:
+    def insert(
+        self, tokens: Sequence[int], cache: LayerCaches, capacity: int, root: int = _ROOT
+    ) -> int:
         """Caches the whole blocks of `tokens` whose KV `cache` holds.
 
         `cache` holds the KV of `tokens[:offset]`. Blocks already cached are
@@ -170,7 +176,7 @@ class PrefixCache:
         """
         bs = self.block_size
         whole = min(int(cache[0].offset), len(tokens)) // bs * bs
-        known = self._chain(tokens, whole)
+        known = self._chain(tokens, whole, root)
         start = len(known) * bs
         wanted = (whole - start) // bs
         over = len(self) + wanted - capacity
@@ -188,7 +194,7 @@ class PrefixCache:
                 mx.stack([_parts(layer.values)[i][..., start:end, :] for layer in cache])
                 for i in range(width)
             )
-            parent = known[-1].id if known else _ROOT
+            parent = known[-1].id if known else root
             for at in range(start, end, bs):
                 lo = at - start
                 block = _Block(
@@ -205,7 +211,7 @@ class PrefixCache:
                 self._index[(block.parent, block.tokens)] = block
                 self._kids.setdefault(block.parent, {})[block.id] = block
                 self._lru[block.id] = block
-                if block.parent != _ROOT:
+                if block.parent > _ROOT:
                     self._lru[block.parent].children += 1
                 self.nbytes += block.nbytes
         # Deepest first, so parents stay more recent than their children.
@@ -235,9 +241,20 @@ class PrefixCache:
         del siblings[block.id]
         if not siblings:
             del self._kids[block.parent]
-        if block.parent != _ROOT:
+        if block.parent > _ROOT:
             self._lru[block.parent].children -= 1
         self.nbytes -= block.nbytes
+
+    def drop_root(self, root: int) -> int:
+        """Drops every block under `root` (an adapter's KV); returns how many."""
+        under, frontier = [], list(self._kids.get(root, {}).values())
+        while frontier:
+            block = frontier.pop()
+            under.append(block)
+            frontier += self._kids.get(block.id, {}).values()
+        for block in reversed(under):  # leaves first
+            self._drop(block)
+        return len(under)
 
     def clear(self) -> int:
         """Drops every block; returns how many there were."""

@@ -38,7 +38,6 @@ from mlx_worker_svc.core.domain import (
     DeviceKind,
     MemoryProfile,
     Origin,
-    SamplingParams,
     StepPlan,
 )
 from mlx_worker_svc.core.errors import Internal, WorkerError
@@ -315,8 +314,8 @@ class MirroredRunner(ModelRunner):
         if outside and known:
             self._send("free", key, keep_prefix=keep_prefix)
 
-    def add_generate(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
-        super().add_generate(req_id, prompt, params)
+    def add_generate(self, req_id: str, prompt: tuple[int, ...], params: Any, _: str = "") -> None:
+        super().add_generate(req_id, prompt, params)  # a group serves no adapters
         self._send("add_generate", req_id, prompt, params)
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:

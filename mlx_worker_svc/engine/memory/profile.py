@@ -110,8 +110,12 @@ def profile(
     max_num_batched_tokens: int,
     block_size: int,
     kv: KVFormat = FLOAT_KV,
+    adapter_bytes: int = 0,
 ) -> MemoryProfile:
-    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget for `kv`."""
+    """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget for `kv`.
+
+    `adapter_bytes` (resident LoRA adapters) count with the weights.
+    """
     per_block = bytes_per_block(model, block_size, kv)  # first: it checks `kv`
     sizes = sorted(
         {
@@ -130,11 +134,12 @@ def profile(
     )
     total, recommended = memory_facts()
     allowed = int(recommended * memory_utilization)
-    available = max(allowed - info.weight_bytes - activation, 0)
+    weights = info.weight_bytes + adapter_bytes
+    available = max(allowed - weights - activation, 0)
     return MemoryProfile(
         total_memory_bytes=total,
         recommended_working_set_bytes=recommended,
-        weight_bytes=info.weight_bytes,
+        weight_bytes=weights,
         activation_peak_bytes=activation,
         available_kv_bytes=available,
         bytes_per_block=per_block,
@@ -145,6 +150,7 @@ def profile(
         activation_bytes_per_token=per_token,
         activation_bytes_per_token_pair=per_pair,
         kv=kv,
+        adapter_bytes=adapter_bytes,
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.reports import LoadSpec, ModelInfo, Parallelism, Quantization
+from mlx_worker_svc.engine.lora.registry import AdapterSet
 from mlx_worker_svc.engine.model import sharding
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     info: ModelInfo
     load_seconds: float
+    # Its resident LoRA adapters (AddLora), beside the weights.
+    adapters: AdapterSet = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.adapters = AdapterSet(self.model)
 
 
 def _resolve(spec: LoadSpec) -> str:

@@ -84,10 +84,16 @@ class LlamaDecodeStep:
         return out
 
 
-def logits(model: nn.Module, tokens: mx.array, cache: Sequence[Any]) -> mx.array:
-    """A decode step's logits `[B, vocab]` for `tokens` `[B]` (one token per cache row)."""
+def logits(
+    model: nn.Module, tokens: mx.array, cache: Sequence[Any], *, adapted: bool = False
+) -> mx.array:
+    """A decode step's logits `[B, vocab]` for `tokens` `[B]` (one token per cache row).
+
+    `adapted`: some row runs a LoRA adapter (engine/lora), whose deltas live in
+    the model's layers, so the model runs itself.
+    """
     step: LlamaDecodeStep | None = getattr(model, _ATTRIBUTE, None)
-    if step is not None:
+    if step is not None and not adapted:
         return step(tokens, cache)
     out: mx.array = model(tokens[:, None], cache=cache)
     return out[:, -1, :]

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as mlx__worker_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mlx_worker/v1/fleet.proto\x12\rmlx_worker.v1\x1a\x1amlx_worker/v1/worker.proto\"\x0f\n\rStatusRequest\"\xe1\x02\n\x0cWorkerStatus\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.mlx_worker.v1.WorkerState\x12\x14\n\x0cworker_epoch\x18\x04 \x01(\x04\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\"\n\x02kv\x18\x06 \x01(\x0b\x32\x16.mlx_worker.v1.KVUsage\x12\x13\n\x0bprefix_hits\x18\x07 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\x04\x12\x14\n\x0cnum_finished\x18\t \x01(\x04\x12\x17\n\x0fnum_failed_over\x18\n \x01(\x04\x12\x12\n\nlast_error\x18\x0b \x01(\t\x12\r\n\x05model\x18\x0c \x01(\t\x12\x12\n\nmodel_name\x18\x0e \x01(\t\x12\x0f\n\x07loading\x18\x0f \x01(\t\x12\x11\n\tnum_loads\x18\x10 \x01(\x04\"\x9c\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x0f\n\x07loading\x18\x04 \x03(\t\x12\x12\n\nnum_queued\x18\x05 \x01(\r\x12\x11\n\tnum_loads\x18\x06 \x01(\x04\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x04\x12\x12\n\nconfigured\x18\x08 \x01(\x08\"\xc2\x01\n\x0eStatusResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.mlx_worker.v1.WorkerStatus\x12\x12\n\nnum_queued\x18\x02 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x03 \x01(\r\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x04\x12*\n\x06models\x18\x06 \x03(\x0b\x32\x1a.mlx_worker.v1.ModelStatus2\xa4\x01\n\x0c\x46leetService\x12M\n\x08Generate\x12\x1e.mlx_worker.v1.GenerateRequest\x1a\x1f.mlx_worker.v1.GenerateResponse0\x01\x12\x45\n\x06Status\x12\x1c.mlx_worker.v1.StatusRequest\x1a\x1d.mlx_worker.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mlx_worker/v1/fleet.proto\x12\rmlx_worker.v1\x1a\x1amlx_worker/v1/worker.proto\"\x0f\n\rStatusRequest\"\xf8\x02\n\x0cWorkerStatus\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.mlx_worker.v1.WorkerState\x12\x14\n\x0cworker_epoch\x18\x04 \x01(\x04\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\"\n\x02kv\x18\x06 \x01(\x0b\x32\x16.mlx_worker.v1.KVUsage\x12\x13\n\x0bprefix_hits\x18\x07 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\x04\x12\x14\n\x0cnum_finished\x18\t \x01(\x04\x12\x17\n\x0fnum_failed_over\x18\n \x01(\x04\x12\x12\n\nlast_error\x18\x0b \x01(\t\x12\r\n\x05model\x18\x0c \x01(\t\x12\x12\n\nmodel_name\x18\x0e \x01(\t\x12\x0f\n\x07loading\x18\x0f \x01(\t\x12\x11\n\tnum_loads\x18\x10 \x01(\x04\x12\x15\n\rlora_adapters\x18\x11 \x03(\t\"\x9c\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x0f\n\x07loading\x18\x04 \x03(\t\x12\x12\n\nnum_queued\x18\x05 \x01(\r\x12\x11\n\tnum_loads\x18\x06 \x01(\x04\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x04\x12\x12\n\nconfigured\x18\x08 \x01(\x08\"\xc2\x01\n\x0eStatusResponse\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.mlx_worker.v1.WorkerStatus\x12\x12\n\nnum_queued\x18\x02 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x03 \x01(\r\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x04\x12*\n\x06models\x18\x06 \x03(\x0b\x32\x1a.mlx_worker.v1.ModelStatus2\xa4\x01\n\x0c\x46leetService\x12M\n\x08Generate\x12\x1e.mlx_worker.v1.GenerateRequest\x1a\x1f.mlx_worker.v1.GenerateResponse0\x01\x12\x45\n\x06Status\x12\x1c.mlx_worker.v1.StatusRequest\x1a\x1d.mlx_worker.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=72
   _globals['_STATUSREQUEST']._serialized_end=87
   _globals['_WORKERSTATUS']._serialized_start=90
-  _globals['_WORKERSTATUS']._serialized_end=443
-  _globals['_MODELSTATUS']._serialized_start=446
-  _globals['_MODELSTATUS']._serialized_end=602
-  _globals['_STATUSRESPONSE']._serialized_start=605
-  _globals['_STATUSRESPONSE']._serialized_end=799
-  _globals['_FLEETSERVICE']._serialized_start=802
-  _globals['_FLEETSERVICE']._serialized_end=966
+  _globals['_WORKERSTATUS']._serialized_end=466
+  _globals['_MODELSTATUS']._serialized_start=469
+  _globals['_MODELSTATUS']._serialized_end=625
+  _globals['_STATUSRESPONSE']._serialized_start=628
+  _globals['_STATUSRESPONSE']._serialized_end=822
+  _globals['_FLEETSERVICE']._serialized_start=825
+  _globals['_FLEETSERVICE']._serialized_end=989
 # @@protoc_insertion_point(module_scope)

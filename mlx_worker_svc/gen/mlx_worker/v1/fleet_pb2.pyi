@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("target", "up", "state", "worker_epoch", "num_running", "kv", "prefix_hits", "cached_prompt_tokens", "num_finished", "num_failed_over", "last_error", "model", "model_name", "loading", "num_loads")
+    __slots__ = ("target", "up", "state", "worker_epoch", "num_running", "kv", "prefix_hits", "cached_prompt_tokens", "num_finished", "num_failed_over", "last_error", "model", "model_name", "loading", "num_loads", "lora_adapters")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerStatus(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     LOADING_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     target: str
     up: bool
     state: _worker_pb2.WorkerState
@@ -44,7 +45,8 @@ class WorkerStatus(_message.Message):
     model_name: str
     loading: str
     num_loads: int
-    def __init__(self, target: _Optional[str] = ..., up: _Optional[bool] = ..., state: _Optional[_Union[_worker_pb2.WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[_worker_pb2.KVUsage, _Mapping]] = ..., prefix_hits: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_over: _Optional[int] = ..., last_error: _Optional[str] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., loading: _Optional[str] = ..., num_loads: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, target: _Optional[str] = ..., up: _Optional[bool] = ..., state: _Optional[_Union[_worker_pb2.WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[_worker_pb2.KVUsage, _Mapping]] = ..., prefix_hits: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_over: _Optional[int] = ..., last_error: _Optional[str] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., loading: _Optional[str] = ..., num_loads: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "path", "workers", "loading", "num_queued", "num_loads", "num_finished", "configured")

@@ -240,7 +240,7 @@ class DetermineMemoryRequest(_message.Message):
     def __init__(self, memory_utilization: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class DetermineMemoryResponse(_message.Message):
-    __slots__ = ("total_memory_bytes", "recommended_working_set_bytes", "weight_bytes", "activation_peak_bytes", "available_kv_bytes", "bytes_per_block", "block_size", "suggested_num_blocks", "state", "kv_bits", "kv_group_size")
+    __slots__ = ("total_memory_bytes", "recommended_working_set_bytes", "weight_bytes", "activation_peak_bytes", "available_kv_bytes", "bytes_per_block", "block_size", "suggested_num_blocks", "state", "kv_bits", "kv_group_size", "adapter_bytes")
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_WORKING_SET_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class DetermineMemoryResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     total_memory_bytes: int
     recommended_working_set_bytes: int
     weight_bytes: int
@@ -263,7 +264,8 @@ class DetermineMemoryResponse(_message.Message):
     state: WorkerState
     kv_bits: int
     kv_group_size: int
-    def __init__(self, total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., available_kv_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., block_size: _Optional[int] = ..., suggested_num_blocks: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    adapter_bytes: int
+    def __init__(self, total_memory_bytes: _Optional[int] = ..., recommended_working_set_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., available_kv_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., block_size: _Optional[int] = ..., suggested_num_blocks: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., adapter_bytes: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "enable_prefix_caching", "memory_limit_bytes", "kv_bits", "kv_group_size")
@@ -389,16 +391,18 @@ class StructuredChoice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "num_generated_tokens")
+    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "num_generated_tokens", "lora_name")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     num_generated_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("req_id", "num_computed_tokens", "new_token_ids", "resumed_from_preemption")
@@ -747,7 +751,7 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling_params", "request_id", "skip_special_tokens", "tools_json", "model")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling_params", "request_id", "skip_special_tokens", "tools_json", "model", "lora_name")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -756,6 +760,7 @@ class GenerateRequest(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -764,7 +769,8 @@ class GenerateRequest(_message.Message):
     skip_special_tokens: bool
     tools_json: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., tools_json: _Optional[str] = ..., model: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "num_cached_prompt_tokens", "stop_string")
@@ -796,9 +802,37 @@ class AddLoraRequest(_message.Message):
     path: str
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "scale", "bytes", "pinned", "num_requests", "num_modules", "load_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    scale: float
+    bytes: int
+    pinned: bool
+    num_requests: int
+    num_modules: int
+    load_seconds: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., scale: _Optional[float] = ..., bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., num_requests: _Optional[int] = ..., num_modules: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
 class AddLoraResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("adapter", "already_loaded", "evicted")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    already_loaded: bool
+    evicted: str
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., already_loaded: _Optional[bool] = ..., evicted: _Optional[str] = ...) -> None: ...
 
 class RemoveLoraRequest(_message.Message):
     __slots__ = ("name",)
@@ -807,18 +841,38 @@ class RemoveLoraRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class RemoveLoraResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class PinLoraRequest(_message.Message):
+    __slots__ = ("name", "unpin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    unpin: bool
+    def __init__(self, name: _Optional[str] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
+class PinLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class ListLorasRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListLorasResponse(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "adapters", "max_loras")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
     __slots__ = ("label", "gpu_capture")

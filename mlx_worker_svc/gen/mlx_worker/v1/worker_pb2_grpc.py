@@ -126,6 +126,11 @@ class WorkerServiceStub:
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
                 response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
                 _registered_method=True)
+        self.PinLora = channel.unary_unary(
+                '/mlx_worker.v1.WorkerService/PinLora',
+                request_serializer=mlx__worker_dot_v1_dot_worker__pb2.PinLoraRequest.SerializeToString,
+                response_deserializer=mlx__worker_dot_v1_dot_worker__pb2.PinLoraResponse.FromString,
+                _registered_method=True)
         self.ListLoras = channel.unary_unary(
                 '/mlx_worker.v1.WorkerService/ListLoras',
                 request_serializer=mlx__worker_dot_v1_dot_worker__pb2.ListLorasRequest.SerializeToString,
@@ -289,21 +294,38 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AddLora(self, request, context):
-        """Loads a LoRA adapter.
+        """Loads a LoRA adapter directory as mlx_lm.lora writes it
+        (adapter_config.json + adapters.safetensors) beside the base weights,
+        under a name that requests give in NewRequest.lora_name or
+        GenerateRequest.lora_name. Needs MODEL_LOADED or later; a worker group
+        refuses adapters (FAILED_PRECONDITION). docs/adapters.md has the rules:
+        errors, memory, eviction (--max-loras) and the prefix cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RemoveLora(self, request, context):
-        """Unloads a LoRA adapter.
+        """Unloads an adapter and frees its memory and its prefix-cache blocks.
+        FAILED_PRECONDITION while live requests use it (finish or abort them
+        first: there is no drain); NOT_FOUND for a name not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinLora(self, request, context):
+        """Pins (or, with unpin, unpins) a resident adapter: a pinned adapter is
+        never evicted to make room for another under --max-loras (vLLM's
+        pin_lora). NOT_FOUND for a name not loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListLoras(self, request, context):
-        """Lists loaded LoRA adapters.
+        """Lists the resident adapters: name, path, rank, bytes, pinned, and the
+        live requests using each.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -431,6 +453,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.RemoveLora,
                     request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraRequest.FromString,
                     response_serializer=mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraResponse.SerializeToString,
+            ),
+            'PinLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLora,
+                    request_deserializer=mlx__worker_dot_v1_dot_worker__pb2.PinLoraRequest.FromString,
+                    response_serializer=mlx__worker_dot_v1_dot_worker__pb2.PinLoraResponse.SerializeToString,
             ),
             'ListLoras': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoras,
@@ -935,6 +962,33 @@ class WorkerService:
             '/mlx_worker.v1.WorkerService/RemoveLora',
             mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
             mlx__worker_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlx_worker.v1.WorkerService/PinLora',
+            mlx__worker_dot_v1_dot_worker__pb2.PinLoraRequest.SerializeToString,
+            mlx__worker_dot_v1_dot_worker__pb2.PinLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,44 @@
+"""`serve --lora-modules/--max-loras`: what cannot work exits 2 at once with one line, and a bad
+adapter fails the auto-init bring-up naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_worker_svc.cli.main import parse_args
+
+SERVE = [sys.executable, "-m", "mlx_worker_svc", "serve", "--port", "0"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--lora-modules", "a=/x", "--world-size", "2"], "a worker group serves no LoRA"),
+        (["--max-loras", "0"], "max_loras must be >= 1, got 0"),
+    ],
+)
+def test_impossible_lora_flags_exit_2(tiny_dir: Path, flags: list[str], says: str) -> None:
+    command = [*SERVE, "--model", str(tiny_dir), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mlx-worker serve: ") and says in lines[0]
+
+
+def test_a_missing_adapter_fails_auto_init(tiny_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    command = [*SERVE, "--model", str(tiny_dir), "--auto-init", "--lora-modules", f"a={missing}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert f"AddLora.path '{missing}' does not exist" in done.stdout + done.stderr
+
+
+def test_lora_modules_are_name_path_pairs() -> None:
+    args = parse_args(["serve", "--lora-modules", "a=/x/a", "b=/x/b", "--max-loras", "3"])
+    assert args.lora_modules == [("a", "/x/a"), ("b", "/x/b")] and args.max_loras == 3
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--lora-modules", "nopath"])

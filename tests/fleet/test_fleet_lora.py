@@ -1,0 +1,190 @@
+"""LoRA adapters across a fleet: routed to the worker holding them, loaded on demand, and
+served by the gateway as model ids.
+
+Two worker processes on the tiny model, an adapter loaded on one of them at
+start (`serve --lora-modules`): every request naming it runs there, with
+mlx-lm's tokens for that adapter; a fleet given another adapter's path
+(`fleet --lora-modules`) loads it on a worker when a request names it; the
+gateway lists the adapter in /v1/models with its parent model and the `openai`
+client gets the adapter's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+from driver import code_of, details_of
+from gateway_process import KEY, Gateway
+from lora_adapters import make_adapter
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from processes import Fleet, Proc, by_target, distinct_prompts, token_request, tokens_of
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory, fleet_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fleet-adapters")
+    return {
+        "held": make_adapter(root / "held", fleet_model, seed=21, keys=None),
+        "later": make_adapter(root / "later", fleet_model, seed=22),
+    }
+
+
+@pytest.fixture(scope="module")
+def workers(fleet_model: Path, adapters: dict[str, Path]) -> Iterator[list[str]]:
+    """Two workers; the first holds adapter "held" from its start."""
+    base = ["serve", "--model", str(fleet_model), "--auto-init", "--port", "0"]
+    procs = [
+        Proc([*base, "--grace-seconds", "1", "--lora-modules", f"held={adapters['held']}"]),
+        Proc([*base, "--grace-seconds", "1"]),
+    ]
+    try:
+        ports = [int(p.wait_for(r"listening on [\d.]+:(\d+)").group(1)) for p in procs]
+        for proc in procs:
+            proc.wait_for(r"^ready:")
+        yield [f"127.0.0.1:{port}" for port in ports]
+    finally:
+        for proc in procs:
+            proc.reap()
+
+
+def reference(model: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    loaded, _ = load(str(model), adapter_path=str(adapter) if adapter else None)
+    return [
+        [int(t) for t, _ in generate_step(mx.array(p), loaded, max_tokens=TOKENS)] for p in prompts
+    ]
+
+
+def _fleet(targets: list[str], *options: str) -> Iterator[Fleet]:
+    workers = [arg for target in targets for arg in ("--worker", target)]
+    fleet = Fleet(Proc(["fleet", *workers, "--port", "0", *options]), targets)
+    try:
+        fleet.wait(lambda s: all(w.up for w in s.workers), "every worker up")
+        yield fleet
+    finally:
+        fleet.channel.close()
+        fleet.proc.reap()
+
+
+@pytest.fixture
+def start_fleet(workers: list[str]) -> Iterator[Callable[..., Fleet]]:
+    opened: list[Iterator[Fleet]] = []
+
+    def start(*options: str) -> Fleet:
+        opened.append(_fleet(workers, *options))
+        return next(opened[-1])
+
+    yield start
+    for fleet in opened:
+        next(fleet, None)
+
+
+def test_requests_naming_an_adapter_run_where_it_is(
+    workers: list[str],
+    start_fleet: Callable[..., Fleet],
+    fleet_model: Path,
+    adapters: dict[str, Path],
+) -> None:
+    fleet = start_fleet()
+    holder, other = workers
+    status = by_target(fleet.status())
+    assert list(status[holder].lora_adapters) == ["held"] and not status[other].lora_adapters
+    prompts = distinct_prompts(6, 12, seed=7)
+    want = reference(fleet_model, adapters["held"], prompts)
+    assert want != reference(fleet_model, None, prompts)
+    got = []
+    for prompt in prompts:
+        request = token_request(prompt, TOKENS)
+        request.lora_name = "held"
+        got.append(tokens_of(fleet.generate(request)))
+    assert got == want
+    after = by_target(fleet.status())
+    assert after[holder].num_finished - status[holder].num_finished == 6
+    assert after[other].num_finished == status[other].num_finished
+    unknown = token_request(prompts[0], TOKENS)
+    unknown.lora_name = "nowhere"
+    with pytest.raises(grpc.RpcError) as info:
+        fleet.generate(unknown)
+    assert code_of(info.value) == grpc.StatusCode.NOT_FOUND
+    assert "lora_name" in details_of(info.value) and "'nowhere'" in details_of(info.value)
+
+
+def test_the_fleet_loads_an_adapter_it_knows_the_path_of(
+    start_fleet: Callable[..., Fleet], fleet_model: Path, adapters: dict[str, Path]
+) -> None:
+    fleet = start_fleet("--lora-modules", f"later={adapters['later']}")
+    prompts = distinct_prompts(2, 10, seed=9)
+    want = reference(fleet_model, adapters["later"], prompts)
+    got = []
+    for prompt in prompts:
+        request = token_request(prompt, TOKENS)
+        request.lora_name = "later"
+        got.append(tokens_of(fleet.generate(request)))
+    assert got == want
+    holding = [w.target for w in fleet.status().workers if "later" in w.lora_adapters]
+    assert len(holding) == 1  # loaded once, on one worker
+    with grpc.insecure_channel(holding[0]) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        assert "later" in stub.ListLoras(pb.ListLorasRequest()).names
+        stub.RemoveLora(pb.RemoveLoraRequest(name="later"))  # the next test's fleets start clean
+
+
+def test_the_gateway_serves_adapters_as_models(
+    workers: list[str], fleet_model: Path, adapters: dict[str, Path]
+) -> None:
+    holder, other = workers
+    port = int(holder.rsplit(":", 1)[1])
+    gateway = Gateway(port, "--worker", other, "--lora-modules", f"later={adapters['later']}")
+    try:
+        listed = gateway.http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+        cards = {card["id"]: card for card in listed["data"]}
+        assert cards["held"]["parent"] == "model" and cards["model"]["parent"] is None
+        # Not held by any worker yet: listed from --lora-modules, loaded when asked for.
+        assert cards["later"]["parent"] == "model"
+        assert cards["later"]["root"] == str(adapters["later"])
+        [prompt] = distinct_prompts(1, 12, seed=11)
+        [want] = reference(fleet_model, adapters["held"], [prompt])
+        [later] = reference(fleet_model, adapters["later"], [prompt])
+        with grpc.insecure_channel(holder) as channel:
+            worker = pb_grpc.WorkerServiceStub(channel)
+            text = worker.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True))
+            later_text = worker.Detokenize(
+                pb.DetokenizeRequest(token_ids=later, skip_special_tokens=True)
+            )
+        with gateway.client() as client:
+            loaded = client.completions.create(
+                model="later",
+                prompt=prompt,
+                max_tokens=TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert loaded.model == "later" and loaded.choices[0].text == later_text.text
+            answer = client.completions.create(
+                model="held",
+                prompt=prompt,
+                max_tokens=TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            base = client.completions.create(
+                model="model",
+                prompt=prompt,
+                max_tokens=TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        assert answer.model == "held" and answer.choices[0].text == text.text
+        assert answer.usage is not None and answer.usage.completion_tokens == TOKENS
+        assert base.choices[0].text != text.text
+    finally:
+        gateway.close()

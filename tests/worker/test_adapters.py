@@ -1,0 +1,65 @@
+"""The adapter calls on the worker's parts: groups refuse them, sleep keeps them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lora_adapters import make_adapter
+
+from mlx_worker_svc.core.domain import DeviceKind
+from mlx_worker_svc.core.errors import FailedPrecondition
+from mlx_worker_svc.core.lifecycle import DeviceArgs
+from mlx_worker_svc.core.reports import LoadSpec
+from mlx_worker_svc.worker.adapters import AdapterCalls
+from mlx_worker_svc.worker.core import WorkerCore
+from mlx_worker_svc.worker.lifecycle import Lifecycle
+
+
+@pytest.fixture
+def core(tiny_dir: Path) -> Iterator[WorkerCore]:
+    core = WorkerCore()
+    life = Lifecycle(core)
+    life.init_device(DeviceArgs(kind=DeviceKind.CPU))
+    life.load_model(LoadSpec(model=str(tiny_dir)))
+    yield core
+    life.close()
+
+
+def test_a_worker_group_refuses_adapters(core: WorkerCore, tiny_dir: Path, tmp_path: Path) -> None:
+    adapter = make_adapter(tmp_path / "a", tiny_dir, seed=1)
+    channel = core.replica.channel
+    channel.size = 2  # as rank 0 of a two-rank group sees itself
+    try:
+        for call in (
+            lambda: AdapterCalls(core).add("a", str(adapter)),
+            lambda: AdapterCalls(core).remove("a"),
+            lambda: AdapterCalls(core).pin("a", True),
+        ):
+            with pytest.raises(
+                FailedPrecondition, match="a group of 2 ranks, which serves no LoRA"
+            ):
+                call()
+    finally:
+        channel.size = 1
+    assert AdapterCalls(core).list() == ([], 8)
+
+
+def test_a_deep_sleep_loads_the_adapters_again(
+    core: WorkerCore, tiny_dir: Path, tmp_path: Path
+) -> None:
+    life = Lifecycle(core)
+    calls = AdapterCalls(core)
+    calls.add("a", str(make_adapter(tmp_path / "a", tiny_dir, seed=1)))
+    calls.pin("a", True)
+    life.determine_memory(0.9, 16, 16)
+    life.init_cache(64, 16)
+    before = calls.list()[0]
+    life.sleep(2)
+    assert calls.list()[0] == []  # the weights, and the adapters with them, are gone
+    life.wake_up()
+    after = calls.list()[0]
+    assert [(a.name, a.path, a.pinned, a.nbytes) for a in after] == [
+        (a.name, a.path, a.pinned, a.nbytes) for a in before
+    ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -90,7 +91,10 @@ class ModelRunner:
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
             prefix=PrefixCache(config.block_size, config.kv) if config.prefix_caching else None,
-            batch=DecodeBatch(aligned=options.aligned_decode),
+            batch=DecodeBatch(
+                aligned=options.aligned_decode,
+                dequant_rows=partial(options.kv_dequant_rows, mx.default_device().type == mx.gpu),
+            ),
         )
         self.guard = MemoryGuard(profile, config.memory_limit_bytes)
         self.grammars = structured.GrammarCompiler(

@@ -11,7 +11,7 @@ scheduler did not ask for.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import mlx.core as mx
@@ -23,6 +23,9 @@ from mlx_worker_svc.engine.rewrite import decode_step, dequant
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
+# A KV dtype's name ("float16") to the decode rows from which quantized KV of that dtype
+# is attended dequantized (0: never): EngineOptions.kv_dequant_rows, for one backend.
+DequantRows = Callable[[str], int]
 
 
 class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
@@ -91,11 +94,15 @@ def batchable(model: nn.Module, *, aligned: bool = True) -> bool:
     return aligned and all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> LayerCaches:
+def merge_caches(
+    caches: Sequence[LayerCaches], *, aligned: bool = True, dequant_rows: DequantRows | None = None
+) -> LayerCaches:
     """Merges per-request layer caches into one batch cache per layer.
 
     Plain KV caches merge into `AlignedBatchKVCache`s unless `aligned` is False
     (EngineOptions.aligned_decode): then mlx-lm's masks run on every step.
+    Quantized rows merge into batches that attend dequantized K/V from
+    `dequant_rows` rows (quantized.QuantizedBatchKVCache; None: never).
     """
     merged = []
     for layer in range(len(caches[0])):
@@ -107,8 +114,10 @@ def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> Laye
             merged.append(AlignedBatchKVCache.merge(group))
         else:
             batch = first.merge(group)
-            if not aligned and isinstance(batch, AlignedBatchKVCache):
-                batch.padded = True  # quantized rows (quantized.py): masks on every step
+            if isinstance(batch, AlignedBatchKVCache):  # quantized rows (quantized.py)
+                if not aligned:
+                    batch.padded = True  # masks on every step
+                batch.dequant_rows = dequant_rows
             merged.append(batch)
     return merged
 
@@ -141,11 +150,13 @@ class DecodeBatch(Generic[K]):
     token, so what runs is always what was asked. When every row samples
     greedily (`greedy=True`), the look-ahead launches the tokens' choice with
     the forward: one launch a step, as mlx-lm's generate loop does.
-    `aligned`: rows merge into aligned caches (`merge_caches`).
+    `aligned`: rows merge into aligned caches (`merge_caches`); `dequant_rows`:
+    from how many rows quantized KV is attended dequantized (`merge_caches`).
     """
 
-    def __init__(self, *, aligned: bool = True) -> None:
+    def __init__(self, *, aligned: bool = True, dequant_rows: DequantRows | None = None) -> None:
         self.aligned = aligned
+        self.dequant_rows = dequant_rows
         self.keys: list[K] = []
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
@@ -172,11 +183,17 @@ class DecodeBatch(Generic[K]):
             # The lone row's cache (if any) merges with the newcomers in one go.
             mine = [self._cache] if self.keys else []
             self._cache = merge_caches(
-                [*mine, *(cache for _, cache in entries)], aligned=self.aligned
+                [*mine, *(cache for _, cache in entries)],
+                aligned=self.aligned,
+                dequant_rows=self.dequant_rows,
             )
             self._batched = True
         else:
-            merged = merge_caches([cache for _, cache in entries], aligned=self.aligned)
+            merged = merge_caches(
+                [cache for _, cache in entries],
+                aligned=self.aligned,
+                dequant_rows=self.dequant_rows,
+            )
             for layer, theirs in zip(self._cache, merged, strict=True):
                 layer.extend(theirs)
         self.keys.extend(key for key, _ in entries)

@@ -199,3 +199,9 @@ class ServeProcess:
         self.proc.wait(timeout=60)
         assert self.proc.stdout is not None
         self.proc.stdout.close()
+
+
+def share_equal(got: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of positions whose token equals `expected`'s (rows of equal lengths)."""
+    pairs = [(a, b) for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)]
+    return sum(a == b for a, b in pairs) / len(pairs)

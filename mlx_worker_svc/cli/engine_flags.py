@@ -88,6 +88,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode batches of a quantized model with at least ROWS rows use dequantized "
         "weights; 0: never (default: 32 with MLX's CUDA backend, else 0)",
     )
+    group.add_argument(
+        "--kv-dequant-min-batch",
+        type=_rows,
+        default=None,
+        metavar="ROWS",
+        help="decode batches with quantized KV (--kv-bits) and at least ROWS rows attend it "
+        "dequantized, with MLX's fused float attention; 0: never (default: 2 on the CPU for "
+        "float16/bfloat16 KV, else 0; docs/kv-cache.md)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -99,6 +108,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         dequant_min_batch=args.dequant_min_batch,
         max_loras=args.max_loras,
         lora_modules=tuple(args.lora_modules),
+        kv_dequant_min_batch=args.kv_dequant_min_batch,
     )
 
 

@@ -29,6 +29,11 @@ CUDA_DEQUANT_MIN_BATCH = 32
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_GROUP_SIZE = 64
+# Decode batches of at least this many rows attend quantized KV in float16 or bfloat16
+# dequantized by default on the CPU (where it was measured: MLX's CPU quantized product
+# is several times slower in those dtypes than the fused float attention); elsewhere never.
+CPU_KV_DEQUANT_MIN_BATCH = 2
+_HALF_DTYPES = ("float16", "bfloat16")
 
 
 def kv_format(bits: int, group_size: int, fields: tuple[str, str]) -> KVFormat:
@@ -76,6 +81,11 @@ class EngineOptions:
     max_loras: int = 8
     # Adapters loaded with the model (serve --lora-modules NAME=PATH): (name, path) pairs.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Decode batches with at least this many rows and quantized KV (kv_bits) attend it
+    # dequantized, with MLX's fused float attention (engine/cache/quantized.py); 0: never;
+    # None: 2 on the CPU for float16/bfloat16 KV, else 0. A single request always
+    # attends with mlx-lm's quantized attention.
+    kv_dequant_min_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.look_ahead not in LOOK_AHEAD_MODES:
@@ -84,6 +94,9 @@ class EngineOptions:
             raise ValueError(f"dequant_min_batch must be >= 0, got {self.dequant_min_batch}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        rows = self.kv_dequant_min_batch
+        if rows is not None and rows < 0:
+            raise ValueError(f"kv_dequant_min_batch must be >= 0, got {rows}")
 
     def fused(self, cuda: bool) -> bool:
         """Whether runners fuse sibling projections, on a CUDA backend or not."""
@@ -97,3 +110,12 @@ class EngineOptions:
         # rows well, and a transient full-precision copy of every weight each step
         # would cost more bandwidth than it saves.
         return CUDA_DEQUANT_MIN_BATCH if cuda else 0
+
+    def kv_dequant_rows(self, gpu: bool, dtype: str) -> int:
+        """The decode rows from which quantized KV of `dtype` ("float16") is attended
+        dequantized, on a GPU backend or the CPU (0: never)."""
+        if self.kv_dequant_min_batch is not None:
+            return self.kv_dequant_min_batch
+        # Measured on the CPU only. On a GPU MLX's quantized attention reads the packed
+        # KV where a dequantized copy would be written and read again each step.
+        return CPU_KV_DEQUANT_MIN_BATCH if not gpu and dtype in _HALF_DTYPES else 0

@@ -90,7 +90,8 @@ class StepJournal:
         lost = set(self.marks.touched)
         if self.marks.decoding:
             lost.update(state.batch.keys)
-            state.batch = DecodeBatch(aligned=state.batch.aligned)
+            batch = state.batch
+            state.batch = DecodeBatch(aligned=batch.aligned, dequant_rows=batch.dequant_rows)
         for key in lost:
             seq = state.seqs.get(key)
             if seq is not None:

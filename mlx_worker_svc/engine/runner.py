@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence as Sequence_
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 
@@ -90,7 +91,11 @@ class ModelRunner:
         self.state = EngineState(
             budget=KVBudget(config.num_blocks, config.block_size),
             prefix=PrefixCache(config.block_size, config.kv) if config.prefix_caching else None,
-            batch=DecodeBatch(aligned=options.aligned_decode, scope=self._rows),
+            batch=DecodeBatch(
+                aligned=options.aligned_decode,
+                scope=self._rows,
+                dequant_rows=partial(options.kv_dequant_rows, mx.default_device().type == mx.gpu),
+            ),
             adapters=self.adapters,
         )
         self.adapters.on_drop = self._drop_adapter_kv

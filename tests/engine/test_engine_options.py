@@ -22,14 +22,26 @@ def test_the_defaults_are_the_engine_as_it_ships() -> None:
     assert EngineOptions().dequant_rows(cuda=False) == 0
     assert EngineOptions(fuse=True).fused(cuda=False)
     assert EngineOptions(dequant_min_batch=0).dequant_rows(cuda=True) == 0
+    # Quantized KV attended dequantized: batches from 2 rows, half-precision KV, CPU only.
+    for dtype in ("float16", "bfloat16"):
+        assert EngineOptions().kv_dequant_rows(gpu=False, dtype=dtype) == 2
+        assert EngineOptions().kv_dequant_rows(gpu=True, dtype=dtype) == 0
+    assert EngineOptions().kv_dequant_rows(gpu=False, dtype="float32") == 0
+    assert EngineOptions(kv_dequant_min_batch=5).kv_dequant_rows(gpu=True, dtype="float32") == 5
+    assert EngineOptions(kv_dequant_min_batch=0).kv_dequant_rows(gpu=False, dtype="float16") == 0
 
 
 def test_every_flag_sets_its_option() -> None:
     got = options_of(
-        "--look-ahead", "after", "--no-aligned-decode", "--fuse", "off", "--dequant-min-batch", "8"
+        *("--look-ahead", "after", "--no-aligned-decode", "--fuse", "off"),
+        *("--dequant-min-batch", "8", "--kv-dequant-min-batch", "4"),
     )
     assert got == EngineOptions(
-        look_ahead="after", aligned_decode=False, fuse=False, dequant_min_batch=8
+        look_ahead="after",
+        aligned_decode=False,
+        fuse=False,
+        dequant_min_batch=8,
+        kv_dequant_min_batch=4,
     )
     assert options_of("--fuse", "on").fuse is True
 
@@ -41,6 +53,7 @@ def test_every_flag_sets_its_option() -> None:
         (["--fuse", "yes"], "--fuse"),
         (["--dequant-min-batch", "-1"], "--dequant-min-batch"),
         (["--dequant-min-batch", "many"], "--dequant-min-batch"),
+        (["--kv-dequant-min-batch", "-3"], "--kv-dequant-min-batch"),
     ],
 )
 def test_a_bad_flag_exits_naming_it(
@@ -57,3 +70,5 @@ def test_bad_options_name_the_option() -> None:
         EngineOptions(look_ahead="later")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dequant_min_batch must be >= 0"):
         EngineOptions(dequant_min_batch=-2)
+    with pytest.raises(ValueError, match="kv_dequant_min_batch must be >= 0"):
+        EngineOptions(kv_dequant_min_batch=-1)

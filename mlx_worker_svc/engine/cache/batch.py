@@ -24,6 +24,9 @@ from mlx_worker_svc.engine.rewrite import decode_step, dequant
 
 LayerCaches = list[Any]
 K = TypeVar("K", bound=Hashable)
+# A KV dtype's name ("float16") to the decode rows from which quantized KV of that dtype
+# is attended dequantized (0: never): EngineOptions.kv_dequant_rows, for one backend.
+DequantRows = Callable[[str], int]
 
 
 class AlignedBatchKVCache(BatchKVCache):  # type: ignore[misc]
@@ -105,11 +108,15 @@ def batchable(model: nn.Module, *, aligned: bool = True) -> bool:
     return aligned and all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> LayerCaches:
+def merge_caches(
+    caches: Sequence[LayerCaches], *, aligned: bool = True, dequant_rows: DequantRows | None = None
+) -> LayerCaches:
     """Merges per-request layer caches into one batch cache per layer.
 
     Plain KV caches merge into `AlignedBatchKVCache`s unless `aligned` is False
     (EngineOptions.aligned_decode): then mlx-lm's masks run on every step.
+    Quantized rows merge into batches that attend dequantized K/V from
+    `dequant_rows` rows (quantized.QuantizedBatchKVCache; None: never).
     """
     merged = []
     for layer in range(len(caches[0])):
@@ -121,8 +128,10 @@ def merge_caches(caches: Sequence[LayerCaches], *, aligned: bool = True) -> Laye
             merged.append(AlignedBatchKVCache.merge(group))
         else:
             batch = first.merge(group)
-            if not aligned and isinstance(batch, AlignedBatchKVCache):
-                batch.padded = True  # quantized rows (quantized.py): masks on every step
+            if isinstance(batch, AlignedBatchKVCache):  # quantized rows (quantized.py)
+                if not aligned:
+                    batch.padded = True  # masks on every step
+                batch.dequant_rows = dequant_rows
             merged.append(batch)
     return merged
 
@@ -156,12 +165,20 @@ class DecodeBatch(Generic[K]):
     greedily (`greedy=True`), the look-ahead launches the tokens' choice with
     the forward: one launch a step, as mlx-lm's generate loop does.
     `aligned`: rows merge into aligned caches (`merge_caches`); `scope` opens
-    every forward for its rows' keys (their adapters).
+    every forward for its rows' keys (their adapters); `dequant_rows`: from how many
+    rows quantized KV is attended dequantized (`merge_caches`).
     """
 
-    def __init__(self, *, aligned: bool = True, scope: Scope = _bare) -> None:
+    def __init__(
+        self,
+        *,
+        aligned: bool = True,
+        scope: Scope = _bare,
+        dequant_rows: DequantRows | None = None,
+    ) -> None:
         self.aligned = aligned
         self.scope = scope
+        self.dequant_rows = dequant_rows
         self.keys: list[K] = []
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []
@@ -188,11 +205,17 @@ class DecodeBatch(Generic[K]):
             # The lone row's cache (if any) merges with the newcomers in one go.
             mine = [self._cache] if self.keys else []
             self._cache = merge_caches(
-                [*mine, *(cache for _, cache in entries)], aligned=self.aligned
+                [*mine, *(cache for _, cache in entries)],
+                aligned=self.aligned,
+                dequant_rows=self.dequant_rows,
             )
             self._batched = True
         else:
-            merged = merge_caches([cache for _, cache in entries], aligned=self.aligned)
+            merged = merge_caches(
+                [cache for _, cache in entries],
+                aligned=self.aligned,
+                dequant_rows=self.dequant_rows,
+            )
             for layer, theirs in zip(self._cache, merged, strict=True):
                 layer.extend(theirs)
         self.keys.extend(key for key, _ in entries)

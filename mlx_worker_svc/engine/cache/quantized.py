@@ -10,6 +10,14 @@ prefix-cache block and an extracted row hold the very bytes the request
 wrote: `QuantizedBatchKVCache` is mlx-lm's left-padded `BatchKVCache`
 applied to each array of the triplets.
 
+A batch of at least `dequant_rows` rows (EngineOptions.kv_dequant_min_batch:
+on the CPU, float16/bfloat16 KV, from 2 rows) attends instead with MLX's fused
+float attention on a dequantized copy of its K/V, made per layer per step and
+dropped once the layer has attended: MLX's CPU quantized product is several
+times slower in those dtypes. Such rows round differently from the same
+request alone (which keeps mlx-lm's quantized attention); the stored triplets
+are the same either way.
+
 When KV is quantized follows mlx-lm's generate with `quantized_kv_start=0`:
 a forward into an empty cache (a prompt's first chunk) runs on a float cache,
 which is quantized right after it (`quantize`); every later token is stored
@@ -29,7 +37,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_worker_svc.core.domain import KVFormat
 from mlx_worker_svc.core.errors import InvalidArgument
-from mlx_worker_svc.engine.cache.batch import AlignedBatchKVCache
+from mlx_worker_svc.engine.cache.batch import AlignedBatchKVCache, DequantRows
 
 LayerCaches = list[Any]
 
@@ -121,6 +129,10 @@ def _justified(cache: Any, rows: int, held: int, top: int, ref: Any) -> tuple[An
 class QuantizedBatchKVCache(AlignedBatchKVCache):
     """Left-padded batch rows of quantized KV: BatchKVCache over each array of the triplets."""
 
+    # From how many rows attention reads dequantized K/V, by KV dtype (merge_caches sets
+    # it from EngineOptions.kv_dequant_min_batch); None: never.
+    dequant_rows: DequantRows | None = None
+
     def __init__(self, left_padding: list[int], group_size: int, bits: int) -> None:
         super().__init__(left_padding)
         # BatchKVCache's fields, typed: no KV yet, rows left-padded by `left_padding`.
@@ -130,7 +142,26 @@ class QuantizedBatchKVCache(AlignedBatchKVCache):
         self.offset: mx.array = -self.left_padding
         self._idx: int = 0
         self.group_size = group_size
-        self.bits = bits
+        self._bits = bits
+
+    @property
+    def bits(self) -> int:
+        """The KV's width; absent while `update_and_fetch` hands out dequantized K/V.
+
+        mlx-lm's `scaled_dot_product_attention` runs its quantized attention
+        for a cache with `bits` and MLX's fused attention for one without, so
+        every model's attention (and the llama decode step) follows the cache.
+        """
+        if self.dequantizing():
+            raise AttributeError("bits: this batch attends dequantized K/V")
+        return self._bits
+
+    def dequantizing(self) -> bool:
+        """Whether this many rows of this dtype attend dequantized K/V (`dequant_rows`)."""
+        if self.dequant_rows is None or self.keys is None:
+            return False
+        rows = self.dequant_rows(str(self.keys[1].dtype).removeprefix("mlx.core."))
+        return 0 < rows <= self.offset.shape[0]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         prev, steps = self._idx, keys.shape[2]
@@ -149,18 +180,26 @@ class QuantizedBatchKVCache(AlignedBatchKVCache):
                 )
         self.offset = self.offset + steps
         self._idx += steps
-        q_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        q_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        q_keys = mx.quantize(keys, group_size=self.group_size, bits=self._bits)
+        q_values = mx.quantize(values, group_size=self.group_size, bits=self._bits)
         for i in range(len(self.keys)):
             self.keys[i][..., prev : self._idx, :] = q_keys[i]
             self.values[i][..., prev : self._idx, :] = q_values[i]
-        return self.keys_and_values()
+        held = self.keys_and_values()
+        if not self.dequantizing():
+            return held
+        # Transient: this layer's attention reads them, then MLX frees them.
+        return tuple(self._dequantized(x) for x in held)
+
+    def _dequantized(self, triplet: tuple[mx.array, ...]) -> mx.array:
+        packed, scales, biases = triplet
+        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self._bits)
 
     def _zeros(self, x: mx.array, steps: int) -> tuple[mx.array, ...]:
         rows, heads, _, dim = x.shape
         shape = (rows, heads, steps)
         return (
-            mx.zeros((*shape, dim * self.bits // 32), dtype=mx.uint32),
+            mx.zeros((*shape, dim * self._bits // 32), dtype=mx.uint32),
             mx.zeros((*shape, dim // self.group_size), dtype=x.dtype),
             mx.zeros((*shape, dim // self.group_size), dtype=x.dtype),
         )
@@ -203,7 +242,7 @@ class QuantizedBatchKVCache(AlignedBatchKVCache):
         keys, values = tree_map(
             lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]), (self.keys, self.values)
         )
-        return row(tuple(keys), tuple(values), KVFormat(self.bits, self.group_size))
+        return row(tuple(keys), tuple(values), KVFormat(self._bits, self.group_size))
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> QuantizedBatchKVCache:

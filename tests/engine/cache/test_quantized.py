@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import mlx.core as mx
 import pytest
-from driver import code_of, details_of, drive, greedy, live_server, mlx_lm_tokens
+from driver import code_of, details_of, drive, greedy, live_server, mlx_lm_tokens, share_equal
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -25,6 +25,7 @@ from mlx_worker_svc.client.execute_loop import run_prompts
 from mlx_worker_svc.core.domain import KVFormat
 from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import merge_caches
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
@@ -215,6 +216,25 @@ def test_the_format_is_reported_and_survives_sleep(
     epoch = int(stub.WakeUp(pb.WakeUpRequest()).worker_epoch)
     assert stub.GetInfo(pb.GetInfoRequest()).kv.kv_bits == BITS
     assert drive(stub, epoch, PROMPTS[:2], max_tokens=TOKENS, params=params()) == reference[:2]
+
+
+def test_a_dequantized_batch_gives_each_row_its_tokens_alone(
+    kv_model: Path, reference: list[list[int]]
+) -> None:
+    # The tiny llama is float32, which the default leaves on mlx-lm's quantized
+    # attention: ask for the dequantized one from 2 rows.
+    config = ServerConfig(port=0, engine=EngineOptions(kv_dequant_min_batch=2))
+    with live_server(config) as (_, stub):
+        epoch = bring_up(stub, kv_model)
+        params = greedy(TOKENS, ignore_eos=True)
+        batched = drive(stub, epoch, PROMPTS, max_tokens=TOKENS, params=params)
+        # Alone (one row: mlx-lm's quantized attention), through the same worker.
+        stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+        alone = [drive(stub, epoch, [p], max_tokens=TOKENS, params=params)[0] for p in PROMPTS]
+    assert alone == reference
+    share = share_equal(batched, reference)
+    print(f"dequantized batch of {len(PROMPTS)}: share of tokens equal alone's {share:.3f}")
+    assert share >= 0.95, f"batched rows agree with alone on {share:.3f} of tokens"
 
 
 def _refused(call: object, request: object) -> str:

@@ -278,7 +278,14 @@ async def _fleet_counts(pki: Pki) -> None:
         count = fleet.metrics.registry.get_sample_value
         for method in ("Status", "Generate"):
             labels = {"service": "mlx_worker.v1.FleetService", "method": method}
-            assert count("mlx_fleet_rpcs_total", {**labels, "code": "INVALID_ARGUMENT"}) == 1
+            labels["code"] = "INVALID_ARGUMENT"
+            # The server counts a call as its handler unwinds, which can be just after
+            # the client has its status: wait for the count, a bounded while.
+            for _ in range(100):
+                if count("mlx_fleet_rpcs_total", labels) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert count("mlx_fleet_rpcs_total", labels) == 1
     finally:
         await server.stop(0)
         await fleet.stop()

@@ -127,7 +127,9 @@ def given_up(core: WorkerCore, adapter_bytes: int) -> int:
     kv = memory_guard.kv_bytes(profile, config.num_blocks, config.block_size)
     need = loaded.info.weight_bytes + adapter_bytes + kv + profile.activation_peak_bytes
     per_block = memory_guard.kv_bytes(profile, 1, config.block_size)
-    over = need - config.memory_limit_bytes
+    # Only the adapters' bytes are taken from the budget: a limit that InitCache set
+    # below the full budget on its own is the per-step memory guard's to enforce.
+    over = min(need - config.memory_limit_bytes, adapter_bytes)
     return -(-over // per_block) if over > 0 and per_block else 0
 
 

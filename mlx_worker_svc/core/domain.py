@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.core.structured_outputs import StructuredOutputs
@@ -139,8 +140,9 @@ class NewRequest:
     lora_name: str = ""  # the adapter it runs with; empty: the base model
 
 
-@dataclass(frozen=True)
-class CachedRequest:
+class CachedRequest(NamedTuple):
+    """A running request in a step (a tuple: one is built per request per step)."""
+
     req_id: str
     num_computed_tokens: int
     new_token_ids: tuple[int, ...] = ()

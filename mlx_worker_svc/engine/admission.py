@@ -25,6 +25,9 @@ from mlx_worker_svc.engine.sequence import RequestKey, Work
 from mlx_worker_svc.engine.state import EngineState
 from mlx_worker_svc.engine.structured import GrammarCompiler, plan_structured
 
+# Per scheduled request: (tokens computed before the step, computed after it, length).
+Spans = dict[RequestKey, tuple[int, int, int]]
+
 # Longest forward a prefill chunk runs at once, like mlx-lm's prefill_step_size.
 PREFILL_STEP = 2048
 
@@ -55,13 +58,13 @@ class Admission:
         for i, new in enumerate(work.new):
             where = f"new_requests[{i}] (req_id {clip(new.key[1])!r}).lora_name"
             check_adapter(state.adapters, new.adapter, where)
-        spans = self._spans(work) if plan.grammar_bitmask else {}
+        spans = self._spans(work)  # once: the checks below all read it
         plan_structured(
             plan, work, state.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
         )
         what = f"step {plan.step_id}"
-        state.budget.check(self.projected(work).values(), what)
-        self.check_memory(work, what)
+        state.budget.check(self.projected(work, spans).values(), what)
+        self.check_memory(work, what, spans)
         return work
 
     def hit(self, tokens: Seq[int], params: SamplingParams, adapter: str = "") -> int:
@@ -71,7 +74,7 @@ class Admission:
             return 0
         return prefix.match(tokens, len(tokens) - 1, self.state.root(adapter))
 
-    def _spans(self, work: Work) -> dict[RequestKey, tuple[int, int, int]]:
+    def _spans(self, work: Work) -> Spans:
         """(computed before, end, length) of each request after `work`'s changes."""
         seqs = self.state.seqs
         lengths = {new.key: len(new.prompt) for new in work.new}
@@ -94,8 +97,11 @@ class Admission:
             spans[key] = (start, min(start + count, length), length)
         return spans
 
-    def projected(self, work: Work) -> dict[RequestKey, int]:
-        """KV tokens each request holds after `work` (at most, with its decode steps)."""
+    def projected(self, work: Work, spans: Spans | None = None) -> dict[RequestKey, int]:
+        """KV tokens each request holds after `work` (at most, with its decode steps).
+
+        `spans` is `_spans(work)` where the caller has it already.
+        """
         gone = set(work.finished) | set(work.preempted)
         tokens = {
             key: seq.num_computed
@@ -108,17 +114,20 @@ class Admission:
             if resumed:
                 tokens[key] = 0
         more = work.decode_steps - 1  # each sampling request's further decode steps
-        for key, (_, end, length) in self._spans(work).items():
+        for key, (_, end, length) in (spans or self._spans(work)).items():
             tokens[key] = end + more if end == length else end
         return tokens
 
-    def check_memory(self, work: Work, what: str) -> None:
-        """Refuses `work` if its largest forward would not fit under the memory limit."""
+    def check_memory(self, work: Work, what: str, spans: Spans | None = None) -> None:
+        """Refuses `work` if its largest forward would not fit under the memory limit.
+
+        `spans` is `_spans(work)` where the caller has it already.
+        """
         forwards: list[tuple[int, int]] = []
         decode_rows, decode_context = 0, 0
         whole: dict[RequestKey, int] = {}  # prompts prefilled from token 0 (batchable)
         params = {new.key: new.params for new in work.new}
-        for key, (start, end, length) in self._spans(work).items():
+        for key, (start, end, length) in (spans or self._spans(work)).items():
             seq = self.state.seqs.get(key)
             if seq is not None and seq.kv_lost:
                 forwards += _chunks(0, seq.num_computed)
@@ -127,7 +136,7 @@ class Admission:
             asked = params[key] if seq is None else seq.params
             if self.batch_prefill and start == 0 and asked.prompt_logprobs is None:
                 whole[key] = private
-            else:
+            elif private > start:  # a decode row computes no prompt chunk
                 forwards += _chunks(start, private)
             if samples:
                 decode_rows += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NoReturn
 
 from mlx_worker_svc.core.domain import (
     MAX_DECODE_STEPS,
@@ -82,18 +83,18 @@ def plan_step(
     counts = _new_requests(plan, seqs, limits, work)
     counts.update(_cached_requests(plan, seqs, gone, set(counts), limits=limits, work=work))
     for req_id, count in plan.num_scheduled_tokens.items():
-        where = f"num_scheduled_tokens[{clip(req_id)!r}]"
         if req_id not in counts:
             raise InvalidArgument(
-                f"{where}: req_id is in neither new_requests nor cached_requests of this step"
+                f"{_scheduled(req_id)}: req_id is in neither new_requests nor cached_requests "
+                "of this step"
             )
         computed, total = counts[req_id]
         if count < 1:
-            raise InvalidArgument(f"{where} must be >= 1, got {count}")
+            raise InvalidArgument(f"{_scheduled(req_id)} must be >= 1, got {count}")
         if computed + count > total:
             raise InvalidArgument(
-                f"{where} is {count} but only {total - computed} tokens are uncomputed "
-                f"(num_computed_tokens {computed}, sequence length {total})"
+                f"{_scheduled(req_id)} is {count} but only {total - computed} tokens are "
+                f"uncomputed (num_computed_tokens {computed}, sequence length {total})"
             )
         work.scheduled[(_EXEC, req_id)] = count
     return work
@@ -174,30 +175,53 @@ def _cached_requests(
     _no_duplicates([r.req_id for r in plan.cached_requests], "cached_requests")
     counts: dict[str, tuple[int, int]] = {}
     for i, cached in enumerate(plan.cached_requests):
-        where = f"cached_requests[{i}] (req_id {clip(cached.req_id)!r})"
-        if cached.req_id in new_ids:
-            raise InvalidArgument(f"{where}: req_id is also in new_requests")
-        if cached.req_id in gone:
-            raise InvalidArgument(f"{where}: req_id is finished or preempted in this step")
+        # This runs per request per step: the field's name is only built for an error.
         seq = seqs.get((_EXEC, cached.req_id))
-        if seq is None:
-            raise NotFound(f"{where}: unknown req_id (finished, never added, or lost)")
-        if seq.preempted and not cached.resumed_from_preemption:
-            raise InvalidArgument(
-                f"{where}: the request is preempted; set resumed_from_preemption to resume it"
-            )
-        if cached.resumed_from_preemption and not seq.preempted:
-            raise InvalidArgument(f"{where}.resumed_from_preemption is set but it is running")
-        if cached.num_computed_tokens != seq.num_computed:
-            raise InvalidArgument(_count_mismatch(where, cached, seq))
-        check_token_ids(cached.new_token_ids, f"{where}.new_token_ids", limits.vocab_size)
-        scheduled = plan.num_scheduled_tokens.get(cached.req_id, 0)
-        check_new_tokens(seq, cached.new_token_ids, scheduled, f"{where}.new_token_ids")
+        if (
+            seq is None
+            or cached.req_id in new_ids
+            or cached.req_id in gone
+            or seq.preempted != cached.resumed_from_preemption
+            or cached.num_computed_tokens != seq.num_computed
+        ):
+            _refuse_cached(_cached(i, cached.req_id), cached, seq, new_ids, gone)
+        if cached.new_token_ids:
+            where = _cached(i, cached.req_id)
+            check_token_ids(cached.new_token_ids, f"{where}.new_token_ids", limits.vocab_size)
+            scheduled = plan.num_scheduled_tokens.get(cached.req_id, 0)
+            check_new_tokens(seq, cached.new_token_ids, scheduled, f"{where}.new_token_ids")
         total = len(seq.tokens) + len(cached.new_token_ids)
         if cached.new_token_ids or cached.resumed_from_preemption:
             work.appends.append((seq.key, cached.new_token_ids, cached.resumed_from_preemption))
         counts[cached.req_id] = (seq.num_computed, total)
     return counts
+
+
+def _scheduled(req_id: str) -> str:
+    return f"num_scheduled_tokens[{clip(req_id)!r}]"
+
+
+def _cached(i: int, req_id: str) -> str:
+    return f"cached_requests[{i}] (req_id {clip(req_id)!r})"
+
+
+def _refuse_cached(
+    where: str, cached: CachedRequest, seq: Sequence | None, new_ids: set[str], gone: set[str]
+) -> NoReturn:
+    """Raises the error of a cached request that does not match the worker's state."""
+    if cached.req_id in new_ids:
+        raise InvalidArgument(f"{where}: req_id is also in new_requests")
+    if cached.req_id in gone:
+        raise InvalidArgument(f"{where}: req_id is finished or preempted in this step")
+    if seq is None:
+        raise NotFound(f"{where}: unknown req_id (finished, never added, or lost)")
+    if seq.preempted and not cached.resumed_from_preemption:
+        raise InvalidArgument(
+            f"{where}: the request is preempted; set resumed_from_preemption to resume it"
+        )
+    if cached.resumed_from_preemption and not seq.preempted:
+        raise InvalidArgument(f"{where}.resumed_from_preemption is set but it is running")
+    raise InvalidArgument(_count_mismatch(where, cached, seq))
 
 
 def _count_mismatch(where: str, cached: CachedRequest, seq: Sequence) -> str:

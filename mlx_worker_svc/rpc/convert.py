@@ -257,14 +257,17 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
         )
         for i, r in enumerate(request.new_requests)
     )
+    # Per request per step: positional, and no tuple built for an empty list.
     cached = tuple(
-        CachedRequest(
-            req_id=r.req_id,
-            num_computed_tokens=r.num_computed_tokens,
-            new_token_ids=tuple(r.new_token_ids),
-            resumed_from_preemption=r.resumed_from_preemption,
-        )
-        for r in request.cached_requests
+        [
+            CachedRequest(
+                r.req_id,
+                r.num_computed_tokens,
+                tuple(r.new_token_ids) if r.new_token_ids else (),
+                r.resumed_from_preemption,
+            )
+            for r in request.cached_requests
+        ]
     )
     return StepPlan(
         step_id=request.step_id,
@@ -292,14 +295,17 @@ def finish_reason(reason: FinishReason | None) -> pb.FinishReason:
     return _FINISH[reason] if reason is not None else pb.FINISH_REASON_UNSPECIFIED
 
 
-def request_output(output: RequestOutput) -> pb.RequestOutput:
-    # One message per request per step: fields left at their defaults are not
-    # passed (each keyword costs a conversion; the wire bytes are the same).
-    message = pb.RequestOutput(
-        req_id=output.req_id,
-        sampled_token_ids=output.sampled_token_ids,
-        num_computed_tokens=output.num_computed_tokens,
-    )
+def request_output(
+    output: RequestOutput, message: pb.RequestOutput | None = None
+) -> pb.RequestOutput:
+    """`output` as a message, or written into `message` (a repeated field's new entry)."""
+    # One message per request per step: fields are set one by one, in place,
+    # and those left at their defaults not at all (the wire bytes are the same).
+    if message is None:
+        message = pb.RequestOutput()
+    message.req_id = output.req_id
+    message.sampled_token_ids.extend(output.sampled_token_ids)
+    message.num_computed_tokens = output.num_computed_tokens
     if output.logprobs:
         message.logprobs.extend(token_logprobs(i) for i in output.logprobs)
     if output.prompt_logprobs:
@@ -311,19 +317,24 @@ def request_output(output: RequestOutput) -> pb.RequestOutput:
     return message
 
 
-def step_result(result: StepResult) -> pb.ExecuteResponse:
-    t = result.timings
-    return pb.ExecuteResponse(
-        step_id=result.step_id,
-        worker_epoch=result.worker_epoch,
-        outputs=[request_output(o) for o in result.outputs],
-        timings=pb.StepTimings(
-            total_ns=t.total_ns,
-            forward_ns=t.forward_ns,
-            num_tokens=t.num_tokens,
-            decode_batch_size=t.decode_batch_size,
-        ),
-    )
+def step_result(
+    result: StepResult, message: pb.ExecuteResponse | None = None
+) -> pb.ExecuteResponse:
+    """`result` as a message, or written into `message` (ExecuteStreamResponse.result)."""
+    if message is None:
+        message = pb.ExecuteResponse()
+    message.step_id = result.step_id
+    message.worker_epoch = result.worker_epoch
+    outputs = message.outputs
+    for output in result.outputs:  # built in place: no message copied
+        request_output(output, outputs.add())
+    t, timings = result.timings, message.timings
+    timings.SetInParent()  # present even when every figure is 0, as before
+    timings.total_ns = t.total_ns
+    timings.forward_ns = t.forward_ns
+    timings.num_tokens = t.num_tokens
+    timings.decode_batch_size = t.decode_batch_size
+    return message
 
 
 def streamed_step(step: StreamedStep) -> pb.ExecuteStreamResponse:
@@ -331,7 +342,7 @@ def streamed_step(step: StreamedStep) -> pb.ExecuteStreamResponse:
         step_id=step.step_id, already_finished_req_ids=step.already_finished
     )
     if step.result is not None:
-        response.result.CopyFrom(step_result(step.result))
+        step_result(step.result, response.result)
     elif step.error is not None:
         response.error.code = step.error.code.value
         response.error.message = step.error.message

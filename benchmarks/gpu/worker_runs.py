@@ -50,6 +50,9 @@ VARIANTS: dict[str, Variant] = {
     "ops80": Variant(env={"MLX_MAX_OPS_PER_BUFFER": "80"}),
     # The default engine without fused projections (engine/rewrite/fused.py).
     "unfused": Variant(("--fuse", "off")),
+    # The default engine with every request's KV quantized to 8 bits (`--kv-bits 8`,
+    # mlx-lm's group of 64), against float KV in the first variant.
+    "kv8": Variant(("--kv-bits", "8", "--kv-group-size", "64")),
 }
 
 

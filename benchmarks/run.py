@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
     p.add_argument("--stream-sizes", help="(i) comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--stream-tokens", type=int, help="(i) tokens per request (default 128)")
+    p.add_argument("--stream-repeats", type=int, help="(i) interleaved repeats (default 3)")
     p.add_argument("--kv-batch", type=int, help="(j) decode batch (default 16)")
     p.add_argument("--kv-tokens", type=int, help="(j) decode tokens per request (default 32)")
     p.add_argument("--kv-quality-tokens", type=int, help="(j) quality tokens (default 48)")
@@ -95,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "structured_repeats": 3,
         "stream_sizes": "1,8,32",
         "stream_tokens": 128,
+        "stream_repeats": 3,
         "kv_batch": 16,
         "kv_tokens": 32,
         "kv_quality_tokens": 48,
@@ -123,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "structured_repeats": 1,
         "stream_sizes": "1,4",
         "stream_tokens": 16,
+        "stream_repeats": 1,
         "kv_batch": 4,
         "kv_tokens": 4,
         "kv_quality_tokens": 4,
@@ -165,7 +168,11 @@ def _tiny_worker_sections(
             sizes = [int(x) for x in args.stream_sizes.split(",")]
             many = distinct_prompts(tokenizer, max(sizes), 16)
             sections["i"] = timed(
-                "i", seconds, lambda: section_i(worker, many, sizes, args.stream_tokens)
+                "i",
+                seconds,
+                lambda: section_i(
+                    worker, many, sizes, args.stream_tokens, repeats=args.stream_repeats
+                ),
             )
         if "c" in wanted:
             steps = args.overhead_steps

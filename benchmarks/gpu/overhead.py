@@ -5,7 +5,8 @@ worker and its client do in Python per step, and per request per step, is a
 visible share. This measures that share on a CPU: a micro llama (one layer,
 hidden 32, vocabulary 512) whose forward costs almost nothing, driven like the
 GPU benchmark drives the worker (a worker process, Execute over gRPC, greedy,
-one step per token, or `--decode-steps` a call), beside mlx-lm's
+one step per token, or `--decode-steps` a call, or through one ExecuteStream
+with `--stream-depth` steps in flight), beside mlx-lm's
 BatchGenerator on the same model. Per batch size it prints the p50 per decode
 step of the client's wall time, the worker's `total_ns` and `forward_ns` (the
 runner's forward + sampling), and the host cost per request per step.
@@ -24,6 +25,7 @@ from typing import Any
 from benchmarks.baselines import raw_batch
 from benchmarks.common import percentile, process_worker, temp_dir, tiny_model_module
 from benchmarks.execute_client import run_execute
+from benchmarks.execute_stream import run_execute_stream
 from benchmarks.gpu.bench_gpu import prompt_set
 from benchmarks.gpu.synthetic import write_tokenizer
 
@@ -51,7 +53,13 @@ def _p50_ms(values: list[int]) -> float:
 
 
 def measure(
-    model_dir: Path, sizes: list[int], steps: int, prompt: int, decode_steps: int = 1
+    model_dir: Path,
+    sizes: list[int],
+    steps: int,
+    prompt: int,
+    decode_steps: int = 1,
+    *,
+    stream_depth: int = 0,
 ) -> list[dict[str, Any]]:
     from mlx_lm import load
 
@@ -62,10 +70,17 @@ def measure(
         for size in sizes:
             batch = prompts[:size]
             run_execute(worker, batch, 4)
+            if stream_depth:
+                run_execute_stream(worker, batch, 4, depth=stream_depth)
             raw_batch(model, batch, 4)
             assert worker.pid is not None
             worker_cpu, client_cpu = cpu_seconds(worker.pid), time.process_time()
-            run = run_execute(worker, batch, steps, decode_steps=decode_steps)
+            if stream_depth:
+                run = run_execute_stream(
+                    worker, batch, steps, depth=stream_depth, decode_steps=decode_steps
+                )
+            else:
+                run = run_execute(worker, batch, steps, decode_steps=decode_steps)
             worker_cpu = cpu_seconds(worker.pid) - worker_cpu
             client_cpu = time.process_time() - client_cpu
             # Calls of n decode steps: each call's times over its steps (tokens per request).
@@ -104,13 +119,27 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="decode steps a call (ExecuteRequest.num_decode_steps); figures are per step",
     )
+    p.add_argument(
+        "--stream-depth",
+        type=int,
+        default=0,
+        help="drive the worker through one ExecuteStream with this many steps in flight "
+        "(0: unary Execute); a step's wall time is then the time between replies",
+    )
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     with temp_dir() as tmp:
         tokenizer = tmp / "tokenizer"
         write_tokenizer(tokenizer, int(MICRO["vocab_size"]))
         model_dir = tiny_model_module().build_tiny_model(tmp / "micro", tokenizer, overrides=MICRO)
-        rows = measure(model_dir, sizes, args.steps, args.prompt_tokens, args.decode_steps)
+        rows = measure(
+            model_dir,
+            sizes,
+            args.steps,
+            args.prompt_tokens,
+            args.decode_steps,
+            stream_depth=args.stream_depth,
+        )
     print(
         "| batch | client wall ms | worker total ms | forward+sample ms | outside worker ms "
         "| host µs / request | worker CPU ms / step | client CPU ms / step "

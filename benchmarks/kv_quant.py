@@ -13,11 +13,17 @@ figure runs both ways side by side:
   against 8 bits: two workers side by side, warmed, then `repeats` runs of
   each interleaved, the best of each kept;
 - quality: 12 chat prompts x `quality_tokens` greedy tokens, batched, at 8
-  and 4 bits against float KV: the share of positions whose token equals the
-  float run's when each runs free (a token that differs changes all that
-  follow), the mean length of the identical prefix, and the share with the
-  float run's tokens fed back (teacher-forced: at each position, is the
-  quantized cache's greedy token the float run's?).
+  and 4 bits against float KV: the share of the answers' positions whose
+  token equals the float run's, each answer as a client gets it (up to its
+  EOS, at most `quality_tokens`; of two answers the longer one's positions
+  count, so one that stops early or runs on differs there); the same with
+  EOS ignored, all `quality_tokens` positions (past an answer's end the
+  model writes on in a text it was never trained to continue, where a
+  near-tie flips a token soonest), with the mean length of the identical
+  prefix; and the share with the float run's tokens fed back
+  (teacher-forced: at each position, is the quantized cache's greedy token
+  the float run's?). A free-running token that differs changes all that
+  follow.
 """
 
 from __future__ import annotations
@@ -165,9 +171,12 @@ def _decode(model: Path, prompts: list[list[int]], tokens: int, repeats: int) ->
 
 def _quality(model: Path, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     outs: dict[int, list[list[int]]] = {}
+    answers: dict[int, list[list[int]]] = {}
+    until_eos = [pb.SamplingParams(temperature=0.0, max_tokens=tokens)] * len(prompts)
     for bits in (0, 8, 4):
         with _worker(model, bits) as worker:
             outs[bits] = run_execute(worker, prompts, tokens).tokens
+            answers[bits] = run_execute(worker, prompts, tokens, params=until_eos).tokens
     result: dict[str, Any] = {"prompts": len(prompts), "tokens_per_prompt": tokens}
     for bits in (8, 4):
         same = total = prefix = 0
@@ -182,8 +191,26 @@ def _quality(model: Path, prompts: list[list[int]], tokens: int) -> dict[str, An
             a == b for a, b in zip(outs[bits], outs[0], strict=True)
         )
         result[f"kv{bits}_teacher_forced_share_equal"] = _forced(model, prompts, outs[0], bits)
+        result[f"kv{bits}_answer_share_equal"] = _answer_share(answers[bits], answers[0])
+        result[f"kv{bits}_identical_answers"] = sum(
+            a == b for a, b in zip(answers[bits], answers[0], strict=True)
+        )
+    result["answer_lengths_float"] = [len(a) for a in answers[0]]
     result["target_kv8_share_equal"] = 0.9
     return result
+
+
+def _answer_share(ours: list[list[int]], base: list[list[int]]) -> float:
+    """Positions of the answers (up to EOS) where both have the same token.
+
+    Each pair counts the longer answer's positions: an answer that ends
+    early, or runs on, differs at every position the other has.
+    """
+    same = total = 0
+    for a, b in zip(ours, base, strict=True):
+        same += sum(x == y for x, y in zip(a, b, strict=False))  # lengths differ
+        total += max(len(a), len(b))
+    return round(same / total, 4)
 
 
 def _forced(model_dir: Path, prompts: list[list[int]], floats: list[list[int]], bits: int) -> float:

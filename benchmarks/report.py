@@ -270,7 +270,11 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         )
     )
     for width, target in ((8, ">= 0.9"), (4, "")):
-        for key, how in (("share_equal", "free-running"), ("teacher_forced_share_equal", "fed")):
+        for key, how, goal in (
+            ("answer_share_equal", "answers up to EOS", target),
+            ("share_equal", "EOS ignored, free-running", ""),
+            ("teacher_forced_share_equal", "EOS ignored, fed", ""),
+        ):
             if f"kv{width}_{key}" not in q:
                 continue
             rows.append(
@@ -280,7 +284,7 @@ def _kv_rows(j: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"float16 KV's ({how})",
                     fmt(q[f"kv{width}_{key}"], 3),
                     "1",
-                    target,
+                    goal,
                 )
             )
     return rows

@@ -105,8 +105,9 @@ def _kv_panel(j: dict[str, Any]) -> Panel:
     value = j["decode"]["ratio_kv8_vs_float"]
     bars.append(Bar(f"(j) B={j['decode']['batch']} decode 8-bit / float16", value, fmt(value, 3)))
     for bits in ("8", "4"):
-        value = j["quality"][f"kv{bits}_share_equal"]
-        bars.append(Bar(f"(j) {bits}-bit tokens equal to float16", value, fmt(value, 3)))
+        quality = j["quality"]
+        value = quality.get(f"kv{bits}_answer_share_equal", quality[f"kv{bits}_share_equal"])
+        bars.append(Bar(f"(j) {bits}-bit answer tokens equal to float16", value, fmt(value, 3)))
     return Panel("Quantized KV against float16 KV, SmolLM2 float16", bars)
 
 

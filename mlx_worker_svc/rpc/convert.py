@@ -295,14 +295,10 @@ def finish_reason(reason: FinishReason | None) -> pb.FinishReason:
     return _FINISH[reason] if reason is not None else pb.FINISH_REASON_UNSPECIFIED
 
 
-def request_output(
-    output: RequestOutput, message: pb.RequestOutput | None = None
-) -> pb.RequestOutput:
-    """`output` as a message, or written into `message` (a repeated field's new entry)."""
+def fill_request_output(message: pb.RequestOutput, output: RequestOutput) -> None:
+    """Writes `output` into `message` (a repeated field's new entry)."""
     # One message per request per step: fields are set one by one, in place,
     # and those left at their defaults not at all (the wire bytes are the same).
-    if message is None:
-        message = pb.RequestOutput()
     message.req_id = output.req_id
     message.sampled_token_ids.extend(output.sampled_token_ids)
     message.num_computed_tokens = output.num_computed_tokens
@@ -314,7 +310,6 @@ def request_output(
         message.num_cached_prompt_tokens = output.num_cached_prompt_tokens
     if output.finish_reason is not None:
         message.finish_reason = _FINISH[output.finish_reason]
-    return message
 
 
 def step_result(
@@ -327,7 +322,7 @@ def step_result(
     message.worker_epoch = result.worker_epoch
     outputs = message.outputs
     for output in result.outputs:  # built in place: no message copied
-        request_output(output, outputs.add())
+        fill_request_output(outputs.add(), output)
     t, timings = result.timings, message.timings
     timings.SetInParent()  # present even when every figure is 0, as before
     timings.total_ns = t.total_ns

@@ -5,10 +5,12 @@ Worker processes (`mlx-worker serve --auto-init`) sit behind a fleet process
 concurrent greedy requests (distinct prompts, EOS ignored, `tokens` tokens each)
 through `FleetService.Generate`, one thread per stream, and measures completed
 tokens per second: every token of every request over the wall time from the first
-request sent to the last stream ended. The same requests run against a fleet of one
+request sent to the last stream ended. The same work runs against a fleet of one
 worker and a fleet of two (the workers are started once; the one-worker fleet uses
 the first). Each fleet first runs one untimed round of other prompts with the same
-shapes, so both are warm and the measured prompts are not in any prefix cache.
+shapes, so every fleet is warm, and then measures a round of prompts of its own
+(the same lengths and token counts), so that no fleet finds its prompts in a
+worker's prefix cache from an earlier fleet's round.
 
 Each fleet drives its workers through ExecuteStream, one step ahead (the default);
 the one-worker fleet runs once more through unary Execute (`--steps-ahead 0`), so
@@ -170,6 +172,16 @@ def _round(stub: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     }
 
 
+def fleet_variants(worker_counts: list[int]) -> list[tuple[int, int]]:
+    """(workers, steps ahead) of each measured fleet, in the order they run.
+
+    Every count through ExecuteStream one step ahead (the default); one worker
+    also through unary Execute, one step at a time (--steps-ahead 0), for the
+    comparison.
+    """
+    return [(count, 1) for count in worker_counts] + [(min(worker_counts), 0)]
+
+
 def section_g(
     model: Path,
     prompts: list[list[int]],
@@ -177,15 +189,16 @@ def section_g(
     worker_counts: list[int],
     tmp: Path,
 ) -> dict[str, Any]:
-    """`prompts` holds two rounds: the first half warms, the second half is measured."""
-    half = len(prompts) // 2
-    warm, measured = prompts[:half], prompts[half:]
+    """`prompts` holds 1 + len(fleet_variants) rounds: the first warms every fleet, and
+    each fleet measures a round of its own, so that no fleet finds its prompts in a
+    worker's prefix cache from an earlier one."""
+    variants = fleet_variants(worker_counts)
+    size = len(prompts) // (1 + len(variants))
+    warm = prompts[:size]
     runs: list[dict[str, Any]] = []
-    # Every count through ExecuteStream one step ahead (the default); one worker also
-    # through unary Execute, one step at a time (--steps-ahead 0), for the comparison.
-    variants = [(count, 1) for count in worker_counts] + [(min(worker_counts), 0)]
     with worker_processes(model, max(worker_counts), tmp) as workers:
-        for count, ahead in variants:
+        for n, (count, ahead) in enumerate(variants, start=1):
+            measured = prompts[n * size : (n + 1) * size]
             with _fleet([w.target for w in workers[:count]], tmp, ahead) as (stub, fleet):
                 _round(stub, warm, tokens)
                 pids = {"fleet": fleet.proc.pid}

@@ -26,7 +26,7 @@ from benchmarks.common import (
     temp_dir,
 )
 from benchmarks.decode import section_a, section_b
-from benchmarks.fleet import section_g
+from benchmarks.fleet import fleet_variants, section_g
 from benchmarks.kv_quant import float16_copy, section_j
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.lora import section_k
@@ -242,9 +242,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
         if "g" in wanted:
             _, tokenizer = load(str(tiny))
-            # Two rounds of distinct prompts: one to warm each fleet, one measured.
-            prompts = distinct_prompts(tokenizer, 2 * args.fleet_requests, 16)
             counts = [int(x) for x in args.fleet_workers.split(",")]
+            # Rounds of distinct prompts: one to warm each fleet, one measured per fleet.
+            rounds = 1 + len(fleet_variants(counts))
+            prompts = distinct_prompts(tokenizer, rounds * args.fleet_requests, 16)
             sections["g"] = timed(
                 "g",
                 seconds,

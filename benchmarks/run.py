@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sections: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     notes: list[str] = []
-    wanted = set(args.sections) - {","}  # "aci" and "a,c,i" alike
+    wanted = _wanted(args.sections)
     with temp_dir() as tmp:
         if wanted & {"c", "d", "g", "h", "i", "k"}:
             tiny = Path(args.tiny_model) if args.tiny_model else build_tiny(tmp, embedded)
@@ -359,12 +359,17 @@ def _notes(args: argparse.Namespace, sections: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _wanted(sections: str) -> set[str]:
+    """The section letters of --sections: "aci" and "a,c,i" alike."""
+    return set(sections) - {","}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{results['date']}-{machine_name()}"
-    ran = "".join(sorted(set(args.sections) - {","}))
+    ran = "".join(sorted(_wanted(args.sections)))
     if ran != ALL_SECTIONS:  # a partial run does not overwrite the day's full one
         stem += f"-{ran}"
     stem += "-quick" if args.quick else ""

@@ -187,17 +187,18 @@ def _quality(model: Path, prompts: list[list[int]], tokens: int) -> dict[str, An
             prefix += next((i for i, (a, b) in pairs if a != b), len(base))
         result[f"kv{bits}_share_equal"] = round(same / total, 4)
         result[f"kv{bits}_mean_identical_prefix"] = round(prefix / len(prompts), 2)
-        result[f"kv{bits}_identical_sequences"] = sum(
-            a == b for a, b in zip(outs[bits], outs[0], strict=True)
-        )
+        result[f"kv{bits}_identical_sequences"] = _identical(outs[bits], outs[0])
         result[f"kv{bits}_teacher_forced_share_equal"] = _forced(model, prompts, outs[0], bits)
         result[f"kv{bits}_answer_share_equal"] = _answer_share(answers[bits], answers[0])
-        result[f"kv{bits}_identical_answers"] = sum(
-            a == b for a, b in zip(answers[bits], answers[0], strict=True)
-        )
+        result[f"kv{bits}_identical_answers"] = _identical(answers[bits], answers[0])
     result["answer_lengths_float"] = [len(a) for a in answers[0]]
     result["target_kv8_share_equal"] = 0.9
     return result
+
+
+def _identical(ours: list[list[int]], base: list[list[int]]) -> int:
+    """How many of the sequences are token for token the same."""
+    return sum(a == b for a, b in zip(ours, base, strict=True))
 
 
 def _answer_share(ours: list[list[int]], base: list[list[int]]) -> float:

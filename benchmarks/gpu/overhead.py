@@ -75,12 +75,13 @@ def measure(
             raw_batch(model, batch, 4)
             assert worker.pid is not None
             worker_cpu, client_cpu = cpu_seconds(worker.pid), time.process_time()
-            if stream_depth:
-                run = run_execute_stream(
+            run = (
+                run_execute_stream(
                     worker, batch, steps, depth=stream_depth, decode_steps=decode_steps
                 )
-            else:
-                run = run_execute(worker, batch, steps, decode_steps=decode_steps)
+                if stream_depth
+                else run_execute(worker, batch, steps, decode_steps=decode_steps)
+            )
             worker_cpu = cpu_seconds(worker.pid) - worker_cpu
             client_cpu = time.process_time() - client_cpu
             # Calls of n decode steps: each call's times over its steps (tokens per request).

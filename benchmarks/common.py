@@ -98,6 +98,9 @@ def blas_libraries() -> list[str]:
     return sorted(n for n in names if "blas" in n.lower() or "lapack" in n.lower())
 
 
+_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE")
+
+
 def machine_facts() -> dict[str, Any]:
     info: dict[str, Any] = {}
     try:
@@ -113,6 +116,8 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "blas_libraries": blas_libraries(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        # Thread-count settings of the BLAS and OpenMP runtimes ({} when none is set).
+        "blas_thread_env": {k: v for k, v in os.environ.items() if k in _THREAD_ENV},
         "load_average_at_start": list(os.getloadavg()),
     }
 

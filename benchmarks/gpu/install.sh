@@ -17,7 +17,7 @@ probe() {
   nproc
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   nvidia-smi | grep -o 'CUDA Version: [0-9.]*' || true
-  ldd --version | head -1
+  ldd --version 2>&1 | sed -n 1p  # sed reads it all: no SIGPIPE under pipefail
   command -v python3 && python3 -V
   ls -d /usr/local/cuda* 2>/dev/null || true
   df -h /tmp | tail -1

@@ -98,7 +98,7 @@ def blas_libraries() -> list[str]:
     return sorted(n for n in names if "blas" in n.lower() or "lapack" in n.lower())
 
 
-_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE")
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE")
 
 
 def machine_facts() -> dict[str, Any]:
@@ -116,8 +116,9 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "blas_libraries": blas_libraries(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        # Thread-count settings of the BLAS and OpenMP runtimes ({} when none is set).
-        "blas_thread_env": {k: v for k, v in os.environ.items() if k in _THREAD_ENV},
+        # The BLAS and OpenMP runtimes' settings from the environment: thread counts and
+        # OpenBLAS's kernel family ({} when none is set).
+        "blas_env": {k: os.environ[k] for k in _BLAS_ENV if k in os.environ},
         "load_average_at_start": list(os.getloadavg()),
     }
 

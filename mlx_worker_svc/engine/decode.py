@@ -20,7 +20,7 @@ from mlx_worker_svc.core.domain import FinishReason, RequestOutput
 from mlx_worker_svc.engine import structured
 from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.options import EngineOptions
-from mlx_worker_svc.engine.sampling import choose_tokens, read_tokens, token_logprobs
+from mlx_worker_svc.engine.sampling import choose_tokens, token_logprobs
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence
 from mlx_worker_svc.engine.state import EngineState
 
@@ -83,7 +83,7 @@ class Decoder:
         if chosen is None:
             masked = logits if mask is None else mask.apply(logits)
             chosen = choose_tokens(masked, samplers, [(s.tokens, s.prompt_len) for s in rows])
-            mx.async_eval(chosen)  # type: ignore[no-untyped-call]
+            mx.async_eval(chosen.arrays())  # type: ignore[no-untyped-call]
         # The next forward is queued before the host waits for this step's
         # tokens: the device never idles while the host reads, answers and
         # waits for the scheduler (batch.DecodeBatch, look-ahead).
@@ -91,9 +91,9 @@ class Decoder:
         # the look-ahead's work with it: then `prefetch` starts the next forward
         # for the rows that stay, once they are known.
         if self.options.look_ahead == "speculate" and not any(s.at_last_token() for s in rows):
-            self.state.batch.speculate(self.model, chosen, greedy=greedy)
-        tokens = read_tokens(chosen)
-        self.state.batch.confirm(tokens)
+            self.state.batch.speculate(self.model, chosen.tokens, greedy=greedy)
+        tokens, speculated_on = chosen.read()
+        self.state.batch.confirm(speculated_on)
         infos = None if greedy else token_logprobs(logits, samplers, tokens)
         complete = structured.advance(mask, rows, tokens)
         finished: list[RequestKey] = []

@@ -7,10 +7,14 @@ temperature, top_k, top_p and min_p on the scaled distribution. Logprobs are
 reported from the raw model logits (vLLM's default), so they do not depend on
 the sampling knobs. A request with a seed draws from its own PRNG key, split
 once per sampled token, so its tokens do not depend on its batch neighbours.
+
+A step's tokens leave here as a lazy `Choice`, so that the next forward can be
+queued on them before the host reads them (batch.DecodeBatch.speculate).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import cast
 
@@ -118,6 +122,82 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
+class Choice:
+    """One step's tokens, lazy: `tokens` [B] is what a queued next forward runs on.
+
+    `unsure` ([B] bool, or None) marks the rows whose `tokens` entry is a raw
+    argmax that mlx-lm's greedy rule (`greedy`) might not pick; `read` then
+    makes every row's choice by that rule from `logits`.
+    """
+
+    __slots__ = ("logits", "tokens", "unsure")
+
+    def __init__(
+        self, tokens: mx.array, unsure: mx.array | None = None, logits: mx.array | None = None
+    ) -> None:
+        self.tokens = tokens
+        self.unsure = unsure
+        self.logits = logits
+
+    def arrays(self) -> list[mx.array]:
+        """What to launch (`mx.async_eval`) for `read` to wait on this step only."""
+        return [self.tokens] if self.unsure is None else [self.tokens, self.unsure]
+
+    def read(self) -> tuple[list[int], list[int]]:
+        """(the chosen tokens, the ones `tokens` holds); waits for them.
+
+        The two differ only where a row was unsure and mlx-lm's rule picks
+        another id: a forward queued on `tokens` is then not the one asked for
+        (DecodeBatch.forward rolls it back).
+        """
+        held = read_tokens(self.tokens)
+        if (
+            self.unsure is None
+            or self.logits is None
+            or not any(cast(list[bool], self.unsure.tolist()))
+        ):
+            return held, held
+        return read_tokens(greedy(self.logits)), held
+
+
+def greedy_choice(logits: mx.array) -> Choice:
+    """The greedy tokens of `logits` [B, V] by mlx-lm's rule (`greedy`), as a `Choice`.
+
+    On a GPU that is `greedy` itself. On a CPU, MLX's `exp` over the vocabulary
+    (the logsumexp) costs most of a small model's batched step (about 36 ms of
+    a 32-row step of the tests' tiny model, against 2.5 ms for the argmax), so
+    the choice is the raw argmax `a`, which is mlx-lm's pick unless an id
+    below `a` has a logit within rounding of the top one: mlx-lm subtracts one
+    value c (the logsumexp, |c - max| <= ln V) from every logit, a rounding
+    that never reorders but can merge values, and takes the lowest id of the
+    merged top. Two results near -ln V differ by at most an ulp each there, so
+    a gap to the best lower id above `_tie_margin` cannot merge; rows at or
+    under it (and rows whose top is not finite) are `unsure`, and their step
+    is chosen by `greedy` when it is read.
+    """
+    if logits.ndim != 2 or mx.default_device().type != mx.cpu:
+        return Choice(greedy(logits))
+    ids = mx.argmax(logits, axis=-1)
+    top = mx.take_along_axis(logits, ids[:, None], axis=-1).astype(mx.float32)
+    lower = mx.arange(logits.shape[-1], dtype=mx.uint32) < ids[:, None]
+    runner_up = mx.where(lower, logits, -mx.inf).max(axis=-1, keepdims=True)
+    info = mx.finfo(logits.dtype)
+    sure = ((top - runner_up.astype(mx.float32)) > _tie_margin(logits)) & (
+        mx.abs(top) < info.max / 2
+    )
+    return Choice(ids, mx.logical_not(sure).reshape(-1), logits)
+
+
+def _tie_margin(logits: mx.array) -> float:
+    """A logit gap above which no rounding of `logits - logsumexp` merges two values.
+
+    Each rounded difference is within an ulp of a value of magnitude at most
+    ln V + 1 + gap, an ulp is at most eps times the magnitude, so a gap over
+    4 eps (ln V + 2) stays above the two errors together.
+    """
+    return 4.0 * mx.finfo(logits.dtype).eps * (math.log(logits.shape[-1]) + 2.0)
+
+
 def _ints(values: mx.array) -> list[int]:
     return [int(v) for v in cast(list[int], values.tolist())]
 
@@ -166,22 +246,22 @@ def choose_tokens(
     logits: mx.array,
     samplers: Sequence[RequestSampler],
     histories: Sequence[tuple[Sequence[int], int]],
-) -> mx.array:
-    """The next token of each row of `logits` [B, V], as a lazy [B] array.
+) -> Choice:
+    """The next token of each row of `logits` [B, V], lazy.
 
     `histories[i]` is (tokens so far, prompt length) of row i. Nothing is
     read back to the host here, so the caller can queue more work (the next
     forward) before it waits for the tokens.
     """
     if all(s.trivial for s in samplers):
-        return greedy(logits)
+        return greedy_choice(logits)
     chosen = []
     for i, sampler in enumerate(samplers):
         row = logits[i]
         if not sampler.trivial:
             row = sampler.process(row, *histories[i])
         chosen.append(sampler.choose(row))
-    return mx.stack(chosen)
+    return Choice(mx.stack(chosen))
 
 
 def token_logprobs(

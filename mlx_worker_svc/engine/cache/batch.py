@@ -142,7 +142,7 @@ class _Ahead(NamedTuple, Generic[K]):
     keys: tuple[K, ...]  # its rows
     tokens: tuple[int, ...] | None  # its input tokens (None until the host reads them)
     logits: mx.array  # [B, V]
-    choice: mx.array | None  # greedy tokens of `logits`, if every row samples greedily
+    choice: sampling.Choice | None  # greedy tokens of `logits`, if every row samples greedily
 
 
 class DecodeBatch(Generic[K]):
@@ -186,7 +186,7 @@ class DecodeBatch(Generic[K]):
         self._ahead: _Ahead[K] | None = None
         # The greedy tokens of the logits the last `forward` returned, launched with
         # them by the look-ahead (None: not computed; the caller samples).
-        self.choice: mx.array | None = None
+        self.choice: sampling.Choice | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -292,10 +292,11 @@ class DecodeBatch(Generic[K]):
     def speculate(self, model: nn.Module, sampled: mx.array, *, greedy: bool = False) -> None:
         """Queues the next forward on this step's sampled tokens (a lazy [B] array).
 
-        Call `mx.async_eval(sampled)` first, so that reading the tokens waits
-        for them only, not for the forward queued behind them; then `confirm`
-        once the tokens are read. `greedy`: every row samples greedily, so the
-        next tokens' choice is launched with the forward.
+        Launch `sampled` (`mx.async_eval`) first, so that reading the tokens
+        waits for them only, not for the forward queued behind them; then
+        `confirm` with the tokens `sampled` held, once they are read.
+        `greedy`: every row samples greedily, so the next tokens' choice is
+        launched with the forward.
         """
         self._drop_ahead()
         if not self.keys or not self._trimmable():
@@ -325,8 +326,8 @@ class DecodeBatch(Generic[K]):
         self._ahead = self._launch(tokens, self.forward(model, tokens), greedy)
 
     def _launch(self, tokens: tuple[int, ...] | None, logits: mx.array, greedy: bool) -> _Ahead[K]:
-        choice = sampling.greedy(logits) if greedy else None
-        mx.async_eval(logits if choice is None else [logits, choice])  # type: ignore[no-untyped-call]
+        choice = sampling.greedy_choice(logits) if greedy else None
+        mx.async_eval([logits, *(choice.arrays() if choice else [])])  # type: ignore[no-untyped-call]
         return _Ahead(tuple(self.keys), tokens, logits, choice)
 
     def _trimmable(self) -> bool:

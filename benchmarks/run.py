@@ -26,7 +26,7 @@ from benchmarks.common import (
     temp_dir,
 )
 from benchmarks.decode import section_a, section_b
-from benchmarks.fleet import fleet_variants, section_g
+from benchmarks.fleet import fleet_rounds, section_g
 from benchmarks.kv_quant import float16_copy, section_j
 from benchmarks.latency import section_c, section_d, section_e
 from benchmarks.lora import section_k
@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-requests", type=int, help="(g) concurrent requests (default 32)")
     p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
     p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
+    p.add_argument("--fleet-repeats", type=int, help="(g) interleaved runs, best kept (default 3)")
     p.add_argument("--structured-batch", type=int, help="(h) constrained rows (default 16)")
     p.add_argument("--structured-tokens", type=int, help="(h) tokens per row (default 64)")
     p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 32,
         "fleet_tokens": 256,
         "fleet_workers": "1,2",
+        "fleet_repeats": 3,
         "structured_batch": 16,
         "structured_tokens": 64,
         "structured_repeats": 3,
@@ -122,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fleet_requests": 4,
         "fleet_tokens": 8,
         "fleet_workers": "1,2",
+        "fleet_repeats": 1,
         "structured_batch": 4,
         "structured_tokens": 8,
         "structured_repeats": 1,
@@ -243,13 +246,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "g" in wanted:
             _, tokenizer = load(str(tiny))
             counts = [int(x) for x in args.fleet_workers.split(",")]
-            # Rounds of distinct prompts: one to warm each fleet, one measured per fleet.
-            rounds = 1 + len(fleet_variants(counts))
+            # Rounds of distinct prompts: one to warm each fleet, one per measured run.
+            rounds = fleet_rounds(counts, args.fleet_repeats)
             prompts = distinct_prompts(tokenizer, rounds * args.fleet_requests, 16)
             sections["g"] = timed(
                 "g",
                 seconds,
-                lambda: section_g(tiny, prompts, args.fleet_tokens, counts, tmp),
+                lambda: section_g(
+                    tiny, prompts, args.fleet_tokens, counts, tmp, repeats=args.fleet_repeats
+                ),
             )
         if "j" in wanted:
             sections["j"] = timed("j", seconds, lambda: _kv_quant(args, embedded, tmp))

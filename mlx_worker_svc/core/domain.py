@@ -138,6 +138,9 @@ class NewRequest:
     # The last tokens of the prompt that are output generated elsewhere (a continuation).
     num_generated_tokens: int = 0
     lora_name: str = ""  # the adapter it runs with; empty: the base model
+    # Its outputs carry their text (RequestOutput.text), special tokens left out or not.
+    detokenize: bool = False
+    skip_special_tokens: bool = True
 
 
 class CachedRequest(NamedTuple):
@@ -183,6 +186,7 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     finish_reason: FinishReason | None = None
+    text: str = ""  # what its output tokens of this step add to its text (NewRequest.detokenize)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,12 @@ def _new_requests(
             )
         work.new.append(
             NewSequence(
-                key, new.prompt_token_ids, new.sampling, new.num_generated_tokens, new.lora_name
+                key,
+                new.prompt_token_ids,
+                new.sampling,
+                new.num_generated_tokens,
+                new.lora_name,
+                new.skip_special_tokens if new.detokenize else None,
             )
         )
         counts[new.req_id] = (0, len(new.prompt_token_ids))

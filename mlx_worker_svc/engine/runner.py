@@ -35,7 +35,7 @@ from mlx_worker_svc.core.domain import (
 )
 from mlx_worker_svc.core.errors import InvalidArgument, ResourceExhausted
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.engine import structured
+from mlx_worker_svc.engine import structured, text
 from mlx_worker_svc.engine.admission import Admission
 from mlx_worker_svc.engine.cache.batch import DecodeBatch, batchable
 from mlx_worker_svc.engine.cache.prefix_cache import PrefixCache
@@ -50,7 +50,7 @@ from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
 from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, transposed
 from mlx_worker_svc.engine.sampling import RequestSampler
-from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
+from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState
 
 # How many finished request ids are remembered, so that a scheduler naming a
@@ -85,6 +85,8 @@ class ModelRunner:
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)
         self.eos_ids = frozenset(loaded.info.eos_token_ids)
+        self.tokenizer = loaded.tokenizer
+        self._special_ids = text.special_ids(loaded.tokenizer, self.eos_ids)
         self.adapters = loaded.adapters
         self.adapters.deltas.bind()  # the layers the rewrites above put in place
         self.adapters.in_use = self.adapter_users
@@ -200,27 +202,28 @@ class ModelRunner:
                 f"the prompt ({len(prompt)} tokens) does not fit the KV budget of "
                 f"{self.state.budget.num_blocks} blocks of {self.state.budget.block_size} tokens"
             )
-        self.state.seqs[key] = self._new_sequence(key, prompt, params, adapter=adapter)
+        self.state.seqs[key] = self._new_sequence(NewSequence(key, prompt, params, adapter=adapter))
 
     # ------------------------------------------------------------- mutation
-    def _new_sequence(
-        self,
-        key: RequestKey,
-        prompt: tuple[int, ...],
-        params: SamplingParams,
-        generated: int = 0,
-        adapter: str = "",
-    ) -> Sequence:
+    def _new_sequence(self, new: NewSequence) -> Sequence:
+        params, prompt = new.params, new.prompt
         sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
         limit = self.limits.max_context
-        seq = Sequence.start(key, prompt, params, sampler, max_context=limit, adapter=adapter)
-        self.adapters.touch(adapter)
+        seq = Sequence.start(
+            new.key, prompt, params, sampler, max_context=limit, adapter=new.adapter
+        )
+        self.adapters.touch(new.adapter)
         if params.structured_outputs is not None:  # compiled already: a copy from the cache
             seq.grammar = self.grammars.grammar(
                 params.structured_outputs,
                 "sampling_params.structured_outputs",
-                start=len(prompt) - generated,
+                start=len(prompt) - new.generated,
             )
+        if new.skip_special_tokens is not None:
+            skip = self._special_ids if new.skip_special_tokens else frozenset()
+            seq.text = text.TextStream(self.tokenizer, skip_ids=skip)
+            # Output streamed elsewhere already: its text is not repeated (NewRequest.detokenize).
+            seq.text.take(prompt[len(prompt) - new.generated :])
         return seq
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
@@ -313,14 +316,16 @@ class ModelRunner:
         for key in work.preempted:
             self._preempt(key)
         for new in work.new:
-            self.state.seqs[new.key] = self._new_sequence(
-                new.key, new.prompt, new.params, new.generated, new.adapter
-            )
+            self.state.seqs[new.key] = self._new_sequence(new)
+        # Requests whose outputs carry text: their detokenizer and the tokens appended.
+        texts: dict[RequestKey, tuple[text.TextStream, tuple[int, ...]]] = {}
         for key, tokens, resumed in work.appends:
             seq = self.state.seqs[key]
             seq.tokens.extend(tokens)
             if resumed:
                 seq.preempted, seq.fresh = False, True
+            if seq.text is not None:
+                texts[key] = (seq.text, tokens)
         outputs = {key: RequestOutput(req_id=key[1]) for key in work.touched}
         forward_start = time.perf_counter_ns()
         sampling: list[RequestKey] = []
@@ -329,6 +334,8 @@ class ModelRunner:
         for key, count in work.scheduled.items():
             seq = self.state.seqs[key]
             output = outputs.get(key) or outputs.setdefault(key, RequestOutput(req_id=key[1]))
+            if seq.text is not None and key not in texts:
+                texts[key] = (seq.text, ())
             self.prefill.ready_kv(seq, output)
             end = min(seq.num_computed + count, len(seq.tokens))
             num_tokens += end - seq.num_computed
@@ -357,6 +364,12 @@ class ModelRunner:
             live = self.state.seqs.get(key)
             if live is not None:
                 output.num_computed_tokens = live.num_computed
+        # Last, once nothing can fail: a rolled-back step must not have moved a detokenizer.
+        for key, (stream, appended) in texts.items():
+            output = outputs[key]
+            output.text = stream.take(
+                (*appended, *output.sampled_token_ids), last=output.finish_reason is not None
+            )
         timings = StepTimings(
             total_ns=time.perf_counter_ns() - start,
             forward_ns=forward_ns,

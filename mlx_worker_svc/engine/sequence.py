@@ -16,6 +16,7 @@ from typing import Any
 from mlx_worker_svc.core.domain import FinishReason, Origin, SamplingParams
 from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.structured import Grammar
+from mlx_worker_svc.engine.text import TextStream
 
 RequestKey = tuple[Origin, str]
 
@@ -48,6 +49,8 @@ class Sequence:
     grammar: Grammar | None = None
     # The LoRA adapter it runs with (engine/lora); empty: the base model.
     adapter: str = ""
+    # Its output's detokenizer (NewRequest.detokenize); None: its outputs carry no text.
+    text: TextStream | None = None
 
     @classmethod
     def start(
@@ -106,6 +109,8 @@ class NewSequence:
     # Trailing prompt tokens its grammar consumes first (NewRequest.num_generated_tokens).
     generated: int = 0
     adapter: str = ""  # NewRequest.lora_name
+    # NewRequest.detokenize: None, or whether its text leaves special tokens out.
+    skip_special_tokens: bool | None = None
 
 
 @dataclass

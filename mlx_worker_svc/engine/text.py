@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -90,6 +90,11 @@ def _objects(value: str, field: str) -> list[dict[str, Any]]:
     return parsed
 
 
+def special_ids(tokenizer: TokenizerWrapper, eos_ids: Iterable[int]) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` leaves out, and the model's EOS ids."""
+    return frozenset(int(t) for t in tokenizer.all_special_ids) | frozenset(eos_ids)
+
+
 def decode(tokenizer: TokenizerWrapper, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
     return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
@@ -123,6 +128,11 @@ class TextStream:
             return ""
         self._prefix, self._read = self._read, len(self._tokens)
         return after[len(before) :]
+
+    def take(self, tokens: Iterable[int], *, last: bool = False) -> str:
+        """Adds `tokens`; returns the text they completed, and with `last` all held back."""
+        text = "".join([self.add(token) for token in tokens])
+        return text + self.finish() if last else text
 
     def finish(self) -> str:
         """Returns text held back waiting for more tokens."""

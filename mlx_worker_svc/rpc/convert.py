@@ -254,6 +254,8 @@ def step_plan(request: pb.ExecuteRequest) -> StepPlan:
             ),
             num_generated_tokens=r.num_generated_tokens,
             lora_name=r.lora_name,
+            detokenize=r.detokenize,
+            skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens,
         )
         for i, r in enumerate(request.new_requests)
     )
@@ -310,6 +312,8 @@ def fill_request_output(message: pb.RequestOutput, output: RequestOutput) -> Non
         message.num_cached_prompt_tokens = output.num_cached_prompt_tokens
     if output.finish_reason is not None:
         message.finish_reason = _FINISH[output.finish_reason]
+    if output.text:
+        message.text = output.text
 
 
 def step_result(

@@ -391,18 +391,22 @@ class StructuredChoice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "num_generated_tokens", "lora_name")
+    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "num_generated_tokens", "lora_name", "detokenize", "skip_special_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     num_generated_tokens: int
     lora_name: str
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    detokenize: bool
+    skip_special_tokens: bool
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., detokenize: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("req_id", "num_computed_tokens", "new_token_ids", "resumed_from_preemption")
@@ -473,7 +477,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("req_id", "sampled_token_ids", "logprobs", "prompt_logprobs", "num_cached_prompt_tokens", "num_computed_tokens", "finish_reason")
+    __slots__ = ("req_id", "sampled_token_ids", "logprobs", "prompt_logprobs", "num_cached_prompt_tokens", "num_computed_tokens", "finish_reason", "text")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -481,6 +485,7 @@ class RequestOutput(_message.Message):
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -488,7 +493,8 @@ class RequestOutput(_message.Message):
     num_cached_prompt_tokens: int
     num_computed_tokens: int
     finish_reason: FinishReason
-    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    text: str
+    def __init__(self, req_id: _Optional[str] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("total_ns", "forward_ns", "num_tokens", "decode_batch_size")

@@ -1,0 +1,197 @@
+"""NewRequest.detokenize: each RequestOutput carries the text its tokens add.
+
+The pieces of a request concatenate to what Detokenize gives for its output
+tokens; a continuation (num_generated_tokens) picks the text up where the
+output streamed elsewhere left it, a held-back partial character included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from driver import greedy
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlx_worker_svc.client.execute_loop import LoopResult, run_prompts
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+Stub = pb_grpc.WorkerServiceStub
+# Random weights: the tokens are noise, which is what a detokenizer should survive
+# (byte tokens that split characters, special tokens, runs of spaces).
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [31000, 17, 4242, 12], [0, 2, 1, 2]]
+
+
+def _run(
+    stub: Stub,
+    prompts: list[list[int]],
+    *,
+    skip: bool | None,
+    chunk: int | None = None,
+    decode_steps: int = 0,
+    tokens: int = 40,
+) -> LoopResult:
+    epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+    def execute(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        for new in request.new_requests:
+            new.detokenize = True
+            if skip is not None:
+                new.skip_special_tokens = skip
+        response: pb.ExecuteResponse = stub.Execute(request)
+        return response
+
+    params = greedy(tokens, ignore_eos=True)
+    return run_prompts(execute, epoch, prompts, params, chunk=chunk, decode_steps=decode_steps)
+
+
+def _detokenize(stub: Stub, ids: list[int], skip: bool) -> str:
+    request = pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip)
+    return str(stub.Detokenize(request).text)
+
+
+@pytest.mark.parametrize(
+    ("skip", "chunk", "decode_steps"),
+    [(None, None, 0), (True, 2, 0), (False, None, 0), (None, 3, 4), (False, None, 8)],
+    ids=["default", "skip-chunked", "keep-special", "chunked-4-steps", "keep-8-steps"],
+)
+def test_the_pieces_concatenate_to_detokenize(
+    tiny_stub: Stub, skip: bool | None, chunk: int | None, decode_steps: int
+) -> None:
+    result = _run(tiny_stub, PROMPTS, skip=skip, chunk=chunk, decode_steps=decode_steps)
+    for tokens, outputs in zip(result.tokens, result.outputs, strict=True):
+        assert len(tokens) == 40
+        text = "".join(o.text for o in outputs)
+        assert text == _detokenize(tiny_stub, tokens, skip is not False)
+        # Text arrives with the tokens, not all at the end.
+        assert sum(bool(o.text) for o in outputs) > len(outputs) // 2
+        assert outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_special_tokens_are_left_out_by_default(tiny_stub: Stub, smollm_dir: Path) -> None:
+    """A chat marker the model emits is in the text only with skip_special_tokens false."""
+    tokenizer = load_tokenizer(smollm_dir)
+    special = sorted(int(t) for t in tokenizer.all_special_ids)
+    prompt = [5, 6, 7]
+    epoch = int(tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    texts = {}
+    for skip in (True, False):
+        rid = f"special-{skip}"
+        new = pb.NewRequest(
+            req_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=greedy(8, ignore_eos=True),
+            detokenize=True,
+            skip_special_tokens=skip,
+        )
+        first = tiny_stub.Execute(
+            pb.ExecuteRequest(
+                step_id=0,
+                worker_epoch=epoch,
+                new_requests=[new],
+                num_scheduled_tokens={rid: len(prompt)},
+            )
+        ).outputs[0]
+        # The scheduler splices special tokens in; they count as output.
+        cached = pb.CachedRequest(
+            req_id=rid, num_computed_tokens=first.num_computed_tokens, new_token_ids=special
+        )
+        second = tiny_stub.Execute(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                cached_requests=[cached],
+                num_scheduled_tokens={rid: 1 + len(special)},
+            )
+        ).outputs[0]
+        output = [*first.sampled_token_ids, *special, *second.sampled_token_ids]
+        texts[skip] = first.text + second.text
+        assert texts[skip] == _detokenize(tiny_stub, output, skip)
+    for token in special:
+        name = tokenizer.convert_ids_to_tokens(token)
+        assert name not in texts[True]
+        assert name in texts[False]
+
+
+def test_without_detokenize_there_is_no_text(tiny_stub: Stub) -> None:
+    epoch = int(tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    result = run_prompts(tiny_stub.Execute, epoch, PROMPTS, greedy(16, ignore_eos=True))
+    assert all(o.text == "" for outputs in result.outputs for o in outputs)
+    assert all(len(tokens) == 16 for tokens in result.tokens)
+
+
+def test_a_continuation_picks_the_text_up_where_it_was_left(tiny_stub: Stub) -> None:
+    """Prompt + output elsewhere, num_generated_tokens: the output's text goes on, not again."""
+    first = _run(tiny_stub, PROMPTS, skip=None, tokens=12)
+    epoch = int(tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    for i, (prompt, done, outputs) in enumerate(
+        zip(PROMPTS, first.tokens, first.outputs, strict=True)
+    ):
+        new = pb.NewRequest(
+            req_id=f"continued-{i}",
+            prompt_token_ids=[*prompt, *done],
+            sampling_params=greedy(12, ignore_eos=True),
+            num_generated_tokens=len(done),
+            detokenize=True,
+        )
+        sampled, more = _to_the_end(tiny_stub, epoch, new)
+        text = "".join(o.text for o in outputs) + "".join(o.text for o in more)
+        assert text == _detokenize(tiny_stub, [*done, *sampled], True)
+
+
+def _to_the_end(
+    stub: Stub, epoch: int, new: pb.NewRequest
+) -> tuple[list[int], list[pb.RequestOutput]]:
+    """Runs one NewRequest to its end, a token a step: its sampled tokens and outputs."""
+    rid, sampled, outputs = new.req_id, [], []
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[new],
+        num_scheduled_tokens={rid: len(new.prompt_token_ids)},
+    )
+    while True:
+        out = stub.Execute(step).outputs[0]
+        outputs.append(out)
+        sampled.extend(out.sampled_token_ids)
+        if out.finish_reason:
+            return sampled, outputs
+        cached = pb.CachedRequest(req_id=rid, num_computed_tokens=out.num_computed_tokens)
+        step = pb.ExecuteRequest(
+            step_id=step.step_id + 1,
+            worker_epoch=epoch,
+            cached_requests=[cached],
+            num_scheduled_tokens={rid: 1},
+        )
+
+
+def test_a_character_split_across_a_failover_comes_out_whole(
+    tiny_stub: Stub, smollm_dir: Path
+) -> None:
+    """The first byte of "e-acute" ended the output streamed elsewhere, held back there; the
+    second byte, spliced in here, completes it: the text here starts with the character."""
+    tokenizer = load_tokenizer(smollm_dir)
+    lead, tail = (tokenizer.convert_tokens_to_ids(t) for t in ("\u00c3", "\u00a9"))  # C3, A9
+    assert _detokenize(tiny_stub, [lead, tail], True) == "\u00e9"
+    epoch = int(tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    rid = "split"
+    new = pb.NewRequest(
+        req_id=rid,
+        prompt_token_ids=[5, 6, 7, lead],
+        sampling_params=greedy(2, ignore_eos=True),
+        num_generated_tokens=1,
+        detokenize=True,
+    )
+    chunk = tiny_stub.Execute(
+        pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new], num_scheduled_tokens={rid: 3})
+    ).outputs[0]
+    assert (chunk.text, list(chunk.sampled_token_ids)) == ("", [])
+    cached = pb.CachedRequest(req_id=rid, num_computed_tokens=3, new_token_ids=[tail])
+    out = tiny_stub.Execute(
+        pb.ExecuteRequest(
+            step_id=1, worker_epoch=epoch, cached_requests=[cached], num_scheduled_tokens={rid: 2}
+        )
+    ).outputs[0]
+    assert out.text.startswith("\u00e9")
+    whole = _detokenize(tiny_stub, [lead, tail, *out.sampled_token_ids], True)
+    assert out.text == whole[: len(out.text)]

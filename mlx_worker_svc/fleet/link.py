@@ -24,7 +24,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Literal
 
 from mlx_worker_svc.client.step_stream import step_error
@@ -59,7 +59,7 @@ class WorkerLink:
         *,
         on_lost: Callable[[list[FleetRequest]], None],
         on_up: Callable[[WorkerLink], None],
-        emit: Callable[[WorkerLink, FleetRequest], Awaitable[bool]],
+        emit: Callable[[WorkerLink, FleetRequest], bool],
         on_load_failed: Callable[[WorkerLink, str, Exception], None] | None = None,
         catalog: ModelCatalog | None = None,
         initial: str = "",
@@ -347,7 +347,7 @@ class WorkerLink:
         except ClientError as exc:
             self._step_failed(exc, request, started)
             return
-        await self._deliver(response)
+        self._deliver(response)
 
     async def _stream_step(self) -> None:
         """Sends the next step if there is room and work, else takes the oldest reply."""
@@ -373,18 +373,17 @@ class WorkerLink:
         error = step_error(reply)
         if error is None:
             pipe.settled(failed=False)
-            await self._deliver(reply.result)
+            self._deliver(reply.result)
         elif pipe.settled(failed=True):  # it counted on an earlier failed step: plan it again
             undo_step(sent.request, sent.started, self._queues)
         else:
             self._step_failed(error, sent.request, sent.started)
 
-    async def _deliver(self, response: pb.ExecuteResponse) -> None:
+    def _deliver(self, response: pb.ExecuteResponse) -> None:
         """Takes a step's outputs, streams them, and frees requests that hit a stop."""
         self.last_used = time.monotonic()
-        touched = apply_outputs(response, self.running, self.stats)
-        stopped = await asyncio.gather(*(self._emit(self, r) for r in touched))
-        for r, stop in zip(touched, stopped, strict=True):
+        for r in apply_outputs(response, self.running, self.stats):
+            stop = self._emit(self, r)
             if stop and self.running.pop(r.worker_id, None) is not None:
                 self.to_free.append(r.worker_id)
 

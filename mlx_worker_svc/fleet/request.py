@@ -38,7 +38,7 @@ class FleetRequest:
     skip_special_tokens: bool = True
     generated: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # not streamed yet
-    text: str = ""  # the whole detokenized output so far
+    text: str = ""  # the output's text so far, as its workers detokenized it (RequestOutput.text)
     sent_text: int = 0  # characters of `text` already streamed
     sent_tokens: int = 0  # tokens already streamed
     streamed: bool = False  # the first message went out
@@ -80,13 +80,13 @@ class FleetRequest:
         return self.tokens, params
 
     # ------------------------------------------------------------- stream
-    def new_text(self, full: str) -> tuple[str, str | None]:
-        """Takes the detokenized output; returns (text to stream now, the stop string hit).
+    def new_text(self) -> tuple[str, str | None]:
+        """Text to stream now and the stop string hit, from the output's text so far.
 
         Text is held back while it ends in a partial character or could be
         the start of a stop string, so a stop string never leaks out.
         """
-        self.text = full
+        full = self.text
         found = _first_stop(full, self.stop, self.sent_text)
         if found is not None:
             cut, stop = found

@@ -344,13 +344,9 @@ class FleetScheduler:
             self._place()
 
     # ------------------------------------------------------------ stream
-    async def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
+    def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
         """Streams what a step gave `r`; returns whether a stop string ended it."""
-        full = await self._detokenize(link, r)
-        stop: str | None = None
-        piece = ""
-        if full is not None:
-            piece, stop = r.new_text(full)
+        piece, stop = r.new_text()
         tokens, logprobs = r.take_tokens()
         message = pb.GenerateResponse(
             token_ids=tokens, text=piece, logprobs=logprobs, request_id=r.request_id
@@ -384,17 +380,3 @@ class FleetScheduler:
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
         return stop is not None
-
-    async def _detokenize(self, link: WorkerLink, r: FleetRequest) -> str | None:
-        """The request's text, from its worker or, failing that, another of its model.
-
-        Each worker gets one probe timeout, not the client's retried deadline: a
-        worker that hangs just after a step must not hold the request's stream
-        longer than hang detection does.
-        """
-        ask = pb.DetokenizeRequest(token_ids=r.generated, skip_special_tokens=r.skip_special_tokens)
-        wait = self.config.link.probe_timeout
-        for candidate in [link, *(other for other in self._up(r.model) if other is not link)]:
-            with contextlib.suppress(ClientError, TimeoutError):
-                return (await asyncio.wait_for(candidate.client.detokenize(ask), wait)).text
-        return None

@@ -134,6 +134,7 @@ def apply_outputs(
                 if r.attempt == 1:
                     r.cached_tokens = out.num_cached_prompt_tokens
         r.generated.extend(out.sampled_token_ids)
+        r.text += out.text
         r.logprobs.extend(out.logprobs)
         if out.finish_reason:
             # The worker has freed it already.

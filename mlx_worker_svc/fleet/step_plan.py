@@ -72,6 +72,9 @@ def plan_step(
                 sampling_params=params,
                 num_generated_tokens=len(r.generated),
                 lora_name=r.lora_name,
+                # Text with every step: no Detokenize call per request per step.
+                detokenize=True,
+                skip_special_tokens=r.skip_special_tokens,
             )
         )
         request.num_scheduled_tokens[r.worker_id] = count

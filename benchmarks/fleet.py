@@ -19,6 +19,11 @@ the one-worker fleet runs once more through unary Execute (`--steps-ahead 0`), s
 fleet process on the same workers, with a round of its own), and the ratio and
 the per-fleet figures take each fleet's best round, as section (i) does: on a
 small shared CPU a single round moves by a fifth from one run to the next.
+With `baseline` (a checkout of another version of this project, e.g. from
+`git worktree add DIR REV`), that version's own worker and fleet processes run
+one worker's rounds too, interleaved with the others, each with its fleet's
+defaults, so `ratio_vs_baseline` compares this fleet's default (one worker)
+with that version's default on the same machine, client and prompts.
 Every process here shares the machine's cores (`cpu_count`): workers, fleet and
 client. On a 2-core CPU two workers cannot be twice as fast as one; `cpu_s` gives
 the CPU seconds each process used during the measured round (Linux), which shows
@@ -51,7 +56,10 @@ _READY_S = 300.0
 class ServerProcess:
     """A `python -m MODULE ...` subprocess (default: mlx_worker_svc) writing to a log file."""
 
-    def __init__(self, args: list[str], log: Path, *, module: str = "mlx_worker_svc") -> None:
+    def __init__(
+        self, args: list[str], log: Path, *, module: str = "mlx_worker_svc", cwd: Path | None = None
+    ) -> None:
+        """`cwd`: run the module of the checkout there (`-m` imports from it first)."""
         self.log = log
         self.target = ""
         self._out: TextIO = log.open("w")
@@ -60,6 +68,7 @@ class ServerProcess:
             stdout=self._out,
             stderr=subprocess.STDOUT,
             text=True,
+            cwd=cwd,
         )
 
     def wait_for(self, pattern: str) -> re.Match[str]:
@@ -103,14 +112,20 @@ def cpu_used(pids: dict[str, int], before: dict[str, float | None]) -> dict[str,
 
 
 @contextmanager
-def worker_processes(model: Path, count: int, tmp: Path) -> Iterator[list[ServerProcess]]:
-    """`count` worker processes on the model, lifecycle done; yields them (`target` set)."""
+def worker_processes(
+    model: Path, count: int, tmp: Path, *, checkout: Path | None = None
+) -> Iterator[list[ServerProcess]]:
+    """`count` worker processes on the model, lifecycle done; yields them (`target` set).
+
+    `checkout`: processes of the project's version there (`ServerProcess`'s `cwd`).
+    """
     with ExitStack() as stack:
         procs: list[ServerProcess] = []
         for i in range(count):
             proc = ServerProcess(
                 ["serve", "--model", str(model), "--auto-init", "--port", "0"],
-                tmp / f"worker-{i}.log",
+                tmp / f"worker-{'base-' if checkout else ''}{i}.log",
+                cwd=checkout,
             )
             stack.callback(proc.stop)
             procs.append(proc)
@@ -122,11 +137,19 @@ def worker_processes(model: Path, count: int, tmp: Path) -> Iterator[list[Server
 
 
 @contextmanager
-def _fleet(targets: list[str], tmp: Path, steps_ahead: int) -> Iterator[tuple[Any, ServerProcess]]:
-    """A fleet process in front of `targets`; yields a stub to it once all are up."""
+def _fleet(
+    targets: list[str], tmp: Path, steps_ahead: int | None, checkout: Path | None = None
+) -> Iterator[tuple[Any, ServerProcess]]:
+    """A fleet process in front of `targets`; yields a stub to it once all are up.
+
+    `steps_ahead` None: the fleet's default; `checkout`: the version there.
+    """
     workers = [arg for target in targets for arg in ("--worker", target)]
-    args = ["fleet", *workers, "--port", "0", "--steps-ahead", str(steps_ahead)]
-    proc = ServerProcess(args, tmp / f"fleet-{len(targets)}-{steps_ahead}.log")
+    args = ["fleet", *workers, "--port", "0"]
+    if steps_ahead is not None:
+        args += ["--steps-ahead", str(steps_ahead)]
+    name = f"fleet-{len(targets)}-{'base' if checkout else steps_ahead}.log"
+    proc = ServerProcess(args, tmp / name, cwd=checkout)
     try:
         port = proc.wait_for(r"fleet listening on [\d.]+:(\d+)").group(1)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -176,19 +199,30 @@ def _round(stub: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     }
 
 
-def fleet_variants(worker_counts: list[int]) -> list[tuple[int, int]]:
+# The steps ahead of the baseline checkout's fleet: its own default, whatever it is.
+_BASELINE = -1
+
+
+def fleet_variants(worker_counts: list[int], baseline: bool = False) -> list[tuple[int, int]]:
     """(workers, steps ahead) of each measured fleet, in the order they run.
 
     Every count through ExecuteStream one step ahead (the default); one worker
     also through unary Execute, one step at a time (--steps-ahead 0), for the
-    comparison.
+    comparison, and with `baseline`, through the baseline checkout's fleet
+    (steps ahead `_BASELINE`: its own default).
     """
-    return [(count, 1) for count in worker_counts] + [(min(worker_counts), 0)]
+    one = min(worker_counts)
+    variants = [(count, 1) for count in worker_counts] + [(one, 0)]
+    return [*variants, (one, _BASELINE)] if baseline else variants
 
 
-def fleet_rounds(worker_counts: list[int], repeats: int) -> int:
+def fleet_rounds(worker_counts: list[int], repeats: int, baseline: bool = False) -> int:
     """Prompt rounds section_g needs: one warm-up round and one per measured run."""
-    return 1 + len(fleet_variants(worker_counts)) * repeats
+    return 1 + len(fleet_variants(worker_counts, baseline)) * repeats
+
+
+def _label(ahead: int) -> str:
+    return {0: "unary", _BASELINE: "baseline"}.get(ahead, f"stream, {ahead} step ahead")
 
 
 def _best_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -209,21 +243,33 @@ def section_g(
     tmp: Path,
     *,
     repeats: int = 1,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
-    """`prompts` holds `fleet_rounds(worker_counts, repeats)` rounds: the first warms
-    every fleet, and each fleet's run measures a round of its own, so that no fleet
-    finds its prompts in a worker's prefix cache from an earlier one."""
-    variants = fleet_variants(worker_counts) * repeats
-    size = len(prompts) // fleet_rounds(worker_counts, repeats)
+    """`prompts` holds `fleet_rounds(worker_counts, repeats, baseline)` rounds: the
+    first warms every fleet, and each fleet's run measures a round of its own, so
+    that no fleet finds its prompts in a worker's prefix cache from an earlier one."""
+    kinds = fleet_variants(worker_counts, baseline is not None)
+    size = len(prompts) // fleet_rounds(worker_counts, repeats, baseline is not None)
     warm = prompts[:size]
     runs: list[dict[str, Any]] = []
-    with worker_processes(model, max(worker_counts), tmp) as workers:
-        for n, (count, ahead) in enumerate(variants, start=1):
+    with ExitStack() as stack:
+        workers = stack.enter_context(worker_processes(model, max(worker_counts), tmp))
+        base_workers = []
+        if baseline is not None:
+            base_workers = stack.enter_context(
+                worker_processes(model, min(worker_counts), tmp, checkout=baseline)
+            )
+        for n, (count, ahead) in enumerate(kinds * repeats, start=1):
             measured = prompts[n * size : (n + 1) * size]
-            with _fleet([w.target for w in workers[:count]], tmp, ahead) as (stub, fleet):
+            base = ahead == _BASELINE
+            chosen = (base_workers if base else workers)[:count]
+            fleet_of = _fleet(
+                [w.target for w in chosen], tmp, None if base else ahead, baseline if base else None
+            )
+            with fleet_of as (stub, fleet):
                 _round(stub, warm, tokens)
                 pids = {"fleet": fleet.proc.pid}
-                pids.update({f"worker_{i}": w.proc.pid for i, w in enumerate(workers[:count])})
+                pids.update({f"worker_{i}": w.proc.pid for i, w in enumerate(chosen)})
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 client = time.process_time()
                 run = _round(stub, measured, tokens)
@@ -231,22 +277,22 @@ def section_g(
                 cpu["client"] = round(time.process_time() - client, 2)
                 status = stub.Status(fleet_pb2.StatusRequest())
             run["workers"] = count
-            run["execute"] = "stream, 1 step ahead" if ahead else "unary"
-            run["repeat"] = (n - 1) // len(fleet_variants(worker_counts))
+            run["execute"] = _label(ahead)
+            run["repeat"] = (n - 1) // len(kinds)
             # CPU seconds each process used during the measured round (None: no /proc).
             run["cpu_s"] = cpu
             # Requests each worker finished, warm-up round included.
             run["finished_per_worker"] = [int(w.num_finished) for w in status.workers]
             runs.append(run)
     best = _best_runs(runs)
-    streamed = [r for r in best if r["execute"] != "unary"]
+    streamed = [r for r in best if r["execute"].startswith("stream")]
     one = next((r for r in streamed if r["workers"] == 1), None)
     for run in streamed:
         run["speedup_vs_1_worker"] = ratio(run["tok_s"], one["tok_s"]) if one else None
-    unary = best[-1]
+    unary = next(r for r in best if r["execute"] == "unary")
     same = next(r for r in streamed if r["workers"] == unary["workers"])
     unary["speedup_vs_1_worker"] = None
-    return {
+    result = {
         "model": str(model),
         "requests": len(measured),
         "tokens_per_request": tokens,
@@ -258,5 +304,22 @@ def section_g(
         # Every measured round, in the order run (`repeat` counts from 0).
         "all_runs": runs,
         "ratio_stream_vs_unary": ratio(same["tok_s"], unary["tok_s"]),
-        "target_ratio_stream_vs_unary": 1.3,
     }
+    if baseline is not None:
+        old = next(r for r in best if r["execute"] == "baseline")
+        old["speedup_vs_1_worker"] = None
+        result["baseline"] = {"checkout": str(baseline), "commit": _commit(baseline)}
+        result["ratio_vs_baseline"] = ratio(same["tok_s"], old["tok_s"])
+        result["target_ratio_vs_baseline"] = 1.3
+    return result
+
+
+def _commit(checkout: Path) -> str:
+    """The commit checked out at `checkout` ("" where git cannot tell)."""
+    done = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "HEAD"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip() if done.returncode == 0 else ""

@@ -84,7 +84,8 @@ def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:
         for run in g["runs"]:
             plural = "s" if run["workers"] > 1 else ""
             text = f"{fmt(run['tok_s'], 1)} tok/s"
-            bars.append(Bar(f"(g) {run['workers']} worker{plural}", run["tok_s"], text))
+            label = f"(g) {run['workers']} worker{plural}, {run.get('execute', 'stream')}"
+            bars.append(Bar(label, run["tok_s"], text))
         title = (
             f"Fleet throughput, {g['requests']} x {g['tokens_per_request']} tokens, "
             f"tiny model, {g['cpu_count']} CPUs"

@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-tokens", type=int, help="(g) tokens per request (default 256)")
     p.add_argument("--fleet-workers", help="(g) comma-separated worker counts (default 1,2)")
     p.add_argument("--fleet-repeats", type=int, help="(g) interleaved runs, best kept (default 3)")
+    p.add_argument(
+        "--fleet-baseline",
+        type=Path,
+        help="(g) a checkout of another version (git worktree add DIR REV) whose fleet and "
+        "worker also run, interleaved: ratio_vs_baseline (default: none)",
+    )
     p.add_argument("--structured-batch", type=int, help="(h) constrained rows (default 16)")
     p.add_argument("--structured-tokens", type=int, help="(h) tokens per row (default 64)")
     p.add_argument("--structured-repeats", type=int, help="(h) interleaved repeats (default 3)")
@@ -247,13 +253,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _, tokenizer = load(str(tiny))
             counts = [int(x) for x in args.fleet_workers.split(",")]
             # Rounds of distinct prompts: one to warm each fleet, one per measured run.
-            rounds = fleet_rounds(counts, args.fleet_repeats)
+            baseline = args.fleet_baseline
+            rounds = fleet_rounds(counts, args.fleet_repeats, baseline is not None)
             prompts = distinct_prompts(tokenizer, rounds * args.fleet_requests, 16)
             sections["g"] = timed(
                 "g",
                 seconds,
                 lambda: section_g(
-                    tiny, prompts, args.fleet_tokens, counts, tmp, repeats=args.fleet_repeats
+                    tiny,
+                    prompts,
+                    args.fleet_tokens,
+                    counts,
+                    tmp,
+                    repeats=args.fleet_repeats,
+                    baseline=baseline,
                 ),
             )
         if "j" in wanted:

@@ -85,6 +85,8 @@ def _panels_a_to_i(s: dict[str, Any]) -> list[Panel]:
             plural = "s" if run["workers"] > 1 else ""
             text = f"{fmt(run['tok_s'], 1)} tok/s"
             label = f"(g) {run['workers']} worker{plural}, {run.get('execute', 'stream')}"
+            if run.get("execute") == "baseline":
+                label += f" {g['baseline']['commit'][:7]}"
             bars.append(Bar(label, run["tok_s"], text))
         title = (
             f"Fleet throughput, {g['requests']} x {g['tokens_per_request']} tokens, "

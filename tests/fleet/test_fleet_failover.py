@@ -145,12 +145,19 @@ def test_killing_a_worker_mid_generation_loses_no_request(
         assert not stream.is_alive(), "a Generate stream never ended"
 
     assert unfinished == count, "streams finished before the kill: raise max_tokens"
-    for stream, want in zip(streams, expected, strict=True):
-        assert stream.error is None, stream.error
-        assert stream.finish_reason == pb.FINISH_REASON_LENGTH
-        assert stream.tokens == want
-        last = stream.messages[-1]
-        assert (last.prompt_tokens, last.completion_tokens) == (8, max_tokens)
+    with grpc.insecure_channel(pool.targets[1]) as channel:
+        survivor = pb_grpc.WorkerServiceStub(channel)
+        for stream, want in zip(streams, expected, strict=True):
+            assert stream.error is None, stream.error
+            assert stream.finish_reason == pb.FINISH_REASON_LENGTH
+            assert stream.tokens == want
+            last = stream.messages[-1]
+            assert (last.prompt_tokens, last.completion_tokens) == (8, max_tokens)
+            # The text goes on where the killed worker left it: none repeated, none lost.
+            whole = survivor.Detokenize(
+                pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True)
+            )
+            assert "".join(m.text for m in stream.messages) == whole.text
     status = fleet.status()
     dead = by_target(status)[victim]
     assert not dead.up and dead.last_error, dead

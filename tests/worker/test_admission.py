@@ -36,7 +36,26 @@ def limited(tiny_dir: Path) -> Iterator[tuple[WorkerServer, pb_grpc.WorkerServic
         epoch = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir))).worker_epoch
         stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=64, block_size=16))
         stub.InitCache(pb.InitCacheRequest(num_blocks=4096, enable_prefix_caching=False))
+        _pace(server)
         yield server, stub, epoch
+
+
+def _pace(server: WorkerServer, seconds: float = 0.01) -> None:
+    """Makes every engine step take at least `seconds`.
+
+    The tests here need requests still running when they look: the tiny model's
+    longest generation (its 512-token context) must outlast a one-second deadline,
+    and 40 tokens the next calls, on however fast a machine.
+    """
+    runner = server.worker.core.runner
+    assert runner is not None
+    run = runner.run
+
+    def paced(work: Any) -> Any:
+        time.sleep(seconds)
+        return run(work)
+
+    runner.run = paced  # type: ignore[method-assign]
 
 
 def _long(stub: pb_grpc.WorkerServiceStub, tokens: int = 100_000, **kw: object) -> Any:

@@ -87,7 +87,11 @@ class GenerateCalls:
             if request_id in core.streams:
                 raise InvalidArgument(f"request_id {clip(request_id)!r} is already streaming")
             runner.add_generate(request_id, tuple(prompt), spec.sampling, spec.lora_name)
-            skip = frozenset(loaded.info.eos_token_ids) if spec.skip_special_tokens else frozenset()
+            skip = (
+                text.special_ids(loaded.tokenizer, loaded.info.eos_token_ids)
+                if spec.skip_special_tokens
+                else frozenset()
+            )
             stream = GenerateStream(
                 request_id=request_id,
                 prompt_tokens=len(prompt),

@@ -42,10 +42,32 @@ def test_generate_streams_mlx_lm_greedy_tokens(tiny_stub: Stub, tiny_dir: Path) 
     model, tokenizer = load(str(tiny_dir))
     expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=12)]
     assert tokens == expected
-    assert text == tokenizer.decode(expected)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert (last.prompt_tokens, last.completion_tokens) == (5, 12)
     assert last.request_id
+
+
+@pytest.mark.parametrize("skip", [None, True, False])
+def test_generate_text_leaves_every_special_token_out_unless_asked(
+    tiny_stub: Stub, skip: bool | None
+) -> None:
+    """skip_special_tokens (default true) leaves out chat markers too, not only EOS."""
+    start, end, text_id = 1, 2, 28  # <|im_start|>, <|im_end|> (EOS), a plain token
+    # Greedy, the penalty taking turns: the marker, the plain token, the marker again.
+    bias = {start: 100.0, text_id: 99.0}
+    request = pb.GenerateRequest(
+        prompt_token_ids=[5, 6, 7],
+        sampling_params=greedy(4, ignore_eos=True, logit_bias=bias, repetition_penalty=4.0),
+    )
+    if skip is not None:
+        request.skip_special_tokens = skip
+    tokens, text, _ = _collect(tiny_stub, request)
+    assert start in tokens and text_id in tokens and end not in tokens
+    words = tiny_stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens, skip_special_tokens=True))
+    whole = tiny_stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens))
+    assert "<|im_start|>" in whole.text
+    assert text == (whole.text if skip is False else words.text)
 
 
 def test_generate_chat_and_text_prompts(tiny_stub: Stub) -> None:

@@ -175,7 +175,10 @@ class WorkerCore:
                 ) from exc
             raise
         self.metrics.observe_step(
-            outcome.timings, len(work.scheduled), sum(len(new.prompt) for new in work.new)
+            outcome.timings,
+            len(work.scheduled),
+            sum(len(new.prompt) for new in work.new),
+            sum(len(output.sampled_token_ids) for output in outcome.outputs.values()),
         )
         if log.isEnabledFor(logging.DEBUG):
             _log_requests(work, outcome)

@@ -49,13 +49,15 @@ class WorkerMetrics(ServerMetrics):
             "Tokens whose KV the steps computed (prefill and decode; prefix-cache hits excluded)",
         )
 
-    def observe_step(self, timings: StepTimings, num_requests: int, prompt_tokens: int) -> None:
-        """One step ran: its timings, the requests it computed, new prompt tokens it admitted."""
+    def observe_step(
+        self, timings: StepTimings, num_requests: int, prompt_tokens: int, sampled_tokens: int
+    ) -> None:
+        """One step ran: its timings, the requests it computed, new prompt tokens it
+        admitted and the tokens it sampled (several a request with num_decode_steps)."""
         self.step_seconds.observe(timings.total_ns / 1e9)
         self.step_requests.observe(num_requests)
         self.computed_tokens.inc(timings.num_tokens)
-        # Every request that samples in a step samples exactly one token.
-        self.generation_tokens.inc(timings.decode_batch_size)
+        self.generation_tokens.inc(sampled_tokens)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
 

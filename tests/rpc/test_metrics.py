@@ -90,10 +90,11 @@ def run(stub: pb_grpc.WorkerServiceStub, request: pb.GenerateRequest) -> pb.Gene
 
 @dataclass
 class Live:
-    """The module's in-process worker: a stub to it and its metrics port."""
+    """The module's in-process worker: a stub to it, its metrics port and its epoch."""
 
     stub: pb_grpc.WorkerServiceStub
     port: int
+    epoch: int
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,8 @@ def worker(tiny_dir: Path) -> Iterator[Live]:
     assert server.metrics_port
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
-        bring_up(stub, tiny_dir, num_blocks=NUM_BLOCKS)
-        yield Live(stub, server.metrics_port)
+        epoch = bring_up(stub, tiny_dir, num_blocks=NUM_BLOCKS)
+        yield Live(stub, server.metrics_port, epoch)
     server.shutdown(grace_seconds=1.0, abort=True)
     assert server.wait(timeout=30)
     with pytest.raises(urllib.error.URLError):  # the endpoint closed with the server
@@ -171,6 +172,41 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
     assert after("mlx_worker_max_queued_steps") == limits.max_queued_steps
     assert after("mlx_worker_state", state="READY") == 1
     assert after("mlx_worker_state", state="NEW") == 0
+
+
+def test_every_token_of_a_multi_step_execute_counts_as_generated(worker: Live) -> None:
+    """num_decode_steps samples several tokens a request a step; each one counts."""
+    before = Scrape(worker.port)
+    new = [
+        pb.NewRequest(req_id=f"multi-{i}", prompt_token_ids=[500 + i, 7, 8], sampling_params=p)
+        for i, p in enumerate((greedy(20, ignore_eos=True), greedy(3, ignore_eos=True)))
+    ]
+    first = worker.stub.Execute(
+        pb.ExecuteRequest(
+            step_id=1,
+            worker_epoch=worker.epoch,
+            new_requests=new,
+            num_scheduled_tokens={r.req_id: 3 for r in new},
+        )
+    )
+    cached = [pb.CachedRequest(req_id=o.req_id, num_computed_tokens=3) for o in first.outputs]
+    second = worker.stub.Execute(
+        pb.ExecuteRequest(
+            step_id=2,
+            worker_epoch=worker.epoch,
+            cached_requests=cached,
+            num_scheduled_tokens={c.req_id: 1 for c in cached},
+            num_decode_steps=6,
+        )
+    )
+    sampled = {o.req_id: len(o.sampled_token_ids) for o in second.outputs}
+    assert sampled == {"multi-0": 6, "multi-1": 2}  # multi-1 reaches max_tokens 3
+    worker.stub.Execute(
+        pb.ExecuteRequest(step_id=3, worker_epoch=worker.epoch, finished_req_ids=["multi-0"])
+    )
+    after = Scrape(worker.port)
+    assert delta(before, after, "mlx_worker_generation_tokens_total") == 2 + 6 + 2
+    assert delta(before, after, "mlx_worker_computed_tokens_total") == 2 * 3 + 6 + 2
 
 
 def test_a_scrape_during_a_run_sees_it_running(worker: Live) -> None:

@@ -351,6 +351,7 @@ class ModelRunner:
             if samples and self.state.prefix is not None and seq.cache is not None:
                 root = self.state.root(seq.adapter)
                 self.state.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity(), root)
+        decode_rows = len(sampling)  # the step's batched decode (later steps may hold fewer)
         if sampling:
             self.decoder.decode(sampling, outputs, work.bitmasks)
         for _ in range(work.decode_steps - 1):  # multi-step: no round trip in between
@@ -374,7 +375,7 @@ class ModelRunner:
             total_ns=time.perf_counter_ns() - start,
             forward_ns=forward_ns,
             num_tokens=num_tokens,
-            decode_batch_size=len(sampling),
+            decode_batch_size=decode_rows,
         )
         return StepOutcome(outputs=outputs, timings=timings)
 

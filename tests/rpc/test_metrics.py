@@ -201,6 +201,8 @@ def test_every_token_of_a_multi_step_execute_counts_as_generated(worker: Live) -
     )
     sampled = {o.req_id: len(o.sampled_token_ids) for o in second.outputs}
     assert sampled == {"multi-0": 6, "multi-1": 2}  # multi-1 reaches max_tokens 3
+    # Both rows sample in the step's first decode; the last five hold one.
+    assert (second.timings.num_tokens, second.timings.decode_batch_size) == (8, 2)
     worker.stub.Execute(
         pb.ExecuteRequest(step_id=3, worker_epoch=worker.epoch, finished_req_ids=["multi-0"])
     )

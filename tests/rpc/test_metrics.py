@@ -181,31 +181,20 @@ def test_every_token_of_a_multi_step_execute_counts_as_generated(worker: Live) -
         pb.NewRequest(req_id=f"multi-{i}", prompt_token_ids=[500 + i, 7, 8], sampling_params=p)
         for i, p in enumerate((greedy(20, ignore_eos=True), greedy(3, ignore_eos=True)))
     ]
-    first = worker.stub.Execute(
-        pb.ExecuteRequest(
-            step_id=1,
-            worker_epoch=worker.epoch,
-            new_requests=new,
-            num_scheduled_tokens={r.req_id: 3 for r in new},
-        )
-    )
+
+    def step(step_id: int, **fields: object) -> pb.ExecuteResponse:
+        request = pb.ExecuteRequest(step_id=step_id, worker_epoch=worker.epoch, **fields)  # type: ignore[arg-type]
+        return worker.stub.Execute(request)
+
+    first = step(1, new_requests=new, num_scheduled_tokens={r.req_id: 3 for r in new})
     cached = [pb.CachedRequest(req_id=o.req_id, num_computed_tokens=3) for o in first.outputs]
-    second = worker.stub.Execute(
-        pb.ExecuteRequest(
-            step_id=2,
-            worker_epoch=worker.epoch,
-            cached_requests=cached,
-            num_scheduled_tokens={c.req_id: 1 for c in cached},
-            num_decode_steps=6,
-        )
-    )
+    scheduled = {c.req_id: 1 for c in cached}
+    second = step(2, cached_requests=cached, num_scheduled_tokens=scheduled, num_decode_steps=6)
     sampled = {o.req_id: len(o.sampled_token_ids) for o in second.outputs}
     assert sampled == {"multi-0": 6, "multi-1": 2}  # multi-1 reaches max_tokens 3
     # Both rows sample in the step's first decode; the last five hold one.
     assert (second.timings.num_tokens, second.timings.decode_batch_size) == (8, 2)
-    worker.stub.Execute(
-        pb.ExecuteRequest(step_id=3, worker_epoch=worker.epoch, finished_req_ids=["multi-0"])
-    )
+    step(3, finished_req_ids=["multi-0"])
     after = Scrape(worker.port)
     assert delta(before, after, "mlx_worker_generation_tokens_total") == 2 + 6 + 2
     assert delta(before, after, "mlx_worker_computed_tokens_total") == 2 * 3 + 6 + 2

@@ -146,11 +146,11 @@ async def _run_generate(args: argparse.Namespace) -> int:
     fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    request = pb.GenerateRequest(sampling_params=sampling, model=args.model_name)
     if args.raw:
-        request = pb.GenerateRequest(prompt=args.prompt, sampling_params=sampling)
+        request.prompt = args.prompt
     else:
-        message = pb.ChatMessage(role="user", content=args.prompt)
-        request = pb.GenerateRequest(messages=[message], sampling_params=sampling)
+        request.messages.add(role="user", content=args.prompt)
     code = 0
     try:
         async for chunk in fleet.generate(request):
@@ -304,6 +304,13 @@ def add_commands(sub: Any) -> None:
             cmd.add_argument("--max-tokens", type=int, default=128)
             cmd.add_argument("--temperature", type=float, default=0.0)
             cmd.add_argument("--raw", action="store_true", help="no chat template")
+            cmd.add_argument(
+                "--model-name",
+                default="",
+                metavar="NAME",
+                help="the model that answers (GenerateRequest.model): one of the names of "
+                "--models; default the fleet's only model",
+            )
         add_worker_client_arguments(cmd)
         if name in COMMANDS:
             add_config_arguments(cmd)

@@ -9,6 +9,8 @@ greedy tokens tell which model answered it; the workers' counts tell where.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +19,16 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from processes import Fleet, Proc, Stream, WorkerPool, by_target, distinct_prompts, run_streams
+from processes import (
+    Fleet,
+    Proc,
+    Stream,
+    WorkerPool,
+    by_target,
+    distinct_prompts,
+    run_streams,
+    text_of,
+)
 from processes import token_request as greedy
 from tiny_model import build_tiny_model
 
@@ -259,3 +270,36 @@ def test_a_model_that_does_not_load_fails_its_requests_and_the_worker_recovers(
         assert {m.name: m.num_loads for m in status.models}["bad"] == 0
     finally:
         close(fleet)
+
+
+def test_the_generate_command_answers_with_the_model_it_names(
+    pool: WorkerPool, models: dict[str, Path]
+) -> None:
+    """`mlx-worker generate --models ... --model-name NAME` asks that model; without a name
+    it is the fleet's INVALID_ARGUMENT naming the models."""
+    flags = model_flags(models, "ab")
+    command = [sys.executable, "-m", "mlx_worker_svc", "generate", "--worker", pool.targets[0]]
+    command += [*flags, "--raw", "--max-tokens", "8"]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, *extra, "hello"], capture_output=True, text=True, timeout=180, check=False
+        )
+
+    unnamed = run()
+    assert unnamed.returncode == 1
+    assert "generate: model: the fleet serves 2 models ('a', 'b'): name one" in unnamed.stderr
+    answers = {}
+    for name in "ab":
+        done = run("--model-name", name)
+        assert done.returncode == 0, done.stderr
+        answers[name] = done.stdout
+    fleet = start(pool, [0], *flags)
+    try:
+        for name in "ab":
+            sampling = pb.SamplingParams(temperature=0.0, max_tokens=8)  # the command's
+            request = pb.GenerateRequest(prompt="hello", model=name, sampling_params=sampling)
+            assert answers[name] == text_of(fleet.generate(request)) + "\n"
+    finally:
+        close(fleet)
+    assert answers["a"] != answers["b"], "two random models gave the same text"

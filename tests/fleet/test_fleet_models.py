@@ -19,16 +19,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from processes import (
-    Fleet,
-    Proc,
-    Stream,
-    WorkerPool,
-    by_target,
-    distinct_prompts,
-    run_streams,
-    text_of,
-)
+from processes import Fleet, Proc, Stream, WorkerPool, by_target, distinct_prompts, run_streams
 from processes import token_request as greedy
 from tiny_model import build_tiny_model
 
@@ -299,7 +290,8 @@ def test_the_generate_command_answers_with_the_model_it_names(
         for name in "ab":
             sampling = pb.SamplingParams(temperature=0.0, max_tokens=8)  # the command's
             request = pb.GenerateRequest(prompt="hello", model=name, sampling_params=sampling)
-            assert answers[name] == text_of(fleet.generate(request)) + "\n"
+            text = "".join(message.text for message in fleet.generate(request))
+            assert answers[name] == text + "\n"
     finally:
         close(fleet)
     assert answers["a"] != answers["b"], "two random models gave the same text"

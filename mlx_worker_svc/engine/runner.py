@@ -220,11 +220,15 @@ class ModelRunner:
                 start=len(prompt) - new.generated,
             )
         if new.skip_special_tokens is not None:
-            skip = self._special_ids if new.skip_special_tokens else frozenset()
-            seq.text = text.TextStream(self.tokenizer, skip_ids=skip)
+            seq.text = self.text_stream(skip_special_tokens=new.skip_special_tokens)
             # Output streamed elsewhere already: its text is not repeated (NewRequest.detokenize).
             seq.text.take(prompt[len(prompt) - new.generated :])
         return seq
+
+    def text_stream(self, *, skip_special_tokens: bool) -> text.TextStream:
+        """A request's incremental detokenizer: special tokens left out, or kept."""
+        skip = self._special_ids if skip_special_tokens else frozenset()
+        return text.TextStream(self.tokenizer, skip_ids=skip)
 
     def free(self, key: RequestKey, *, keep_prefix: bool = True) -> None:
         """Forgets a request and frees its KV (no error if it is unknown).

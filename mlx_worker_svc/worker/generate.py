@@ -83,19 +83,13 @@ class GenerateCalls:
             self._check_model(spec.model)
             runner = core.need_runner("Generate")
             core.admit_requests("Generate", 1)
-            loaded = core.need_model()
             if request_id in core.streams:
                 raise InvalidArgument(f"request_id {clip(request_id)!r} is already streaming")
             runner.add_generate(request_id, tuple(prompt), spec.sampling, spec.lora_name)
-            skip = (
-                text.special_ids(loaded.tokenizer, loaded.info.eos_token_ids)
-                if spec.skip_special_tokens
-                else frozenset()
-            )
             stream = GenerateStream(
                 request_id=request_id,
                 prompt_tokens=len(prompt),
-                text=text.TextStream(loaded.tokenizer, skip_ids=skip),
+                text=runner.text_stream(skip_special_tokens=spec.skip_special_tokens),
             )
             core.streams.open(stream)
             core.metrics.prompt_tokens.inc(len(prompt))

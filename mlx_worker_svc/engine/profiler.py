@@ -95,8 +95,8 @@ class StoppedProfile:
 class EngineProfiler:
     """At most one profile of the engine thread at a time, written under `directory`."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)  # a str works too (in-process embedders pass one)
         self._running: _Running | None = None
 
     def start(self, label: str, gpu_capture: bool) -> ProfileStarted:

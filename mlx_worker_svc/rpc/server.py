@@ -19,12 +19,12 @@ Request bytes that do not parse are refused with INVALID_ARGUMENT (decoding.py).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -81,8 +81,8 @@ class ServerConfig:
     """Prometheus metrics over HTTP on this port (0: any free one); None: not served."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """The engine's options (engine/options.py), the same for every runner it builds."""
-    profile_dir: Path | None = None
-    """Where StartProfile/StopProfile write profiles; None: profiling is off."""
+    profile_dir: str | os.PathLike[str] | None = None
+    """Where StartProfile/StopProfile write profiles (a str or a Path); None: profiling is off."""
 
     @property
     def message_bytes(self) -> int:

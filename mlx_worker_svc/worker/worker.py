@@ -15,10 +15,10 @@ metrics) read copies and never wait for a step, except a deep check.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.domain import (
@@ -78,7 +78,7 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         group: GroupChannel | None = None,
         options: EngineOptions | None = None,
-        profile_dir: Path | None = None,
+        profile_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.core = WorkerCore(
             on_state=on_state,

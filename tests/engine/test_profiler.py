@@ -84,3 +84,11 @@ def test_the_profile_directory_is_made_and_must_be_writable(tmp_path: Path) -> N
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"--profile-dir .*file: cannot create it"):
         profile_directory(str(tmp_path / "file"))
+
+
+def test_a_directory_given_as_a_str_works_as_a_path(tmp_path: Path) -> None:
+    # ServerConfig.profile_dir is written by embedders too, who may pass a str.
+    profiler = EngineProfiler(str(tmp_path / "profiles"))
+    profiler.start("str-dir", gpu_capture=False)
+    path = profiler.stop().report(1, ProfileSort.OWN).path
+    assert Path(path).parent == tmp_path / "profiles" and Path(path).is_file()

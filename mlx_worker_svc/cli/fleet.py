@@ -58,7 +58,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         queue_capacity=args.queue,
         routing=args.routing,
         models=dict(args.models or []),
-        lora_modules=dict(getattr(args, "lora_modules", [])),  # not on `generate`
+        lora_modules=dict(args.lora_modules),
     )
 
 
@@ -146,7 +146,9 @@ async def _run_generate(args: argparse.Namespace) -> int:
     fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    request = pb.GenerateRequest(sampling_params=sampling, model=args.model_name)
+    request = pb.GenerateRequest(
+        sampling_params=sampling, model=args.model_name, lora_name=args.lora_name
+    )
     if args.raw:
         request.prompt = args.prompt
     else:
@@ -280,8 +282,8 @@ def add_commands(sub: Any) -> None:
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
         cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
+        add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
         if name in ("fleet", "gateway"):
-            add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
             port = 50050 if name == "fleet" else 8000
             cmd.add_argument(
                 "--host",
@@ -310,6 +312,13 @@ def add_commands(sub: Any) -> None:
                 metavar="NAME",
                 help="the model that answers (GenerateRequest.model): one of the names of "
                 "--models; default the fleet's only model",
+            )
+            cmd.add_argument(
+                "--lora-name",
+                default="",
+                metavar="NAME",
+                help="the LoRA adapter that answers (GenerateRequest.lora_name): one a worker "
+                "holds or one of --lora-modules; default none (the base model)",
             )
         add_worker_client_arguments(cmd)
         if name in COMMANDS:

@@ -11,6 +11,8 @@ client gets the adapter's text.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -136,6 +138,39 @@ def test_the_fleet_loads_an_adapter_it_knows_the_path_of(
         stub = pb_grpc.WorkerServiceStub(channel)
         assert "later" in stub.ListLoras(pb.ListLorasRequest()).names
         stub.RemoveLora(pb.RemoveLoraRequest(name="later"))  # the next test's fleets start clean
+
+
+def test_the_generate_command_answers_with_the_adapter_it_names(
+    workers: list[str], start_fleet: Callable[..., Fleet], adapters: dict[str, Path]
+) -> None:
+    """`mlx-worker generate --lora-name NAME` asks that adapter, held by a worker or loaded
+    from the command's own --lora-modules; an adapter nobody has is NOT_FOUND, exit 1."""
+    command = [sys.executable, "-m", "mlx_worker_svc", "generate", "--raw", "--max-tokens", "8"]
+    command += [arg for target in workers for arg in ("--worker", target)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, *extra, "hello"], capture_output=True, text=True, timeout=180, check=False
+        )
+
+    answers = {
+        "held": run("--lora-name", "held"),
+        "later": run("--lora-modules", f"later={adapters['later']}", "--lora-name", "later"),
+        "": run(),
+    }
+    assert all(done.returncode == 0 for done in answers.values()), answers
+    missing = run("--lora-name", "nowhere")
+    assert missing.returncode == 1 and "lora_name" in missing.stderr
+    assert "'nowhere'" in missing.stderr
+    fleet = start_fleet()
+    for name, done in answers.items():
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=8)  # the command's
+        request = pb.GenerateRequest(prompt="hello", lora_name=name, sampling_params=sampling)
+        assert done.stdout == "".join(m.text for m in fleet.generate(request)) + "\n", name
+    assert len({done.stdout for done in answers.values()}) == 3, "adapters gave the base text"
+    holding = [w.target for w in fleet.status().workers if "later" in w.lora_adapters]
+    with grpc.insecure_channel(holding[0]) as channel:  # the next test's fleets start clean
+        pb_grpc.WorkerServiceStub(channel).RemoveLora(pb.RemoveLoraRequest(name="later"))
 
 
 def test_the_gateway_serves_adapters_as_models(

@@ -8,13 +8,16 @@ device). Every step runs as an Execute call would; the stream adds two rules
 
 - A request an earlier step of this stream finished (a `finish_reason`) is
   left out of later steps and reported in `already_finished`: the scheduler
-  sent those steps before it saw the finish.
+  sent those steps before it saw the finish. A later step's new request under
+  the same id is a new request, and runs.
 - A failing step changes nothing and is reported in its own reply; later
   steps are checked against the state as it is, so one that counted on the
   failed step's tokens is refused by the usual num_computed_tokens check.
 
-`close()` frees every request the stream created that is still live. All
-state lives on the engine thread; only `submit` and `close` are called from
+`close()` frees every request the stream created that is still live: the
+same request, not another one created since under its id (by unary Execute,
+or another stream, after this one's was finished). All state lives on the
+engine thread; only `submit` and `close` are called from
 elsewhere, and both just queue jobs.
 """
 
@@ -55,13 +58,17 @@ class StepStream:
         submit: Submit,
         execute: Callable[[StepPlan, int], StepResult],
         free: Callable[[list[str]], None],
+        identify: Callable[[str], object | None],
         prepare: Callable[[StepPlan], None] = lambda _plan: None,
     ) -> None:
+        """`identify(req_id)`: the live request under that id (any object that is the
+        same for as long as the request lives), or None."""
         self._submit = submit
         self._prepare = prepare
         self._execute = execute
         self._free = free
-        self._created: set[str] = set()
+        self._identify = identify
+        self._created: dict[str, object] = {}  # req_id -> the request this stream made
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self._close_queued = False
@@ -110,37 +117,44 @@ class StepStream:
         done = self._finished
         if not done:
             return plan, []
-        named = [c.req_id for c in plan.cached_requests]
-        named += [*plan.num_scheduled_tokens, *plan.finished_req_ids, *plan.preempted_req_ids]
-        skipped = sorted({req_id for req_id in named if req_id in done})
-        if not skipped:
+        # A new request under a finished one's id is another request: it is scheduled,
+        # and never reported (the scheduler would drop it); only the finished one's
+        # finished or preempted entries go.
+        new = {r.req_id for r in plan.new_requests}
+        leaving = {r for r in (*plan.finished_req_ids, *plan.preempted_req_ids) if r in done}
+        named = [*(c.req_id for c in plan.cached_requests), *plan.num_scheduled_tokens]
+        gone = {r for r in named if r in done and r not in new}
+        if not gone and not leaving:
             return plan, []
-        gone = set(skipped)
         plan = replace(
             plan,
             cached_requests=tuple(c for c in plan.cached_requests if c.req_id not in gone),
             num_scheduled_tokens={
                 r: n for r, n in plan.num_scheduled_tokens.items() if r not in gone
             },
-            finished_req_ids=tuple(r for r in plan.finished_req_ids if r not in gone),
-            preempted_req_ids=tuple(r for r in plan.preempted_req_ids if r not in gone),
+            finished_req_ids=tuple(r for r in plan.finished_req_ids if r not in leaving),
+            preempted_req_ids=tuple(r for r in plan.preempted_req_ids if r not in leaving),
         )
-        return plan, skipped
+        return plan, sorted(gone | (leaving - new))
 
     def _record(self, plan: StepPlan, result: StepResult) -> None:
+        for req_id in plan.finished_req_ids:  # first: a new request may reuse the id
+            self._created.pop(req_id, None)
         for new in plan.new_requests:
-            self._created.add(new.req_id)
+            made = self._identify(new.req_id)
+            if made is not None:
+                self._created[new.req_id] = made
             self._finished.pop(new.req_id, None)
-        self._created.difference_update(plan.finished_req_ids)
         for output in result.outputs:
             if output.finish_reason is not None:
-                self._created.discard(output.req_id)
+                self._created.pop(output.req_id, None)
                 self._finished[output.req_id] = None
         while len(self._finished) > _REMEMBER_FINISHED:
             self._finished.popitem(last=False)
 
     def _end(self) -> None:
         self._closed = True
-        if self._created:
-            self._free(sorted(self._created))
-            self._created.clear()
+        mine = sorted(r for r, made in self._created.items() if self._identify(r) is made)
+        self._created.clear()
+        if mine:
+            self._free(mine)

@@ -229,7 +229,11 @@ class Worker:
     def open_step_stream(self) -> StepStream:
         """The worker side of one ExecuteStream (step_stream.py)."""
         return StepStream(
-            self.core.engine.submit, self._execute, self._free_execute, self._compile_grammars
+            self.core.engine.submit,
+            self._execute,
+            self._free_execute,
+            self._live_execute,
+            self._compile_grammars,
         )
 
     def _compile_grammars(self, plan: StepPlan) -> None:
@@ -247,6 +251,11 @@ class Worker:
         if runner is not None:
             for req_id in req_ids:
                 runner.free((Origin.EXECUTE, req_id))
+
+    def _live_execute(self, req_id: str) -> object | None:
+        """The Execute request live under `req_id` (its Sequence), or None."""
+        runner = self.core.runner
+        return None if runner is None else runner.state.seqs.get((Origin.EXECUTE, req_id))
 
     def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:
         core = self.core

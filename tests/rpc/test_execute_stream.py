@@ -202,6 +202,79 @@ def test_cancelled_stream_frees_its_requests(
     assert health.state == pb.WORKER_STATE_SERVING and health.healthy
 
 
+def test_a_new_request_may_reuse_the_id_of_one_the_stream_finished(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """The id of a request an earlier step finished is free: a new request under it runs
+    as it would through Execute, and is not reported as already finished."""
+    stub, epoch, _ = worker
+
+    def step(step_id: int, new: pb.NewRequest, *finished: str) -> pb.ExecuteRequest:
+        count = {new.req_id: len(new.prompt_token_ids)}
+        return pb.ExecuteRequest(
+            step_id=step_id,
+            worker_epoch=epoch,
+            new_requests=[new],
+            num_scheduled_tokens=count,
+            finished_req_ids=finished,
+        )
+
+    prompt = [504, 3575, 282, 4649]
+    unary = stub.Execute(step(0, _new("u", prompt, 3))).outputs[0].sampled_token_ids
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["u"]))
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(step(1, _new("w", prompt[:3], 1)))  # finishes at once (max_tokens)
+        finished = raise_for_error(stream.receive())
+        assert finished.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+        replies = []
+        for step_id, extra in ((2, ()), (3, ("w",))):  # the second also names the old "w"
+            stream.send(step(step_id, _new("w", prompt, 3), *extra))
+            replies.append(stream.receive())
+        for reply in replies:
+            assert not reply.already_finished_req_ids
+            [out] = raise_for_error(reply).outputs
+            assert (out.req_id, out.num_computed_tokens) == ("w", 4)
+            assert list(out.sampled_token_ids) == list(unary)
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
+def test_a_stream_frees_only_the_requests_it_created(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """A request Execute created under the id of one the stream created and that
+    Execute finished is not the stream's: it outlives the stream."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("r", [5, 6, 7], 50)],
+                num_scheduled_tokens={"r": 3},
+            )
+        )
+        raise_for_error(stream.receive())
+        restarted = pb.ExecuteRequest(
+            worker_epoch=epoch,
+            finished_req_ids=["r"],
+            new_requests=[_new("r", [5, 6, 7, 8], 50)],
+            num_scheduled_tokens={"r": 4},
+        )
+        stub.Execute(restarted)
+        stream.close()
+        with pytest.raises(StopIteration):  # ended: its clean-up is queued before what follows
+            stream.receive()
+    decoded = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        cached_requests=[pb.CachedRequest(req_id="r", num_computed_tokens=4)],
+        num_scheduled_tokens={"r": 1},
+    )
+    assert stub.Execute(decoded).outputs[0].num_computed_tokens == 5
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["r"]))
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_get_info_states_the_depth(worker: tuple[pb_grpc.WorkerServiceStub, int, int]) -> None:
     stub, _, _ = worker
     assert stub.GetInfo(pb.GetInfoRequest()).limits.max_steps_in_flight == 4

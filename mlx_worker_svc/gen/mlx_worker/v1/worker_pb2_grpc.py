@@ -211,6 +211,9 @@ class WorkerServiceServicer:
         (finish_reason set: EOS, a stop token, a length limit) is left out of a
         later step's cached_requests, num_scheduled_tokens, finished_req_ids and
         preempted_req_ids and listed in already_finished_req_ids; not an error.
+        Its id is free again: a later step's new_requests entry under it is a
+        new request, run as Execute would (a finished_req_ids entry for the old
+        one beside it is dropped), and not listed.
         - A failing step changes nothing (as a failed Execute) and gets its error
         in its own response (error); the stream goes on. A later step that
         counted on the failed step's tokens (its num_computed_tokens includes
@@ -219,7 +222,8 @@ class WorkerServiceServicer:
         with NOT_FOUND: nothing ever runs on a sequence the scheduler misjudged.
         - When the stream ends (the client closes or cancels it, the connection
         drops), every request a step of this stream created and that is still
-        live is freed, as a cancelled Generate's is.
+        live is freed, as a cancelled Generate's is; a request created since
+        under the same id by Execute or another stream is left alone.
         Errors of the stream as a whole (the worker shutting down, a request that
         does not parse) end it with a status, as for Execute.
         """

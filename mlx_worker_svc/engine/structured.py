@@ -143,6 +143,10 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
     try:
         if spec.kind in ("json_schema", "json_object"):
             schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+            if schema.strip() == "true":  # the boolean schema any value matches, as {}
+                schema = "{}"
+            elif schema.strip() == "false":
+                raise InvalidArgument(f"{where} is the schema false: no JSON value matches it")
             options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
         if spec.kind == "regex":

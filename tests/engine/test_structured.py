@@ -116,6 +116,27 @@ def test_json_object_gives_an_object_or_a_prefix_of_one(tiny_stub: Stub) -> None
             assert r.reason == pb.FINISH_REASON_LENGTH
 
 
+def test_the_boolean_schema_true_gives_any_json_value(tiny_stub: Stub) -> None:
+    # json_schema "true" is JSON Schema's "anything", as {} (and "false" is refused).
+    requests = [
+        (
+            p,
+            constrained(
+                48, json_schema=" true", disable_any_whitespace=True, seed=i, temperature=1
+            ),
+        )
+        for i, p in enumerate(_prompts(8, seed=5))
+    ]
+    complete = 0
+    for r in run_requests(tiny_stub, _epoch(tiny_stub), requests):
+        if r.reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+            json.loads(_text(tiny_stub, r.tokens))
+            complete += 1
+        else:
+            assert r.reason == pb.FINISH_REASON_LENGTH
+    assert complete > 0
+
+
 def test_grammars_in_lark_and_gbnf(tiny_stub: Stub) -> None:
     prompts = _prompts(6, seed=3)
     lark = 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]{1,3}/'
@@ -226,6 +247,7 @@ BAD_SPECS = [
     ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
     ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),
     ({"choice": pb.StructuredChoice()}, "structured_outputs.choice.choices is empty"),
+    ({"json_schema": "false"}, "json_schema is the schema false: no JSON value matches it"),
     ({"json_object": False}, "structured_outputs.json_object must be true"),
     ({}, "structured_outputs: set one of"),
     ({"regex": "a+", "disable_any_whitespace": True}, "disable_any_whitespace"),

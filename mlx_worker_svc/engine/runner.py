@@ -188,14 +188,22 @@ class ModelRunner:
         return any(key[0] is origin for key in self.state.seqs)
 
     def add_generate(
-        self, req_id: str, prompt: tuple[int, ...], params: SamplingParams, adapter: str = ""
+        self,
+        req_id: str,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        adapter: str = "",
+        prompt_field: str = "prompt",
     ) -> None:
-        """Registers a Generate request (of `adapter`); the engine schedules it from now on."""
+        """Registers a Generate request (of `adapter`); the engine schedules it from now on.
+
+        `prompt_field` names the request's field the prompt came from, in errors.
+        """
         key = (Origin.GENERATE, req_id)
         if key in self.state.seqs:
             raise InvalidArgument(f"request_id {clip(req_id)!r} is already running")
         check_adapter(self.adapters, adapter, "GenerateRequest.lora_name")
-        check_prompt(prompt, "prompt", self.limits)
+        check_prompt(prompt, prompt_field, self.limits)
         check_sampling(params, "sampling_params", self.limits)
         if self.state.budget.blocks_for(len(prompt) + 1) > self.state.budget.num_blocks:
             raise ResourceExhausted(

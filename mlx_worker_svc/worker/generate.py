@@ -85,7 +85,13 @@ class GenerateCalls:
             core.admit_requests("Generate", 1)
             if request_id in core.streams:
                 raise InvalidArgument(f"request_id {clip(request_id)!r} is already streaming")
-            runner.add_generate(request_id, tuple(prompt), spec.sampling, spec.lora_name)
+            runner.add_generate(
+                request_id,
+                tuple(prompt),
+                spec.sampling,
+                spec.lora_name,
+                prompt_field="prompt_token_ids" if spec.prompt_token_ids else "prompt",
+            )
             stream = GenerateStream(
                 request_id=request_id,
                 prompt_tokens=len(prompt),

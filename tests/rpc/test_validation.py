@@ -307,7 +307,12 @@ def test_other_rpcs_reject_malformed_input(
     [
         (pb.GenerateRequest(), "exactly one"),
         (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "exactly one"),
-        (pb.GenerateRequest(prompt_token_ids=[49152]), "vocabulary"),
+        (
+            pb.GenerateRequest(prompt_token_ids=[1, 49152]),
+            "prompt_token_ids[1] = 49152 is out of the vocabulary",
+        ),
+        (pb.GenerateRequest(prompt_token_ids=[1] * 600), "prompt_token_ids has 600 tokens"),
+        (pb.GenerateRequest(prompt="hi " * 600), "prompt has "),
         (
             pb.GenerateRequest(
                 prompt="hi", sampling_params=pb.SamplingParams(temperature=math.nan)

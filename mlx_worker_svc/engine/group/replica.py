@@ -314,8 +314,15 @@ class MirroredRunner(ModelRunner):
         if outside and known:
             self._send("free", key, keep_prefix=keep_prefix)
 
-    def add_generate(self, req_id: str, prompt: tuple[int, ...], params: Any, _: str = "") -> None:
-        super().add_generate(req_id, prompt, params)  # a group serves no adapters
+    def add_generate(
+        self,
+        req_id: str,
+        prompt: tuple[int, ...],
+        params: Any,
+        _: str = "",
+        prompt_field: str = "prompt",
+    ) -> None:
+        super().add_generate(req_id, prompt, params, prompt_field=prompt_field)  # no adapters
         self._send("add_generate", req_id, prompt, params)
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:

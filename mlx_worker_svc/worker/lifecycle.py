@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from mlx_worker_svc.core.domain import CacheConfig, MemoryProfile
+from mlx_worker_svc.core.domain import CacheConfig, DeviceKind, MemoryProfile
 from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
 from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WorkerState
@@ -76,6 +76,8 @@ class Lifecycle:
             wanted = replace(args, world_size=args.world_size or channel.size)
             device = core.replica.device
             if device is not None:
+                if wanted.kind is DeviceKind.AUTO:  # the default, filled in
+                    wanted = replace(wanted, kind=device.kind)
                 if core.device_args is not None and wanted != core.device_args:
                     raise FailedPrecondition(
                         "InitDevice: the device is already initialised, and this call asks "
@@ -85,7 +87,7 @@ class Lifecycle:
                 return device
             wanted.check(channel.size, channel.backend)
             device = core.replica.init_device(args.kind)
-            core.device_args = wanted
+            core.device_args = replace(wanted, kind=device.kind)  # AUTO resolved
             core.set_state(S.DEVICE_READY)
             return device
 

@@ -153,7 +153,10 @@ class WorkerServiceServicer:
     """
 
     def InitDevice(self, request, context):
-        """Picks the device (gpu or cpu) and reports it. Idempotent.
+        """Picks the device (gpu or cpu) and reports it. Idempotent: a repeat with
+        the same arguments (device UNSPECIFIED and the kind it picked are the
+        same) returns the device; one asking for another is FAILED_PRECONDITION
+        naming the fields that differ.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,6 +63,8 @@ def test_sleep_level_1_aborts_live_requests_and_wake_up_restores_service(
     assert stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids
     woke = stub.WakeUp(pb.WakeUpRequest())
     assert woke.state == pb.WORKER_STATE_SERVING and woke.worker_epoch == answer.worker_epoch
+    again = stub.WakeUp(pb.WakeUpRequest())  # awake: a no-op, as the README says
+    assert (again.state, again.worker_epoch) == (woke.state, woke.worker_epoch)
     assert checker.Check(service).status == health_pb2.HealthCheckResponse.SERVING
     # A step of the old epoch cannot continue a request whose KV is gone.
     code, message = _fails(

@@ -277,7 +277,9 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WakeUp(self, request, context):
-        """Restores what Sleep freed.
+        """Restores what Sleep freed. On an awake worker (READY or SERVING) a no-op
+        that returns its state and epoch (a retry is safe); before READY:
+        FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
@@ -194,8 +195,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def Shutdown(
         self, request: pb.ShutdownRequest, context: grpc.ServicerContext
     ) -> pb.ShutdownResponse:
+        grace = request.grace_seconds
+        if not (math.isfinite(grace) and grace >= 0):
+            raise InvalidArgument(
+                f"ShutdownRequest.grace_seconds must be a finite number of seconds >= 0 "
+                f"(0: the server's default), got {grace}"
+            )
         report = self._worker.health(deep=False)
-        self._on_shutdown(max(request.grace_seconds, 0.0), request.abort)
+        self._on_shutdown(grace, request.abort)
         return pb.ShutdownResponse(
             state=convert.state(self._worker.state),
             num_in_flight=report.num_running_requests,

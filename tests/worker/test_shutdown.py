@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -100,6 +101,12 @@ def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
             )
         )
         next(stream)
+        for bad in (-5.0, math.nan, math.inf):  # refused, and nothing drains
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Shutdown(pb.ShutdownRequest(grace_seconds=bad))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "ShutdownRequest.grace_seconds must be" in str(refused.value.details())
+        assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_READY
         answer = stub.Shutdown(pb.ShutdownRequest(grace_seconds=30))
         assert answer.num_in_flight == 1
         status = health.Check(health_pb2.HealthCheckRequest(service="")).status

@@ -244,12 +244,18 @@ class Lifecycle:
         core = self.core
         sizes = batch_sizes or [1]
         lengths = prefill_lengths or [16]
-        if any(b < 1 for b in sizes) or any(n < 1 for n in lengths):
-            raise InvalidArgument("WarmUp batch_sizes and prefill_lengths must all be >= 1")
-        if len(sizes) + len(lengths) > MAX_WARM_UP_SHAPES or max(sizes) > MAX_WARM_UP_BATCH:
+        for name, values in (("batch_sizes", sizes), ("prefill_lengths", lengths)):
+            if min(values) < 1:
+                raise InvalidArgument(f"WarmUpRequest.{name} must all be >= 1, got {min(values)}")
+        if max(sizes) > MAX_WARM_UP_BATCH:
             raise InvalidArgument(
-                f"WarmUp runs at most {MAX_WARM_UP_SHAPES} shapes and batch sizes up to "
-                f"{MAX_WARM_UP_BATCH}"
+                f"WarmUpRequest.batch_sizes: {max(sizes)} is past the largest, {MAX_WARM_UP_BATCH}"
+            )
+        if len(sizes) + len(lengths) > MAX_WARM_UP_SHAPES:
+            raise InvalidArgument(
+                f"WarmUpRequest: batch_sizes ({len(sizes)}) and prefill_lengths ({len(lengths)}) "
+                f"give {len(sizes) + len(lengths)} shapes; at most {MAX_WARM_UP_SHAPES} (an "
+                "empty list counts as its one default, batch 1 or a 16-token prefill)"
             )
 
         def job() -> tuple[int, float]:
@@ -257,7 +263,10 @@ class Lifecycle:
             loaded = core.need_model()
             too_long = [n for n in lengths if n > loaded.info.max_context_length]
             if too_long:
-                raise InvalidArgument(f"WarmUp prefill_lengths {too_long} exceed the context")
+                raise InvalidArgument(
+                    f"WarmUpRequest.prefill_lengths {too_long} exceed the context "
+                    f"({loaded.info.max_context_length} tokens)"
+                )
             start = time.perf_counter()
             shapes = core.replica.warm_up(sizes, lengths)
             core.set_state(S.SERVING)

@@ -108,6 +108,7 @@ def _config(source: Path) -> dict[str, object]:
 @pytest.mark.parametrize(
     "case",
     [
+        "no-path",
         "missing",
         "file",
         "no-weights",
@@ -132,7 +133,10 @@ def test_bad_adapters_change_nothing(
     config = _config(a)
     params = dict(config["lora_parameters"])  # type: ignore[call-overload]
     name, expect, words = "x", grpc.StatusCode.INVALID_ARGUMENT, ["AddLora"]
-    if case == "missing":
+    path: Path | str
+    if case == "no-path":  # not the server's working directory
+        path, words = "", ["AddLora.path is required: the adapter directory"]
+    elif case == "missing":
         path, expect, words = tmp_path / "nowhere", grpc.StatusCode.NOT_FOUND, ["does not exist"]
     elif case == "file":
         path, words = a / "adapters.safetensors", ["is a file"]

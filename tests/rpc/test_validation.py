@@ -289,7 +289,16 @@ def test_cached_request_with_a_wrong_count_is_rejected(tiny_stub: Stub) -> None:
             INVALID,
             "max_num_batched_tokens",
         ),
-        ("WarmUp", pb.WarmUpRequest(batch_sizes=[0]), INVALID, "batch_sizes"),
+        ("WarmUp", pb.WarmUpRequest(batch_sizes=[0]), INVALID, "batch_sizes must all be >= 1"),
+        ("WarmUp", pb.WarmUpRequest(prefill_lengths=[4, 0]), INVALID, "prefill_lengths must"),
+        ("WarmUp", pb.WarmUpRequest(batch_sizes=[1025]), INVALID, "batch_sizes: 1025 is past"),
+        (
+            "WarmUp",
+            pb.WarmUpRequest(prefill_lengths=[4] * 64),
+            INVALID,
+            "batch_sizes (1) and prefill_lengths (64) give 65 shapes; at most 64",
+        ),
+        ("WarmUp", pb.WarmUpRequest(prefill_lengths=[4096]), INVALID, "exceed the context (512"),
         ("InitDevice", pb.InitDeviceRequest(device=7), INVALID, "DeviceKind"),  # type: ignore[arg-type]
     ],
 )

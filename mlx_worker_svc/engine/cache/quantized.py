@@ -38,6 +38,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_worker_svc.core.domain import KVFormat
 from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.engine.cache.batch import AlignedBatchKVCache, DequantRows
+from mlx_worker_svc.engine.options import KV_GROUP_SIZES
 
 LayerCaches = list[Any]
 
@@ -46,9 +47,15 @@ def check_head_dims(kv: KVFormat, dims: Sequence[int], where: str) -> None:
     """Raises InvalidArgument unless `kv`'s group divides every head size in `dims`."""
     for dim in dims:
         if kv.quantized and dim % kv.group_size:
+            fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in dims)]
+            hint = (
+                f"use {' or '.join(map(str, fits))}"
+                if fits
+                else f"none of MLX's group sizes {KV_GROUP_SIZES} does: leave kv_bits 0"
+            )
             raise InvalidArgument(
                 f"{where}.kv_group_size {kv.group_size} does not divide the model's "
-                f"head_dim {dim}: use a group size that does (32, 64 or 128)"
+                f"head_dim {dim}: {hint}"
             )
 
 

@@ -150,6 +150,8 @@ def _config(path: Path, shown: str) -> dict[str, Any]:
 
 
 def _directory(path_text: str, shown: str) -> Path:
+    if not path_text:
+        raise InvalidArgument("AddLora.path is required: the adapter directory, on the worker")
     try:
         path = Path(path_text).expanduser()
         if not path.exists():

@@ -252,7 +252,12 @@ def test_bytes_per_block_and_refusals(kv_model: Path) -> None:
         for bits, group, says in (
             (7, 0, "DetermineMemory.kv_bits 7 is not a width MLX quantizes to"),
             (16, 0, "DetermineMemory.kv_bits 16 is not a width MLX quantizes to"),
-            (8, 128, "DetermineMemory.kv_group_size 128 does not divide the model's head_dim 64"),
+            (
+                8,
+                128,
+                "DetermineMemory.kv_group_size 128 does not divide the model's head_dim 64: "
+                "use 32 or 64",
+            ),
             (8, 48, "DetermineMemory.kv_group_size 48: use one of 32, 64, 128"),
             (0, 32, "DetermineMemory.kv_group_size 32 needs DetermineMemory.kv_bits"),
         ):

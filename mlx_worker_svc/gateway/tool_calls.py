@@ -56,13 +56,18 @@ def tool_format(chat_template: str) -> Format:
     return "hermes"
 
 
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def call_grammar(tools: tuple[dict[str, Any], ...], fmt: Format, *, parallel: bool) -> str:
     """The Lark grammar of one call (or, with `parallel`, one or more) of `tools`."""
     key = ARGUMENTS[fmt]
     rules = []
     for i, tool in enumerate(tools):
         head = f'{{"name": {json.dumps(tool["name"])}, "{key}": '
-        schema = dict(tool.get("parameters") or {"type": "object"})
+        parameters = tool.get("parameters")
+        # OpenAI: "Omitting parameters defines a function with an empty parameter list."
+        schema = dict(_NO_PARAMETERS if parameters is None else parameters or {"type": "object"})
         schema.setdefault("x-guidance", _JSON_STYLE)
         opening, closing = head, "}"
         if fmt == "hermes":

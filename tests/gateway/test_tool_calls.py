@@ -200,6 +200,20 @@ def test_a_forced_call_grammar_takes_the_format_and_the_schema(
     assert summary(parse(fmt, good))[1][0][1] == "get_weather"
 
 
+def test_a_tool_without_parameters_is_called_with_no_arguments(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    # OpenAI: "Omitting parameters defines a function with an empty parameter list."
+    ping = {"name": "ping", "description": "Ping the server"}
+    grammar = call_grammar((ping,), "hermes", parallel=False)
+    call = '<tool_call>\n{"name": "ping", "arguments": %s}\n</tool_call>'
+    assert accepts(grammar, call % "{}", ll_tokenizer)
+    assert not accepts(grammar, call % '{"name": "ping"}', ll_tokenizer)
+    # An empty schema given is the caller's: any object.
+    anything = call_grammar(({**ping, "parameters": {}},), "hermes", parallel=False)
+    assert accepts(anything, call % '{"name": "ping"}', ll_tokenizer)
+
+
 def test_parallel_calls_are_one_grammar_or_more(ll_tokenizer: llguidance.LLTokenizer) -> None:
     two = HERMES.split("\n", 1)[1]  # the two blocks without the text before them
     assert accepts(call_grammar((WEATHER, CLOCK), "hermes", parallel=True), two, ll_tokenizer)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.structured import FIELDS, parse_structured
-from mlx_worker_svc.gateway.tools import ToolRequest, history, parse_tools
+from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 OpenAIKind = Literal["chat", "completion"]
@@ -324,10 +324,13 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role", f"{role!r} is not one of {sorted(_ROLES)}")
+        if message.get("content") is None and role != "assistant":
+            raise invalid(f"{where}.content", f"a {role} message needs its content")
         # "developer" is OpenAI's newer name for "system", which chat templates know.
         content = _content(message.get("content"), where)
         role = "system" if role == "developer" else role
         out.append(pb.ChatMessage(role=role, content=content, **history(message, where)))
+    check_tool_answers(value)
     return out
 
 

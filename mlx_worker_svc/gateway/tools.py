@@ -91,6 +91,38 @@ def history(message: dict[str, Any], where: str) -> dict[str, str]:
     return out
 
 
+def check_tool_answers(messages: list[dict[str, Any]]) -> None:
+    """Refuses a history whose tool messages and calls do not pair up, as OpenAI does.
+
+    Each tool message answers a call of the assistant message before the run
+    of tool messages it is in, and each such call is answered before the next
+    other message. (`messages` are already checked one by one.)
+    """
+    calls: dict[str, int] = {}  # the open calls' ids -> their assistant message's index
+    for i, message in enumerate([*messages, None]):
+        role = None if message is None else message.get("role")
+        if role == "tool":
+            assert message is not None
+            call_id = message["tool_call_id"]
+            if calls.pop(call_id, None) is None:
+                raise invalid(
+                    f"messages[{i}].tool_call_id",
+                    f"{call_id!r} answers no call: a tool message must answer a call of the "
+                    "assistant message with 'tool_calls' before it",
+                )
+            continue
+        if calls:
+            at = next(iter(calls.values()))
+            raise invalid(
+                f"messages[{at}].tool_calls",
+                "an assistant message with 'tool_calls' must be followed by tool messages "
+                f"answering each call; these have none: {', '.join(sorted(calls))}",
+            )
+        if role == "assistant":
+            assert message is not None
+            calls = {c["id"]: i for c in message.get("tool_calls") or ()}
+
+
 def _history_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(call, dict) or call.get("type", "function") != "function":

@@ -341,6 +341,20 @@ def test_a_constraint_with_tools_to_call_is_a_400(
             {"role": "assistant", "tool_calls": [{"type": "function"}]},
             "messages[1].tool_calls[0].id",
         ),
+        # As OpenAI: a tool message answers a call made just before it...
+        ({"role": "tool", "tool_call_id": "zzz", "content": "sunny"}, "messages[1].tool_call_id"),
+        # ...and a call is answered before anything else (here: the end of the chat).
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            "messages[1].tool_calls",
+        ),
+        ({"role": "user"}, "messages[1].content"),
+        ({"role": "system", "content": None}, "messages[1].content"),
     ],
 )
 def test_bad_tool_messages_are_a_400_naming_the_field(
@@ -350,3 +364,24 @@ def test_bad_tool_messages_are_a_400_naming_the_field(
     response = gateway.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_calls_answered_in_order_pass_and_a_call_left_open_is_a_400(gateway: Gateway) -> None:
+    def call(call_id: str) -> dict[str, Any]:
+        return {"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    made = {"role": "assistant", "content": None, "tool_calls": [call("a"), call("b")]}
+    answers = [{"role": "tool", "tool_call_id": i, "content": "ok"} for i in ("b", "a")]
+    then = {"role": "user", "content": "and now?"}
+    for messages, param in (
+        ([*ASK, made, *answers, then], None),
+        ([*ASK, made, answers[0], then], "messages[1].tool_calls"),
+        ([*ASK, made, *answers, answers[0]], "messages[4].tool_call_id"),  # answered twice
+    ):
+        body = {"model": "model", "messages": messages, "max_tokens": 2}
+        response = gateway.http.post("/v1/chat/completions", json=body)
+        if param is None:
+            assert response.status_code == 200, response.text
+        else:
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == param

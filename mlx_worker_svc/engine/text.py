@@ -20,6 +20,7 @@ from mlx_worker_svc.core.generate import ChatMessage
 ROLES = ("system", "user", "assistant", "tool")
 # A chat template that renders tools reads the `tools` variable somewhere.
 _READS_TOOLS = re.compile(r"\btools\b")
+_READS_TOOL_CALLS = re.compile(r"\btool_calls\b")
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -45,6 +46,12 @@ def render_chat(
                 "tools_json: the model's chat template does not render tools "
                 "(it never reads `tools`)"
             )
+    calling = next((i for i, m in enumerate(messages) if m.tool_calls_json), None)
+    if calling is not None and not _reads(tokenizer, _READS_TOOL_CALLS):
+        raise InvalidArgument(
+            f"messages[{calling}].tool_calls_json: the model's chat template does not render "
+            "tool calls (it never reads `tool_calls`), so the model would not see them"
+        )
     try:
         text = tokenizer.apply_chat_template(
             payload, tokenize=False, add_generation_prompt=add_generation_prompt, **options
@@ -58,9 +65,13 @@ def render_chat(
 
 def renders_tools(tokenizer: TokenizerWrapper) -> bool:
     """Whether the chat template reads `tools` (renders the tools offered to the model)."""
+    return _reads(tokenizer, _READS_TOOLS)
+
+
+def _reads(tokenizer: TokenizerWrapper, name: re.Pattern[str]) -> bool:
     template = tokenizer.chat_template
     sources = template.values() if isinstance(template, dict) else [template]
-    return any(isinstance(s, str) and _READS_TOOLS.search(s) for s in sources)
+    return any(isinstance(s, str) and name.search(s) for s in sources)
 
 
 def _message(i: int, message: ChatMessage) -> dict[str, Any]:

@@ -94,7 +94,7 @@ async def open_answer(
     except ApiError as exc:
         await stream.aclose()
         spec_from = parsed.structured_param or ("tools" if parsed.tools.forced else None)
-        raise request_error(exc, spec_from) from exc
+        raise request_error(exc, spec_from, anthropic=parsed.kind == "messages") from exc
     except BaseException:
         await stream.aclose()
         raise

@@ -28,6 +28,7 @@ answers it as a 400 naming the request field the spec came from (`param`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
@@ -168,17 +169,25 @@ def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
     return pb.StructuredOutputs(lark_grammar=value)
 
 
-def request_error(exc: ApiError, param: str | None) -> ApiError:
+_TOOL_CALLS = re.compile(r"(messages\[\d+\])\.tool_calls_json")
+
+
+def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) -> ApiError:
     """A workers' 400 about a field the gateway filled, reworded to name the request's field.
 
     `param` is the field the structured-output spec came from (a forced tool
-    call's grammar: `tools`); the tools given to the chat template are `tools`.
+    call's grammar: `tools`); the tools given to the chat template are `tools`;
+    an OpenAI message's `tool_calls` are the worker's `messages[i].tool_calls_json`
+    (Anthropic's `tool_use` blocks: `messages`, whose indices the system shifts).
     """
     fields = {"tools_json": "tools"}
     if param is not None:
         fields[WORKER_FIELD] = param
     if exc.status != 400:
         return exc
+    calls = _TOOL_CALLS.match(exc.message)
+    if calls is not None:
+        fields[calls.group(0)] = "messages" if anthropic else f"{calls.group(1)}.tool_calls"
     for worker_field, name in fields.items():
         if exc.message.startswith(worker_field):
             detail = exc.message.split(": ", 1)[-1]

@@ -357,6 +357,25 @@ def test_tools_on_a_template_without_them_are_a_400_naming_tools(tiny_dir: Path)
         response = gw.http.post("/v1/messages", json=body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["message"].startswith("Invalid value for 'tools'")
+        # A history with calls the template would drop is refused too, on both APIs.
+        use = {"type": "tool_use", "id": "toolu_1", "name": "now", "input": {}}
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "12:00"}
+        history = [*ASK, {"role": "assistant", "content": [use]}]
+        history.append({"role": "user", "content": [result]})
+        body = {"model": MODEL, "messages": history, "max_tokens": 4}
+        response = gw.http.post("/v1/messages", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("Invalid value for 'messages'")
+        call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+        chat = [
+            {"role": "user", "content": "The time?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+        ]
+        body = {"model": MODEL, "messages": chat, "max_tokens": 4}
+        response = gw.http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "messages[1].tool_calls"
     finally:
         gw.close()
         proc.reap()

@@ -218,3 +218,24 @@ def test_a_template_without_tools_refuses_them(tiny_stub: Stub) -> None:
         assert details_of(caught.value) == (
             "tools_json: the model's chat template does not render tools (it never reads `tools`)"
         )
+
+
+def test_a_template_without_tool_calls_refuses_a_history_with_them(tiny_stub: Stub) -> None:
+    """The model would see the chat without the calls: refused, never dropped."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}]
+    chat = [
+        pb.ChatMessage(role="user", content="The time?"),
+        pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(calls)),
+        pb.ChatMessage(role="tool", content="12:00", tool_call_id="c1"),
+    ]
+    for call in (
+        lambda: tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat)),
+        lambda: list(tiny_stub.Generate(pb.GenerateRequest(messages=chat))),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(caught.value).startswith(
+            "messages[1].tool_calls_json: the model's chat template does not render tool calls"
+        )
+    assert tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat[:1])).token_ids

@@ -55,7 +55,7 @@ async def prompt_tokens(fleet: FleetScheduler, request: MessagesRequest) -> list
         whole = pb.TokenizeRequest(text=rendered.text + request.prefill)
         return list((await fleet_call(fleet.tokenize(whole, model))).token_ids)
     except ApiError as exc:
-        raise request_error(exc, None) from exc  # names `tools` for the template's refusal
+        raise request_error(exc, None, anthropic=True) from exc  # names `tools` (or `messages`)
 
 
 class MessagesApi:

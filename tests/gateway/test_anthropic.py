@@ -389,6 +389,18 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         ({"metadata": {"user_id": "u", "tier": 1}}, "metadata.tier"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        # As Anthropic's API: no empty content but a final assistant's, no empty text block,
+        # no whitespace at the end of a prefill.
+        ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content': all messages"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content': all messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+            "messages[0].content[0].text': text content blocks must be non-empty",
+        ),
+        (
+            {"messages": [*ASK, {"role": "assistant", "content": "The sea "}]},
+            "messages[1].content': final assistant content cannot end with trailing whitespace",
+        ),
     ]
     for extra, where in cases:
         body = {"model": MODEL, "messages": ASK, "max_tokens": 4} | extra

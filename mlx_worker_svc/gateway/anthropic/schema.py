@@ -191,6 +191,8 @@ def _text(block: dict[str, Any], where: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
         raise invalid(f"{where}.text", "expected a string")
+    if not text:
+        raise invalid(f"{where}.text", "text content blocks must be non-empty")
     if block.get("citations") is not None:
         raise invalid(f"{where}.citations", "citations are not supported by this server")
     return text
@@ -208,6 +210,12 @@ def _turn(turn: Any, where: str, names: dict[str, str]) -> list[pb.ChatMessage]:
     if role not in ("user", "assistant"):
         raise invalid(f"{where}.role", f"{role!r} is not one of ['assistant', 'user']")
     content = turn.get("content")
+    if content in ("", []):
+        raise invalid(
+            f"{where}.content",
+            "all messages must have non-empty content except for the optional final "
+            "assistant message",
+        )
     if isinstance(content, str):
         return [pb.ChatMessage(role=role, content=content)]
     if not isinstance(content, list):
@@ -265,9 +273,12 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> pb
 def _prefill(turn: dict[str, Any], where: str) -> str:
     """The text a final assistant message starts the answer with."""
     content = turn.get("content")
-    if isinstance(content, str):
-        return content
-    return _texts(content, f"{where}.content")
+    text = content if isinstance(content, str) else _texts(content, f"{where}.content")
+    if text != text.rstrip():
+        raise invalid(
+            f"{where}.content", "final assistant content cannot end with trailing whitespace"
+        )
+    return text
 
 
 def _tools(value: Any, choice: Any) -> ToolRequest:

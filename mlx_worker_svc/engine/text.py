@@ -12,7 +12,11 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+)
 
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
 from mlx_worker_svc.core.generate import ChatMessage
@@ -108,6 +112,45 @@ def special_ids(tokenizer: TokenizerWrapper, eos_ids: Iterable[int]) -> frozense
 
 def decode(tokenizer: TokenizerWrapper, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
     return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+def token_bytes(tokenizer: TokenizerWrapper, ids: Sequence[int]) -> list[bytes]:
+    """Each token's own bytes: a piece of a multi-byte character is just its bytes.
+
+    Byte-level BPE pieces (GPT-2's alphabet) map back to their bytes and
+    SentencePiece's byte tokens (`<0xF0>`) to that byte, its `▁` to a space;
+    a tokenizer of another kind, or a piece outside its alphabet (an added
+    token), gives the UTF-8 of the token decoded alone.
+    """
+    kind = type(tokenizer.detokenizer)
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    out = []
+    for token, piece in zip(ids, pieces, strict=True):
+        raw: bytes | None = None
+        if isinstance(piece, str) and issubclass(kind, BPEStreamingDetokenizer):
+            if all(c in _GPT2_BYTES for c in piece):
+                raw = bytes(_GPT2_BYTES[c] for c in piece)
+        elif isinstance(piece, str) and issubclass(kind, SPMStreamingDetokenizer):
+            byte = _SPM_BYTE.fullmatch(piece)
+            raw = bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        if raw is None:
+            raw = str(tokenizer.decode([token])).encode()
+        out.append(raw)
+    return out
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (its `bytes_to_unicode` inverted)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    shown = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in shown]
+    shown |= {b: chr(256 + n) for n, b in enumerate(others)}
+    return {c: b for b, c in shown.items()}
+
+
+_GPT2_BYTES = _gpt2_bytes()
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TextStream:

@@ -220,7 +220,7 @@ class Gateway:
 
     async def _texts(
         self, parsed: ParsedRequest, messages: list[pb.GenerateResponse]
-    ) -> dict[int, str]:
+    ) -> dict[int, bytes]:
         if parsed.logprobs is None:
             return {}
         try:

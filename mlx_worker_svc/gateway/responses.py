@@ -3,10 +3,13 @@
 `Reply` holds one request's answer as it streams: each fleet message becomes
 one chunk (chat: `chat.completion.chunk` with a `delta`; legacy:
 `text_completion`), and the messages of a whole request become one
-`chat.completion` or `text_completion`. Logprobs need each token's text, which
+`chat.completion` or `text_completion`. Logprobs need each token's bytes, which
 only the workers' tokenizer knows: `TokenTexts` asks the fleet once per token
-id and keeps the answer. As OpenAI's, the logprobs are those of the text: the
-stop token that ended an answer has none unless the text shows it.
+id (Detokenize's token_bytes) and keeps the answer. As OpenAI's, the logprobs
+are those of the text: the stop token that ended an answer has none unless the
+text shows it; a token's `bytes` are its own, so the pieces of a character
+split over tokens join to it, and its `token` is its text, or `bytes:\\xNN...`
+when its bytes are not whole characters (tiktoken's and OpenAI's notation).
 
 With tools the model may call, a `ToolCallParser` splits the text into
 content and calls: a whole answer's calls are the message's `tool_calls`; a
@@ -17,7 +20,7 @@ ended itself has `finish_reason` "tool_calls".
 
 from __future__ import annotations
 
-import asyncio
+import codecs
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -45,22 +48,19 @@ Detokenize = Callable[[pb.DetokenizeRequest], Awaitable[pb.DetokenizeResponse]]
 
 
 class TokenTexts:
-    """The text of single token ids, asked of the workers once per id."""
+    """The bytes of single token ids, asked of the workers once per id."""
 
     def __init__(self, detokenize: Detokenize) -> None:
         self._detokenize = detokenize
-        self._known: dict[int, str] = {}  # bounded by the vocabulary
+        self._known: dict[int, bytes] = {}  # bounded by the vocabulary
 
-    async def lookup(self, ids: Iterable[int]) -> dict[int, str]:
-        """A mapping that holds at least `ids` (asked concurrently when new)."""
+    async def lookup(self, ids: Iterable[int]) -> dict[int, bytes]:
+        """A mapping that holds at least `ids` (asked in one call when new)."""
         missing = sorted({t for t in ids if t not in self._known})
-        answers = await asyncio.gather(
-            *(
-                self._detokenize(pb.DetokenizeRequest(token_ids=[t], skip_special_tokens=False))
-                for t in missing
-            )
-        )
-        self._known.update(zip(missing, (a.text for a in answers), strict=True))
+        if missing:
+            ask = pb.DetokenizeRequest(token_ids=missing, return_token_bytes=True)
+            answer = await self._detokenize(ask)
+            self._known.update(zip(missing, answer.token_bytes, strict=True))
         return self._known
 
 
@@ -69,7 +69,7 @@ def token_ids(logprobs: Iterable[pb.TokenLogprobs]) -> set[int]:
     return {t for lp in logprobs for t in (lp.token_id, *(top.token_id for top in lp.top))}
 
 
-def shown_logprobs(message: pb.GenerateResponse, texts: dict[int, str]) -> list[pb.TokenLogprobs]:
+def shown_logprobs(message: pb.GenerateResponse, texts: dict[int, bytes]) -> list[pb.TokenLogprobs]:
     """The message's logprobs, less the stop token's when it ended the answer outside the text.
 
     EOS and special stop tokens are not rendered (the fleet skips special
@@ -79,8 +79,8 @@ def shown_logprobs(message: pb.GenerateResponse, texts: dict[int, str]) -> list[
     logprobs = list(message.logprobs)
     if message.finish_reason in _BY_STOP_TOKEN and logprobs and message.token_ids:
         stop = message.token_ids[-1]
-        shown = texts.get(stop, "")
-        if logprobs[-1].token_id == stop and not (shown and message.text.endswith(shown)):
+        shown = texts.get(stop, b"")
+        if logprobs[-1].token_id == stop and not (shown and message.text.encode().endswith(shown)):
             logprobs.pop()
     return logprobs
 
@@ -89,9 +89,17 @@ def _logprob(value: float) -> float:
     return max(value, _FLOOR) if math.isfinite(value) else _FLOOR
 
 
-def _token(token: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:
-    text = texts[token]
-    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+def _shown(raw: bytes) -> str:
+    """A token's `token`: its text, or `bytes:\\xf0\\x9f` when it is not whole characters."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _token(token: int, logprob: float, texts: dict[int, bytes]) -> dict[str, Any]:
+    raw = texts[token]
+    return {"token": _shown(raw), "logprob": _logprob(logprob), "bytes": list(raw)}
 
 
 class Reply:
@@ -106,7 +114,8 @@ class Reply:
         self.created = int(time.time())
         self.chat = parsed.kind == "chat"
         self._role_sent = False
-        self._offset = 0  # legacy logprobs: characters of token text so far
+        self._offset = 0  # legacy logprobs: characters of the text so far
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # ... read from bytes
         self.cached_tokens = 0
 
     def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +128,7 @@ class Reply:
         }
 
     def logprobs(
-        self, logprobs: list[pb.TokenLogprobs], texts: dict[int, str]
+        self, logprobs: list[pb.TokenLogprobs], texts: dict[int, bytes]
     ) -> dict[str, Any] | None:
         """The choice's `logprobs` object for these tokens (None when not asked for)."""
         if self.parsed.logprobs is None:
@@ -132,14 +141,14 @@ class Reply:
             ]
             return {"content": content}
         offsets = []
-        for lp in logprobs:
+        for lp in logprobs:  # where the character a token's first byte is in begins
             offsets.append(self._offset)
-            self._offset += len(texts[lp.token_id])
+            self._offset += len(self._utf8.decode(texts[lp.token_id]))
         return {
-            "tokens": [texts[lp.token_id] for lp in logprobs],
+            "tokens": [_shown(texts[lp.token_id]) for lp in logprobs],
             "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
             "top_logprobs": [
-                {texts[t.token_id]: _logprob(t.logprob) for t in lp.top} for lp in logprobs
+                {_shown(texts[t.token_id]): _logprob(t.logprob) for t in lp.top} for lp in logprobs
             ],
             "text_offset": offsets,
         }
@@ -205,7 +214,7 @@ class Reply:
         return out
 
     def complete(
-        self, messages: list[pb.GenerateResponse], texts: dict[int, str]
+        self, messages: list[pb.GenerateResponse], texts: dict[int, bytes]
     ) -> dict[str, Any]:
         """The whole answer (non-streaming) from every message of the request."""
         text = "".join(m.text for m in messages)

@@ -257,8 +257,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
     ) -> pb.DetokenizeResponse:
-        text = self._worker.detokenize(list(request.token_ids), request.skip_special_tokens)
-        return pb.DetokenizeResponse(text=text)
+        text, pieces = self._worker.detokenize(
+            list(request.token_ids),
+            request.skip_special_tokens,
+            token_bytes=request.return_token_bytes,
+        )
+        return pb.DetokenizeResponse(text=text, token_bytes=pieces)
 
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext

@@ -55,7 +55,10 @@ class GenerateCalls:
             tools_json=tools_json,
         )
 
-    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+    def detokenize(
+        self, ids: list[int], skip_special_tokens: bool, *, token_bytes: bool = False
+    ) -> tuple[str, list[bytes]]:
+        """The text of `ids` and, with `token_bytes`, each token's own bytes."""
         self._require_tokenizer("Detokenize")
         loaded = self.core.need_model()
         for i, token in enumerate(ids):
@@ -64,7 +67,8 @@ class GenerateCalls:
                     f"token_ids[{i}] = {token} is out of the vocabulary "
                     f"(size {loaded.info.vocab_size})"
                 )
-        return text.decode(loaded.tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        decoded = text.decode(loaded.tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        return decoded, text.token_bytes(loaded.tokenizer, ids) if token_bytes else []
 
     def generate(self, spec: GenerateSpec) -> tuple[Iterator[GenerateChunk], Callable[[], None]]:
         """Starts a Generate request; returns its chunk iterator and a cancel."""

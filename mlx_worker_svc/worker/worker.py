@@ -212,8 +212,10 @@ class Worker:
     ) -> tuple[list[int], str]:
         return self.text.tokenize_chat(messages, add_generation_prompt, tools_json)
 
-    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.text.detokenize(ids, skip_special_tokens)
+    def detokenize(
+        self, ids: list[int], skip_special_tokens: bool, *, token_bytes: bool = False
+    ) -> tuple[str, list[bytes]]:
+        return self.text.detokenize(ids, skip_special_tokens, token_bytes=token_bytes)
 
     def generate(self, spec: GenerateSpec) -> tuple[Iterator[GenerateChunk], Callable[[], None]]:
         """Starts a Generate request; returns its chunk iterator and a cancel."""

@@ -195,3 +195,27 @@ def test_a_character_split_across_a_failover_comes_out_whole(
     assert out.text.startswith("\u00e9")
     whole = _detokenize(tiny_stub, [lead, tail, *out.sampled_token_ids], True)
     assert out.text == whole[: len(out.text)]
+
+
+def test_detokenize_gives_each_tokens_own_bytes(tiny_stub: Stub, smollm_dir: Path) -> None:
+    """DetokenizeRequest.return_token_bytes: a piece of a character is its bytes alone."""
+    text = "Hi 🌍 wörld 日本"
+    ids = list(tiny_stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+    eos = tiny_stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids[0]
+    plain = tiny_stub.Detokenize(pb.DetokenizeRequest(token_ids=ids))
+    assert plain.text == text and not plain.token_bytes  # only when asked for
+    ask = pb.DetokenizeRequest(token_ids=[*ids, eos], return_token_bytes=True)
+    answer = tiny_stub.Detokenize(ask)
+    assert len(answer.token_bytes) == len(ids) + 1
+    assert b"".join(answer.token_bytes[:-1]) == text.encode()
+    assert answer.token_bytes[-1] == b"<|im_end|>"  # special: its text, skipped or not
+    alone = [tiny_stub.Detokenize(pb.DetokenizeRequest(token_ids=[t])).text for t in ids]
+    split = [i for i, piece in enumerate(alone) if "\ufffd" in piece]
+    assert split, "no character of the text is split over tokens"
+    for i in split:
+        with pytest.raises(UnicodeDecodeError):
+            answer.token_bytes[i].decode()
+    tokenizer = load_tokenizer(smollm_dir)
+    for i, token in enumerate(ids):  # the tokenizer's own byte-level pieces, read back
+        piece = tokenizer.convert_ids_to_tokens(token)
+        assert len(answer.token_bytes[i]) == len(piece), (piece, answer.token_bytes[i])

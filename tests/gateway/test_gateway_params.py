@@ -200,6 +200,40 @@ def test_logprobs_leave_out_the_stop_token(
         assert parts[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logprob_bytes_of_characters_split_over_tokens_join_to_them(gateway: Gateway) -> None:
+    """A character the tokenizer splits into byte tokens: each token's `bytes` are its own
+    (joined: the text's UTF-8), its `token` is `bytes:\\x..` (tiktoken's notation), and
+    legacy `text_offset` points at the character each token's first byte is in."""
+    text = "🌍 日本"
+    force = {"structured_outputs": {"regex": text}, "temperature": 0, "max_tokens": 24}
+    ask = {"model": "model", "messages": CHAT, "logprobs": True}
+    done = post(gateway, "/v1/chat/completions", ask | force)
+    [choice] = done.json()["choices"]
+    assert choice["message"]["content"] == text, done.text
+    content = choice["logprobs"]["content"]
+    assert b"".join(bytes(t["bytes"]) for t in content) == text.encode()
+    partial = [t for t in content if t["token"].startswith("bytes:")]
+    assert partial, content  # the noise split a character (the regex takes any tokens)
+    for token in partial:
+        assert token["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in token["bytes"])
+    for token in content:
+        if token not in partial:
+            assert list(token["token"].encode()) == token["bytes"]
+    ask = {"model": "model", "prompt": PROMPT, "logprobs": 1}
+    legacy = post(gateway, "/v1/completions", ask | force)
+    [choice] = legacy.json()["choices"]
+    assert choice["text"] == text, legacy.text
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert len(tokens) == len(offsets) and offsets[0] == 0
+    starts, at = [], 0  # where each token's first byte's character begins
+    for token in tokens:
+        partial = token.startswith("bytes:")
+        raw = bytes.fromhex(token[6:].replace("\\x", "")) if partial else token.encode()
+        starts.append(len(text.encode()[:at].decode("utf-8", "ignore")))
+        at += len(raw)
+    assert offsets == starts and at == len(text.encode())
+
+
 def test_a_stop_token_the_text_shows_keeps_its_logprob(
     client: openai.OpenAI, worker: ServeProcess
 ) -> None:

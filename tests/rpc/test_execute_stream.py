@@ -84,19 +84,22 @@ def _new(req_id: str, prompt: list[int], max_tokens: int) -> pb.NewRequest:
     return pb.NewRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=greedy(max_tokens))
 
 
+def _starting(req_id: str, prompt: list[int], epoch: int, step_id: int = 1) -> pb.ExecuteRequest:
+    """A step that starts one request (50 tokens) and prefills its whole prompt."""
+    return pb.ExecuteRequest(
+        step_id=step_id,
+        worker_epoch=epoch,
+        new_requests=[_new(req_id, prompt, 50)],
+        num_scheduled_tokens={req_id: len(prompt)},
+    )
+
+
 def test_failed_step_is_answered_and_later_steps_that_counted_on_it_fail(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:
     stub, epoch, _ = worker
     with ExecuteStreamCall(stub) as stream:
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=1,
-                worker_epoch=epoch,
-                new_requests=[_new("a", [5, 6, 7], 50)],
-                num_scheduled_tokens={"a": 3},
-            )
-        )
+        stream.send(_starting("a", [5, 6, 7], epoch))
         # Step 2 fails (an unknown request): nothing of it runs, "a" included.
         stream.send(
             pb.ExecuteRequest(
@@ -246,14 +249,7 @@ def test_a_stream_frees_only_the_requests_it_created(
     Execute finished is not the stream's: it outlives the stream."""
     stub, epoch, _ = worker
     with ExecuteStreamCall(stub) as stream:
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=1,
-                worker_epoch=epoch,
-                new_requests=[_new("r", [5, 6, 7], 50)],
-                num_scheduled_tokens={"r": 3},
-            )
-        )
+        stream.send(_starting("r", [5, 6, 7], epoch))
         raise_for_error(stream.receive())
         restarted = pb.ExecuteRequest(
             worker_epoch=epoch,

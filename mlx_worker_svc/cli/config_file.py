@@ -57,12 +57,16 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         return  # `--config` without its value: the command's own parser says so
     commands = _commands(parser)
     name = next((token for token in argv if token in commands), None)
-    if given.config is None or name not in COMMANDS:
+    if name not in COMMANDS:
         return
     command = commands[name]
+    if given.config is None:
+        if given.config_section is not None:
+            command.error("--config-section names a section of a --config FILE: give the file")
+        return
     path = Path(given.config)
     try:
-        values, where = _section(_load(path), name, given.config_section)
+        values, origins = _section(_load(path), name, given.config_section)
     except ValueError as exc:
         command.error(f"{path}: {exc}")
     flags = {
@@ -78,13 +82,13 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             known = [f for f in flags if f not in _NOT_KEYS]
             close = difflib.get_close_matches(flag, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            command.error(f"{path}: unknown key '{key}' in [{where}]{hint}")
+            command.error(f"{path}: unknown key '{key}' in [{origins[key]}]{hint}")
         if _on_command_line(action, argv):
             continue
         try:
             converted = _convert(action, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            command.error(f"{path}: [{where}] {key} = {value!r}: {exc}")
+            command.error(f"{path}: [{origins[key]}] {key} = {value!r}: {exc}")
         command.set_defaults(**{action.dest: converted})
         action.required = False
 
@@ -119,8 +123,8 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], str]:
-    """The keys for command `name` (with sub-section `sub`), and where they come from."""
+def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The keys for command `name` (with sub-section `sub`), and the section of each."""
     if not isinstance(data, dict):
         raise ValueError("expected sections [serve], [fleet] and/or [gateway]")
     for section, value in data.items():
@@ -134,14 +138,15 @@ def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], str
         if subs:
             names = ", ".join(subs)
             raise ValueError(f"[{name}] has sub-sections ({names}): pick one with --config-section")
-        return keys, name
+        return keys, dict.fromkeys(keys, name)
     if sub not in subs:
         have = f" (it has: {', '.join(subs)})" if subs else ""
         raise ValueError(f"no [{name}.{sub}] section{have}")
     for key, value in subs[sub].items():
         if isinstance(value, dict):
             raise ValueError(f"[{name}.{sub}] {key}: sections do not nest further")
-    return keys | subs[sub], f"{name}.{sub}"
+    origins = dict.fromkeys(keys, name) | dict.fromkeys(subs[sub], f"{name}.{sub}")
+    return keys | subs[sub], origins
 
 
 def _on_command_line(action: argparse.Action, argv: list[str]) -> bool:

@@ -127,7 +127,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser, who: str) -> None:
     parser.add_argument(
         "--kv-group-size",
         type=int,
-        default=options.DEFAULT_KV_GROUP_SIZE,
+        default=None,
         metavar="|".join(map(str, options.KV_GROUP_SIZES)),
         help="values per quantization group along head_dim, with --kv-bits; it must divide "
         f"the model's head_dim (default {options.DEFAULT_KV_GROUP_SIZE}, mlx-lm's)",
@@ -136,7 +136,6 @@ def add_kv_arguments(parser: argparse.ArgumentParser, who: str) -> None:
 
 def kv_format(args: argparse.Namespace) -> KVFormat:
     """The KV format the flags ask for; raises InvalidArgument naming the flag."""
-    # The group's default stands for "unset" without --kv-bits.
-    unset = not args.kv_bits and args.kv_group_size == options.DEFAULT_KV_GROUP_SIZE
-    group = 0 if unset else args.kv_group_size
+    # Unset, the group is the default (0); given without --kv-bits, it is refused.
+    group = args.kv_group_size or 0
     return options.kv_format(args.kv_bits, group, ("--kv-bits", "--kv-group-size"))

@@ -19,6 +19,8 @@ from typing import Any
 from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.core.flag_values import count, non_negative, target
+from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
@@ -135,6 +137,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
 
 
 async def _run_generate(args: argparse.Namespace) -> int:
+    from mlx_worker_svc.client.errors import ClientError
     from mlx_worker_svc.fleet import FleetError, FleetScheduler
     from mlx_worker_svc.rpc.security import SecurityError
 
@@ -159,7 +162,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
-    except FleetError as exc:
+    except (FleetError, ClientError) as exc:
         print(f"\ngenerate: {exc}", file=sys.stderr)
         code = 1
     finally:
@@ -245,7 +248,12 @@ def add_commands(sub: Any) -> None:
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument(
-            "--worker", action="append", required=True, metavar="HOST:PORT", help="repeatable"
+            "--worker",
+            action="append",
+            required=True,
+            type=target,
+            metavar="HOST:PORT",
+            help="repeatable",
         )
         which = cmd.add_mutually_exclusive_group()
         which.add_argument("--model", help="LoadModel for workers that have none loaded yet")
@@ -259,8 +267,15 @@ def add_commands(sub: Any) -> None:
             "that no worker holds loads it on the idle worker used least recently, in place "
             "of its model (docs/fleet.md#many-models)",
         )
-        cmd.add_argument("--max-num-seqs", type=int, default=64)
-        cmd.add_argument("--max-num-batched-tokens", type=int, default=512)
+        cmd.add_argument(
+            "--max-num-seqs", type=count(1), default=64, help="requests a step holds (default 64)"
+        )
+        cmd.add_argument(
+            "--max-num-batched-tokens",
+            type=count(1),
+            default=512,
+            help="tokens a step computes (default 512)",
+        )
         cmd.add_argument(
             "--decode-steps",
             type=_decode_steps,
@@ -280,7 +295,7 @@ def add_commands(sub: Any) -> None:
         )
         _add_probe_arguments(cmd)
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
-        cmd.add_argument("--queue", type=int, default=256, help="queue bound (default 256)")
+        cmd.add_argument("--queue", type=count(1), default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
         add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
         if name in ("fleet", "gateway"):
@@ -290,7 +305,9 @@ def add_commands(sub: Any) -> None:
                 default="127.0.0.1",
                 help="default 127.0.0.1; any other needs TLS, a token or --insecure",
             )
-            cmd.add_argument("--port", type=int, default=port, help=f"default {port}; 0 = any")
+            cmd.add_argument(
+                "--port", type=port_value, default=port, help=f"default {port}; 0 = any"
+            )
         if name == "fleet":
             add_server_arguments(cmd)
             add_metrics_arguments(cmd)
@@ -303,8 +320,8 @@ def add_commands(sub: Any) -> None:
             )
         else:
             cmd.add_argument("prompt")
-            cmd.add_argument("--max-tokens", type=int, default=128)
-            cmd.add_argument("--temperature", type=float, default=0.0)
+            cmd.add_argument("--max-tokens", type=count(1), default=128)
+            cmd.add_argument("--temperature", type=non_negative, default=0.0)
             cmd.add_argument("--raw", action="store_true", help="no chat template")
             cmd.add_argument(
                 "--model-name",

@@ -122,6 +122,8 @@ def backend_problem(args: argparse.Namespace) -> str:
     The ranks of a --hostfile run elsewhere and are not checked here.
     """
     backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        return "--backend mpi needs mpirun (Open MPI) on the PATH; or use --backend ring"
     if backend != "nccl" or args.hostfile:
         return ""
     from mlx_worker_svc.engine.memory.device import cuda_gpu_count

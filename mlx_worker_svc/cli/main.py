@@ -1,4 +1,4 @@
-"""The `mlx-worker` command line: `serve`, `convert-gguf`, `fleet` and `generate`.
+"""The `mlx-worker` command line: `serve`, `convert-gguf`, `fleet`, `gateway` and `generate`.
 
 `serve` starts the gRPC worker (health answers at once; with --auto-init the
 worker also runs its own lifecycle so Generate works without a scheduler).
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from mlx_worker_svc.core.domain import DeviceKind
+from mlx_worker_svc.core.flag_values import count, fraction, port, seconds
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
 
 
@@ -30,14 +31,31 @@ def _convert(args: argparse.Namespace) -> int:
     if args.out is None:
         print("convert-gguf: --out is required with a GGUF file", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    if out.is_file() or out.is_symlink():
+        print(f"convert-gguf: --out {out} is a file; give a directory", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        print(
+            f"convert-gguf: --out {out} is a directory that is not empty: give --overwrite to "
+            "replace it (everything in it is deleted), or another path",
+            file=sys.stderr,
+        )
+        return 2
+    from mlx_worker_svc.core.errors import WorkerError
     from mlx_worker_svc.engine.model.gguf import convert_gguf
 
     def progress(stage: str, fraction: float) -> None:
         print(f"\r{stage}: {fraction * 100:5.1f}%", end="", file=sys.stderr, flush=True)
 
-    out = convert_gguf(Path(args.gguf), Path(args.out), progress=progress)
+    try:
+        done = convert_gguf(Path(args.gguf), out, progress=progress)
+    except (WorkerError, OSError) as exc:
+        message = exc.message if isinstance(exc, WorkerError) else str(exc)
+        print(f"\nconvert-gguf: {message}", file=sys.stderr)
+        return 2
     print(file=sys.stderr)
-    print(out)
+    print(done)
     return 0
 
 
@@ -61,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs TLS, a token or --insecure)",
     )
-    serve.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any)")
+    serve.add_argument("--port", type=port, default=50051, help="port (default 50051; 0 = any)")
     serve.add_argument(
         "--auto-init",
         action="store_true",
@@ -76,18 +94,33 @@ def build_parser() -> argparse.ArgumentParser:
         "model; a fleet with --models swaps models between workers, docs/fleet.md)",
     )
     serve.add_argument("--device", choices=[k.value for k in DeviceKind], default="auto")
-    serve.add_argument("--max-model-len", type=int, default=0, help="cap the context length")
+    serve.add_argument(
+        "--max-model-len",
+        type=count(0),
+        default=0,
+        help="cap the context length (default 0: the model's)",
+    )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=count(0),
         default=0,
         help="profiling size for auto-init (default: DetermineMemory's device default, 32 on "
         "CPU and 2048 on GPU)",
     )
-    serve.add_argument("--memory-utilization", type=float, default=0.9)
-    serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
-        "--num-blocks", type=int, default=0, help="KV blocks for auto-init (default: suggested)"
+        "--memory-utilization",
+        type=fraction,
+        default=0.9,
+        help="share of the device's memory auto-init budgets, in (0, 1] (default 0.9)",
+    )
+    serve.add_argument(
+        "--block-size", type=count(1), default=16, help="tokens a KV block holds (default 16)"
+    )
+    serve.add_argument(
+        "--num-blocks",
+        type=count(0),
+        default=0,
+        help="KV blocks for auto-init (default 0: the suggested number)",
     )
     serve.add_argument(
         "--no-prefix-caching",
@@ -96,12 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--memory-limit-bytes",
-        type=int,
+        type=count(0),
         default=0,
-        help="auto-init memory limit (default: derived from the budget, see the proto)",
+        help="auto-init memory limit (default 0: derived from the budget, see the proto)",
     )
     serve.add_argument(
-        "--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM (default 30)"
+        "--grace-seconds",
+        type=seconds(zero=True),
+        default=30.0,
+        help="drain time on SIGTERM (default 30; 0: abort in-flight work at once)",
     )
     serve.add_argument(
         "--max-running-requests",
@@ -126,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--death-exit-seconds",
-        type=float,
+        type=seconds(zero=False),
         default=10.0,
         help="if the engine thread dies, exit (status 3) within this time (default 10)",
     )
@@ -155,7 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "convert-gguf", help="convert a llama GGUF file (default: build the embedded model)"
     )
     convert.add_argument("gguf", nargs="?", help="GGUF file (omit to build the default model)")
-    convert.add_argument("--out", help="output model directory")
+    convert.add_argument(
+        "--out", help="output model directory: new, or empty (else see --overwrite)"
+    )
+    convert.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out directory (everything in it is deleted)",
+    )
     convert.set_defaults(func=_convert)
 
     from mlx_worker_svc.cli.fleet import add_commands
@@ -173,7 +216,7 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("worker groups (see README: Worker groups)")
     group.add_argument(
         "--world-size",
-        type=int,
+        type=count(0),
         default=0,
         help="start a group of N processes through mlx.launch (N ranks on this machine, or "
         "the hosts of --hostfile); rank 0 serves gRPC",
@@ -186,11 +229,14 @@ def _add_group_arguments(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--hostfile", help="mlx.launch hostfile: the machines of the group")
     group.add_argument(
-        "--group-port", type=int, default=0, help="ring backend: first port (default: a free one)"
+        "--group-port",
+        type=port,
+        default=0,
+        help="ring backend: first port (default 0: a free one)",
     )
     group.add_argument(
         "--collective-timeout",
-        type=float,
+        type=seconds(zero=False),
         default=DEFAULT_TIMEOUT,
         help="a group step that does not finish in this time breaks the group "
         f"(default {DEFAULT_TIMEOUT:.0f}; lifecycle calls get 20x)",

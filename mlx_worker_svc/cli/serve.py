@@ -91,6 +91,14 @@ def _serve_status(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
         return 2
+    if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
+        print(
+            "mlx-worker serve: --hostfile and --backend start a worker group: give "
+            "--world-size N (N >= 2)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     model = args.model
     if model is None:
         from mlx_worker_svc.cli.envs import cache_root

@@ -80,13 +80,19 @@ def channel_credentials(
     `ca_file`: the CA bundle that signed the server's certificate (None: the
     system's roots); `cert_file` and `key_file` (both or neither): the client
     certificate and key a mutual-TLS server requires. Raises OSError for a file
-    that cannot be read, ValueError for a certificate without its key.
+    that cannot be read, ValueError for a certificate without its key or a file
+    that is not PEM (gRPC would only fail each handshake later).
     """
     if (cert_file is None) != (key_file is None):
         raise ValueError("a client certificate needs its key, and a key its certificate")
 
     def read(path: str | None) -> bytes | None:
-        return None if path is None else Path(path).read_bytes()
+        if path is None:
+            return None
+        data = Path(path).read_bytes()
+        if b"-----BEGIN " not in data:
+            raise ValueError(f"{path} is not a PEM file")
+        return data
 
     return grpc.ssl_channel_credentials(
         root_certificates=read(ca_file),

@@ -17,6 +17,8 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from mlx_worker_svc.core.flag_values import LOG_LEVELS, log_level
+
 LOG_FORMATS = ("text", "json")
 # What log lines and error messages quote of a client's string (a request id,
 # a path): enough to recognise it, never a megabyte of it.
@@ -92,8 +94,9 @@ def add_logging_arguments(parser: argparse.ArgumentParser, *, defaults: bool) ->
     """`--log-level` and `--log-format`; a subcommand's copies keep the top level's defaults."""
     parser.add_argument(
         "--log-level",
+        type=log_level,
         default="INFO" if defaults else argparse.SUPPRESS,
-        help="logging level (default INFO)",
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)",
     )
     parser.add_argument(
         "--log-format",

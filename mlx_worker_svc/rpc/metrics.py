@@ -24,6 +24,7 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, start_http_server
 
+from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.core.metrics import RpcMetrics
 from mlx_worker_svc.rpc.security import is_loopback
 
@@ -161,7 +162,12 @@ class MetricsEndpoint:
 
         Raises OSError when the address cannot be bound.
         """
-        self._server, self._thread = start_http_server(port, host, registry=self._registry)
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=self._registry)
+        except OSError as exc:
+            raise OSError(
+                f"--metrics-port: cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
         self.host, self.port = host, int(self._server.server_port)
         log.info("metrics on %s", self.url)
         if not is_loopback(host):
@@ -189,7 +195,7 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("metrics (see README: Metrics)")
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_value,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics over HTTP on this port (0 = any free one; default: off)",

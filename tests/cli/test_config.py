@@ -148,7 +148,7 @@ def test_a_misspelt_key_is_refused_with_its_name(
 @pytest.mark.parametrize(
     ("text", "argv", "message"),
     [
-        ("[serve]\nport = 'http'\n", [], "[serve] port = 'http': invalid literal for int()"),
+        ("[serve]\nport = 'http'\n", [], "[serve] port = 'http': must be an integer, got 'http'"),
         ("[serve]\nauto-init = 'yes'\n", [], "[serve] auto-init = 'yes': expected true or false"),
         ("[serve]\nport = true\n", [], "[serve] port = True: expected a string or a number"),
         ("[serve]\ndevice = 'tpu'\n", [], "[serve] device = 'tpu': not one of auto, cpu, gpu"),

@@ -21,6 +21,7 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
         (["--kv-bits", "16"], "--kv-bits 16 is not a width MLX quantizes to"),
         (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size 48: use one of 32, 64"),
         (["--kv-group-size", "32"], "--kv-group-size 32 needs --kv-bits"),
+        (["--kv-group-size", "64"], "--kv-group-size 64 needs --kv-bits"),  # the default too
     ],
 )
 def test_bad_kv_flags_exit_2_with_one_line(tiny_dir: Path, flags: list[str], says: str) -> None:

@@ -1,0 +1,96 @@
+"""The types of command-line values: ports, counts, seconds and fractions, checked at parse.
+
+Each is an argparse `type`: a value out of its range is argparse's one-line
+usage error and exit status 2, naming the flag, before anything starts (a
+port of 70000 would otherwise wrap to 4464 in the socket layer, a count of 0
+stall every request, a negative time abort a drain at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from collections.abc import Callable
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0 to 65535, got {value}")
+    return value
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An integer of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def seconds(*, zero: bool) -> Callable[[str], float]:
+    """A finite number of seconds, above 0 (or, with `zero`, at least 0)."""
+
+    def parse(text: str) -> float:
+        value = _float(text)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            bound = ">= 0" if zero else "> 0"
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def log_level(text: str) -> str:
+    """A `logging` level name, any case."""
+    level = text.upper()
+    if level not in LOG_LEVELS or not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def target(text: str) -> str:
+    """A gRPC server's HOST:PORT (a port 0 to 65535; an IPv6 host in brackets)."""
+    host, sep, number = text.rpartition(":")
+    if not (sep and host and number.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    port(number)
+    return text

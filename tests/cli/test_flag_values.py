@@ -1,0 +1,129 @@
+"""Flag values out of range are a one-line usage error (exit 2) before anything starts.
+
+Ports past 65535 used to wrap around in the socket layer (70000 listened on
+4464), a fleet's `--max-num-seqs 0` stalled every request, a bad
+`--log-level` was a traceback, and `convert-gguf --out` deleted what was
+there. Parsing runs in process (argparse's own exit); the checks that come
+after parsing run the command.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_worker_svc.cli.main import main, parse_args
+
+WORKER = ["--worker", "127.0.0.1:9"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--port", "70000"], "--port: must be a port, 0 to 65535, got 70000"),
+        (["serve", "--port", "-1"], "--port: must be a port, 0 to 65535, got -1"),
+        (["serve", "--metrics-port", "65536"], "--metrics-port: must be a port"),
+        (["serve", "--group-port", "-1"], "--group-port: must be a port"),
+        (["serve", "--memory-utilization", "0"], "--memory-utilization: must be in (0, 1]"),
+        (["serve", "--memory-utilization", "nan"], "--memory-utilization: must be in (0, 1]"),
+        (["serve", "--block-size", "0"], "--block-size: must be >= 1, got 0"),
+        (["serve", "--num-blocks", "-1"], "--num-blocks: must be >= 0, got -1"),
+        (["serve", "--max-model-len", "-5"], "--max-model-len: must be >= 0, got -5"),
+        (["serve", "--max-num-batched-tokens", "-1"], "--max-num-batched-tokens: must be >="),
+        (["serve", "--memory-limit-bytes", "-1"], "--memory-limit-bytes: must be >= 0"),
+        (["serve", "--grace-seconds", "-1"], "--grace-seconds: must be a number of seconds >="),
+        (["serve", "--death-exit-seconds", "0"], "--death-exit-seconds: must be a number of"),
+        (["serve", "--collective-timeout", "inf"], "--collective-timeout: must be a number of"),
+        (["serve", "--world-size", "-1"], "--world-size: must be >= 0, got -1"),
+        (["serve", "--port", "abc"], "--port: must be an integer, got 'abc'"),
+        (["serve", "--log-level", "bogus"], "--log-level: must be one of DEBUG, INFO"),
+        (["fleet", *WORKER, "--port", "70000"], "--port: must be a port"),
+        (["gateway", *WORKER, "--port", "70000"], "--port: must be a port"),
+        (["fleet", "--worker", "127.0.0.1:99999"], "--worker: must be a port, 0 to 65535"),
+        (["fleet", "--worker", "localhost"], "--worker: expected HOST:PORT, got 'localhost'"),
+        (["fleet", *WORKER, "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+        (["fleet", *WORKER, "--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must"),
+        (["fleet", *WORKER, "--queue", "-1"], "--queue: must be >= 1, got -1"),
+        (["generate", *WORKER, "--max-tokens", "-1", "hi"], "--max-tokens: must be >= 1"),
+        (["generate", *WORKER, "--temperature", "-1", "hi"], "--temperature: must be a finite"),
+        (["serve", "--config-section", "b"], "--config-section names a section of a --config"),
+    ],
+)
+def test_a_value_out_of_range_is_a_usage_error(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_values_in_range_parse_as_before() -> None:
+    args = parse_args(["serve", "--port", "0", "--memory-utilization", "1", "--log-level", "debug"])
+    assert (args.port, args.memory_utilization, args.log_level) == (0, 1.0, "DEBUG")
+    args = parse_args(["fleet", "--worker", "[::1]:50051", "--port", "65535"])
+    assert (args.worker, args.port) == (["[::1]:50051"], 65535)
+
+
+def test_a_config_file_value_is_checked_as_the_flag_and_named_by_its_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[serve]\nport = 70000\n[serve.b]\nauto-init = "yes"\n')
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--config", str(config), "--config-section", "b"])
+    err = capsys.readouterr().err
+    assert "[serve] port = 70000: must be a port" in err  # the key's own section
+    config.write_text('[serve]\nport = 1\n[serve.b]\nauto-init = "yes"\n')
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--config", str(config), "--config-section", "b"])
+    assert "[serve.b] auto-init = 'yes': expected true or false" in capsys.readouterr().err
+
+
+def test_convert_gguf_never_deletes_what_is_at_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"hello, not a GGUF file")
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    assert main(["convert-gguf", str(not_gguf), "--out", str(precious)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert precious.read_text() == "keep me"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("keep me")
+    assert main(["convert-gguf", str(not_gguf), "--out", str(full)]) == 2
+    assert "is a directory that is not empty: give --overwrite" in capsys.readouterr().err
+    # With --overwrite, a file that does not convert still leaves the directory as it was.
+    assert main(["convert-gguf", str(not_gguf), "--out", str(full), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"convert-gguf: {not_gguf} is not a GGUF file (bad magic b'hell')"
+    assert (full / "keep.txt").read_text() == "keep me"
+    absent = tmp_path / "absent.gguf"
+    assert main(["convert-gguf", str(absent), "--out", str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"GGUF file not found: {absent}")
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "mlx_worker_svc", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text("[]")
+    done = _run("serve", "--port", "0", "--hostfile", str(hostfile))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "mlx-worker serve: --hostfile and --backend start a worker group: give "
+        "--world-size N (N >= 2)"
+    )
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate")
+    done = _run("fleet", *WORKER, "--port", "0", "--worker-ca", str(garbage))
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"mlx-worker fleet: {garbage} is not a PEM file"

@@ -45,6 +45,9 @@ class FleetRequest:
     phase: Phase = Phase.QUEUED
     finish_reason: pb.FinishReason = pb.FINISH_REASON_UNSPECIFIED
     cancelled: bool = False
+    # The id the workers know it by: request_id, unless another live request has that id
+    # (request_id is the caller's, for logs): then request_id~n (scheduler.py).
+    worker_key: str = ""
     # Per attempt on a worker: the worker-side id, its computed count and length.
     attempt: int = 0
     computed: int = 0
@@ -57,7 +60,7 @@ class FleetRequest:
     @property
     def worker_id(self) -> str:
         """The id on the worker: a new one per attempt, so nothing stale collides."""
-        return f"{self.request_id}#{self.attempt}"
+        return f"{self.worker_key or self.request_id}#{self.attempt}"
 
     @property
     def tokens(self) -> list[int]:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
@@ -68,6 +70,9 @@ class FleetScheduler:
             for i, t in enumerate(dict.fromkeys(targets))
         ]
         self._pending: list[tuple[float, FleetRequest]] = []
+        # Live requests by the id their workers know them by (see `_claim_id`).
+        self._by_key: weakref.WeakValueDictionary[str, FleetRequest] = weakref.WeakValueDictionary()
+        self._suffixes = itertools.count(1)
         self._where: dict[FleetRequest, WorkerLink] = {}
         busy = self.config.link.max_num_seqs  # a full batch: prefix affinity yields past it
         self._router = Router(self.config.routing, self.config.affinity_tokens, busy)
@@ -208,6 +213,7 @@ class FleetScheduler:
                 )
         finally:
             self._admitting -= 1
+        self._claim_id(r)
         self.metrics.prompt_tokens.inc(len(prompt))
         extra = {"req_id": clip(r.request_id), "model": model, "prompt_tokens": len(prompt)}
         log.info("request admitted", extra=extra)
@@ -219,6 +225,15 @@ class FleetScheduler:
         if not self.models():  # nothing configured and no worker up yet: wait for one
             await self._some_link("")
         return self.residency.resolve(asked)
+
+    def _claim_id(self, r: FleetRequest) -> None:
+        """Gives `r` a worker-side id no other live request has: its request_id is the
+        caller's (for logs), and two callers may send the same one at once."""
+        key = r.request_id
+        while (holder := self._by_key.get(key)) is not None and holder.phase is not Phase.DONE:
+            key = f"{r.request_id}~{next(self._suffixes)}"
+        r.worker_key = key
+        self._by_key[key] = r
 
     def _ended(self, req_id: str, model: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""

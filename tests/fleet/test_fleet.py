@@ -17,7 +17,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from driver import reference_tokens
+import grpc
+from driver import reference_tokens, wait_until_idle
 from grpcurl_cli import (
     HEALTH,
     REFLECTION,
@@ -41,6 +42,7 @@ from processes import (
 )
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
 
 # ---------------------------------------------------------------- tests
@@ -186,3 +188,23 @@ def test_the_fleet_streams_every_token_as_sampled_through_execute_stream(
         counted = [len(m.token_ids) for m in stream.messages if m.token_ids]
         assert counted == [1] * request.sampling_params.max_tokens
     assert ahead.worker(pool.targets[0]).num_finished >= len(requests)
+
+
+def test_requests_sharing_a_request_id_run_as_two(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """GenerateRequest.request_id is the caller's, for logs: two live requests may share
+    one (on one worker), and each gets its own tokens, as alone; the worker ends idle."""
+    fleet = start_fleet(pool.targets[:1])
+    prompts = distinct_prompts(2, 9, seed=31)
+    alone = [tokens_of(fleet.generate(token_request(p, 40))) for p in prompts]
+    shared = [token_request(p, 40) for p in prompts]
+    for request in shared:
+        request.request_id = "dup"
+    streams = run_streams(fleet.stub, shared)
+    assert [s.error for s in streams] == [None, None]
+    assert [s.tokens for s in streams] == alone
+    assert all(m.request_id == "dup" for s in streams for m in s.messages)
+    with grpc.insecure_channel(pool.targets[0]) as channel:
+        worker = pb_grpc.WorkerServiceStub(channel)
+        assert wait_until_idle(worker, 30).num_running_requests == 0

@@ -24,6 +24,14 @@ def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
         )
     if request.tools_json and not request.messages:
         raise BadRequest("tools_json needs messages (a chat to render the tools into)")
+    params = request.sampling_params
+    if params.HasField("max_tokens") and params.max_tokens < 1:  # as a worker refuses it
+        raise BadRequest(
+            f"sampling_params.max_tokens must be >= 1 when set, got {params.max_tokens}"
+        )
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            raise BadRequest(f"sampling_params.stop[{i}] is empty; a stop string needs a character")
     if request.prompt_token_ids:
         return None
     if request.messages:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 from driver import reference_tokens, wait_until_idle
 from grpcurl_cli import (
     HEALTH,
@@ -134,6 +135,19 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
     tokens = tokens_of(messages)
     assert 0 < len(tokens) < 32 and tokens == all_tokens[: len(tokens)]
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(tokens))
+    # What a worker would refuse, the fleet refuses first, naming the field.
+    for sampling, named in (
+        ({"stop": ["x", ""]}, "sampling_params.stop[1] is empty"),
+        ({"max_tokens": 0}, "sampling_params.max_tokens must be >= 1 when set, got 0"),
+    ):
+        bad = token_request(prompt, 32)
+        bad.sampling_params.MergeFrom(pb.SamplingParams(**sampling))
+        if "max_tokens" in sampling:
+            bad.sampling_params.max_tokens = 0
+        with pytest.raises(grpc.RpcError) as refused:
+            fleet.generate(bad)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in str(refused.value.details())
 
 
 def _digits(max_tokens: int) -> pb.SamplingParams:

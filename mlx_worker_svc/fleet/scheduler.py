@@ -372,9 +372,10 @@ class FleetScheduler:
             message.num_cached_prompt_tokens = r.cached_tokens
             self.metrics.first_token(r.model, time.monotonic() - r.admitted, r.waited_for_load)
         if stop is not None or r.phase is Phase.DONE:
-            if stop is not None:
+            if stop is not None:  # the fleet ends it (the worker's finishes count there)
                 message.finish_reason = pb.FINISH_REASON_STOP_STRING
                 message.stop_string = stop
+                link.stats.num_finished += 1
             else:
                 message.finish_reason = r.finish_reason
                 message.text += r.flush()

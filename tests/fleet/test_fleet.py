@@ -125,7 +125,9 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
     stop = full[start : start + 3]
 
     # The last message names the stop string that matched, not one that never did.
+    ended = sum(w.num_finished for w in fleet.status().workers)
     messages = fleet.generate(token_request(prompt, 32, stop=["\x00absent", stop]))
+    assert sum(w.num_finished for w in fleet.status().workers) == ended + 1  # its worker's
     *head, last = messages
     assert last.finish_reason == pb.FINISH_REASON_STOP_STRING
     assert last.stop_string == stop

@@ -148,9 +148,11 @@ class FleetScheduler:
         try:
             r = await self._admit(request, started, reserve_max_tokens)
         except (WorkerError, ClientError) as exc:
-            self._ended(
-                request.request_id, request.model, error_outcome(exc.code), started, error=str(exc)
-            )
+            model = self._model_named(request.model)
+            self._ended(request.request_id, model, error_outcome(exc.code), started, error=str(exc))
+            raise
+        except asyncio.CancelledError:  # the caller left while it waited for a worker
+            self._ended(request.request_id, self._model_named(request.model), "cancelled", started)
             raise
         try:
             while True:
@@ -225,6 +227,11 @@ class FleetScheduler:
         if not self.models():  # nothing configured and no worker up yet: wait for one
             await self._some_link("")
         return self.residency.resolve(asked)
+
+    def _model_named(self, asked: str) -> str:
+        """The model a refused request counts under: the one it named, else the only one."""
+        known = self.models()
+        return known[0] if not asked and len(known) == 1 else asked
 
     def _claim_id(self, r: FleetRequest) -> None:
         """Gives `r` a worker-side id no other live request has: its request_id is the

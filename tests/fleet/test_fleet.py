@@ -137,7 +137,9 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
     tokens = tokens_of(messages)
     assert 0 < len(tokens) < 32 and tokens == all_tokens[: len(tokens)]
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(tokens))
-    # What a worker would refuse, the fleet refuses first, naming the field.
+    # What a worker would refuse, the fleet refuses first, naming the field; each refusal
+    # counts as an end of the fleet's only model.
+    [model] = fleet.status().models
     for sampling, named in (
         ({"stop": ["x", ""]}, "sampling_params.stop[1] is empty"),
         ({"max_tokens": 0}, "sampling_params.max_tokens must be >= 1 when set, got 0"),
@@ -150,6 +152,8 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
             fleet.generate(bad)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert named in str(refused.value.details())
+    [after] = fleet.status().models
+    assert after.num_finished == model.num_finished + 2
 
 
 def _digits(max_tokens: int) -> pb.SamplingParams:

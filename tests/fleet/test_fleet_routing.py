@@ -8,11 +8,13 @@ being tokenized, while every admitted request completes.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+import pytest
 from driver import code_of, details_of, greedy
 from processes import (
     Fleet,
@@ -129,8 +131,6 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     tiny_stub: pb_grpc.WorkerServiceStub, server: Any
 ) -> None:
     """The queue bound counts requests whose prompt is still being tokenized."""
-    import asyncio
-
     from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, Overloaded
 
     async def main() -> tuple[list[str], int]:
@@ -158,3 +158,28 @@ def test_text_prompts_cannot_overflow_the_queue_while_they_are_tokenized(
     results, peak = asyncio.run(main())
     assert results.count("rejected") >= 7 and peak <= 2
     assert results.count("ok") + results.count("rejected") == 10
+
+
+def test_a_caller_that_leaves_while_no_worker_is_up_is_counted_as_cancelled() -> None:
+    """Every ended request counts once: one cancelled before any worker came up too."""
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+
+    async def main() -> tuple[float, float]:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig())  # nothing listens there
+        await fleet.start()
+        cancelled = fleet.metrics.requests.labels("cancelled")
+        before = cancelled._value.get()
+        request = pb.GenerateRequest(prompt="hi", sampling_params=greedy(4))
+
+        async def ask() -> None:
+            async for _ in fleet.generate(request):
+                pass
+
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ask(), timeout=0.5)
+        after = cancelled._value.get()
+        await fleet.stop()
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert after == before + 1

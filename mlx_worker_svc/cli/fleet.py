@@ -267,15 +267,13 @@ def add_commands(sub: Any) -> None:
             "that no worker holds loads it on the idle worker used least recently, in place "
             "of its model (docs/fleet.md#many-models)",
         )
-        cmd.add_argument(
-            "--max-num-seqs", type=count(1), default=64, help="requests a step holds (default 64)"
-        )
-        cmd.add_argument(
-            "--max-num-batched-tokens",
-            type=count(1),
-            default=512,
-            help="tokens a step computes (default 512)",
-        )
+        for flag, default, what in (
+            ("--max-num-seqs", 64, "requests a step holds"),
+            ("--max-num-batched-tokens", 512, "tokens a step computes"),
+        ):
+            cmd.add_argument(
+                flag, type=count(1), default=default, help=f"{what} (default {default})"
+            )
         cmd.add_argument(
             "--decode-steps",
             type=_decode_steps,

@@ -66,9 +66,9 @@ def non_negative(text: str) -> float:
 
 
 def log_level(text: str) -> str:
-    """A `logging` level name, any case."""
+    """A level name `logging` knows (LOG_LEVELS, and its aliases WARN and FATAL), any case."""
     level = text.upper()
-    if level not in LOG_LEVELS or not isinstance(logging.getLevelName(level), int):
+    if level == "NOTSET" or not isinstance(logging.getLevelName(level), int):
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
     return level
 

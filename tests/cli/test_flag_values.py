@@ -64,6 +64,7 @@ def test_a_value_out_of_range_is_a_usage_error(
 def test_values_in_range_parse_as_before() -> None:
     args = parse_args(["serve", "--port", "0", "--memory-utilization", "1", "--log-level", "debug"])
     assert (args.port, args.memory_utilization, args.log_level) == (0, 1.0, "DEBUG")
+    assert parse_args(["serve", "--log-level", "warn"]).log_level == "WARN"  # logging's alias
     args = parse_args(["fleet", "--worker", "[::1]:50051", "--port", "65535"])
     assert (args.worker, args.port) == (["[::1]:50051"], 65535)
 

@@ -35,7 +35,13 @@ from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
 from mlx_worker_svc.fleet.checks import check_fits, check_forms
 from mlx_worker_svc.fleet.config import FleetConfig
-from mlx_worker_svc.fleet.errors import LoadFailed, NoWorkers, Overloaded
+from mlx_worker_svc.fleet.errors import (
+    BadRequest,
+    LoadFailed,
+    ModelNotFound,
+    NoWorkers,
+    Overloaded,
+)
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.models import ModelCatalog
@@ -229,9 +235,10 @@ class FleetScheduler:
         return self.residency.resolve(asked)
 
     def _model_named(self, asked: str) -> str:
-        """The model a refused request counts under: the one it named, else the only one."""
-        known = self.models()
-        return known[0] if not asked and len(known) == 1 else asked
+        """The model a refused request counts under: as `_resolve` finds it, else as named."""
+        with contextlib.suppress(BadRequest, ModelNotFound):
+            return self.residency.resolve(asked)
+        return asked
 
     def _claim_id(self, r: FleetRequest) -> None:
         """Gives `r` a worker-side id no other live request has: its request_id is the

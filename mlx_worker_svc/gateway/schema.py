@@ -31,6 +31,7 @@ Kind = OpenAIKind | Literal["messages"]  # messages: Anthropic's (anthropic/sche
 MAX_LOGPROBS = 20  # the workers' bound on top-n
 MAX_STOP = 4  # OpenAI's bound on stop strings
 _UINT32 = 2**32 - 1
+_FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -154,7 +155,7 @@ def parse_body(raw: bytes) -> Any:
     """
     cannot = "We could not parse the JSON body of your request"
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"{cannot}: it is not UTF-8 text ({exc})") from exc
     except ValueError as exc:
@@ -167,6 +168,11 @@ def parse_body(raw: bytes) -> Any:
         why = "a string holds a lone surrogate escape (\\ud800 to \\udfff without its pair)"
         raise ApiError(400, f"{cannot}: {why}") from exc
     return body
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN, Infinity and -Infinity, which RFC 8259 has no place for.
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
 
 
 def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
@@ -189,6 +195,7 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
         raise invalid("model", f"expected a string, got {json_type(model)}")
     if fields.integer("n", 1, 1_000_000) not in (None, 1):
         raise ApiError(400, "Only n = 1 is supported", param="n", code="invalid_value")
+    _ignored(kind, fields)
     stream = fields.boolean("stream")
     include_usage = _stream_options(fields, stream)
     request = pb.GenerateRequest(sampling_params=_sampling(kind, fields), request_id=_new_id(kind))
@@ -204,7 +211,10 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
             raise ApiError(400, "'echo' is not supported by this server", param="echo")
         if fields.integer("best_of", 1, 1_000_000) not in (None, 1):
             raise ApiError(400, "Only best_of = 1 is supported", param="best_of")
-        if fields.get("suffix"):
+        suffix = fields.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise invalid("suffix", f"expected a string, got {json_type(suffix)}")
+        if suffix:
             raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     if logprobs is not None:
         request.sampling_params.logprobs = logprobs
@@ -226,6 +236,24 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
         tools=tools,
         structured_param=structured_param,
     )
+
+
+def _ignored(kind: OpenAIKind, fields: Fields) -> None:
+    """Type-checks the fields accepted and ignored: `user`, chat's `store` and `metadata`."""
+    user = fields.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"expected a string, got {json_type(user)}")
+    if kind != "chat":
+        return
+    fields.boolean("store")
+    metadata = fields.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise invalid("metadata", f"expected an object, got {json_type(metadata)}")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise invalid(f"metadata.{key}", f"expected a string, got {json_type(value)}")
 
 
 def _new_id(kind: OpenAIKind) -> str:
@@ -270,14 +298,15 @@ def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
     # vLLM's extras.
     params.top_k = fields.integer("top_k", -1, _UINT32 >> 1) or 0
     params.min_p = fields.number("min_p", 0.0, 1.0) or 0.0
-    penalty = fields.number("repetition_penalty", 0.0, math.inf)
+    penalty = fields.number("repetition_penalty", 0.0, _FLOAT32_MAX)
     if penalty is not None:
         if penalty == 0:
             raise invalid("repetition_penalty", "must be greater than 0")
         params.repetition_penalty = penalty
     params.min_tokens = fields.integer("min_tokens", 0, _UINT32) or 0
     params.ignore_eos = fields.boolean("ignore_eos")
-    stop_ids = fields.get("stop_token_ids") or []
+    stop_ids = fields.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32 for t in stop_ids
     ):
@@ -304,7 +333,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise invalid("logit_bias", f"expected an object, got {json_type(value)}")
     bias: dict[int, float] = {}
     for key in value:
-        if not (isinstance(key, str) and key.isdigit() and int(key) <= _UINT32):
+        # ASCII digits only: str.isdigit() also takes '²' (no int) and '٣' (int 3).
+        if not (key.isascii() and key.isdigit() and int(key) <= _UINT32):
             raise invalid("logit_bias", f"{key!r} is not a token id")
         number = Fields(value, "logit_bias").number(key, -100.0, 100.0)
         if number is None:

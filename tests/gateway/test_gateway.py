@@ -187,6 +187,16 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
         ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"model": "gpt-4o"}, 404, "model"),
+        # str.isdigit() is true of both; int() refuses the first and reads 3 from the second.
+        ({"logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+        ({"logit_bias": {"\u0663": 1}}, 400, "logit_bias"),
+        # Past float32, which the worker's field is: it would arrive as inf.
+        ({"extra_body": {"repetition_penalty": 1e300}}, 400, "repetition_penalty"),
+        ({"user": 42}, 400, "user"),
+        ({"metadata": [1, 2]}, 400, "metadata"),
+        ({"metadata": {"tier": 1}}, 400, "metadata.tier"),
+        ({"store": "yes"}, 400, "store"),
+        ({"extra_body": {"stop_token_ids": ""}}, 400, "stop_token_ids"),
     ],
 )
 def test_bad_parameters_get_openai_errors(

@@ -157,6 +157,16 @@ def test_fields_clients_send_on_every_call_are_accepted(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usage"
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
+    for suffix in (0, [], {}):
+        bad = post(gateway, "/v1/completions", {"prompt": PROMPT, "suffix": suffix})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "suffix"
+    assert post(gateway, "/v1/completions", {"prompt": PROMPT, "suffix": ""}).status_code == 200
+    # NaN and Infinity are Python's json, not JSON (RFC 8259): the body does not parse.
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        raw = f'{{"prompt": "x", "max_tokens": 1, "user": {constant}}}'
+        bad = gateway.http.post("/v1/completions", content=raw)
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and constant in error["message"], error
 
 
 # ------------------------------------------ logprobs and the stop token (item 12)

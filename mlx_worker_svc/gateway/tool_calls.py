@@ -68,6 +68,7 @@ def call_grammar(tools: tuple[dict[str, Any], ...], fmt: Format, *, parallel: bo
         parameters = tool.get("parameters")
         # OpenAI: "Omitting parameters defines a function with an empty parameter list."
         schema = dict(_NO_PARAMETERS if parameters is None else parameters or {"type": "object"})
+        schema.setdefault("type", "object")  # arguments are an object (tools.check_function)
         schema.setdefault("x-guidance", _JSON_STYLE)
         opening, closing = head, "}"
         if fmt == "hermes":

@@ -171,6 +171,15 @@ def check_function(function: dict[str, Any], where: str, schema_field: str) -> N
     parameters = function.get(schema_field)
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid(f"{where}.{schema_field}", "expected a JSON Schema object")
+    # Arguments are a JSON object (a call's `arguments`, a `tool_use`'s `input`),
+    # as OpenAI's and Anthropic's APIs require of the schema.
+    kind = (parameters or {}).get("type", "object")
+    if kind != "object":
+        raise invalid(
+            f"{where}.{schema_field}.type",
+            f"a tool's arguments are a JSON object: the schema's type must be 'object', "
+            f"got {json.dumps(kind)}",
+        )
 
 
 def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:

@@ -387,6 +387,11 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0]"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+        # A tool's input is an object (the forced call's grammar would write a string).
+        (
+            {"tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+            "tools[0].input_schema.type",
+        ),
         ({"metadata": {"user_id": "u", "tier": 1}}, "metadata.tier"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         # As Anthropic's API: no empty content but a final assistant's, no empty text block,

@@ -323,6 +323,16 @@ def test_a_constraint_with_tools_to_call_is_a_400(
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "array"}, {"type": ["object"]}])
+def test_a_tool_whose_arguments_are_no_object_is_a_400(gateway: Gateway, schema: Any) -> None:
+    # A forced call's grammar would write such arguments, which are no call to parse.
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    body = {"model": "model", "messages": ASK, "tools": [tool], "tool_choice": "required"}
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "tools[0].function.parameters.type"
+
+
 @pytest.mark.parametrize(
     ("message", "param"),
     [

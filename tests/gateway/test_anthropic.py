@@ -347,6 +347,17 @@ def test_a_tool_result_goes_back_to_the_model(client: anthropic.Anthropic) -> No
     with pytest.raises(anthropic.BadRequestError, match="tool_use_id"):
         bad = {**result, "tool_use_id": "toolu_unknown"}
         create(client, messages=[*history[:2], {"role": "user", "content": [bad]}], tools=TOOLS)
+    # As Anthropic's API: a tool_use is answered in the next message, and only there.
+    unanswered = [*history[:2], {"role": "user", "content": "never mind"}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]': tool_use ids were"):
+        create(client, messages=unanswered, tools=TOOLS)
+    late = [
+        *history,
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [result]},
+    ]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[4\].content\[0\].tool_use_id"):
+        create(client, messages=late, tools=TOOLS)
 
 
 def test_tools_on_a_template_without_them_are_a_400_naming_tools(tiny_dir: Path) -> None:

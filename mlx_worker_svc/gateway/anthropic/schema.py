@@ -85,18 +85,27 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
         raise invalid("model", "Field required (a non-empty string)")
     _thinking(fields.get("thinking"))
     tools = _tools(fields.get("tools"), fields.get("tool_choice"))
-    names: dict[str, str] = {}  # tool_use id -> tool name, for the tool results that answer them
     messages = _system(fields.get("system"))
     turns = fields.get("messages")
     if not isinstance(turns, list) or not turns:
         raise invalid("messages", "expected a non-empty array of messages")
     prefill = ""
+    # As Anthropic's API: the tool_use blocks of an assistant message are each
+    # answered by a tool_result block of the next message, and only they.
+    calls: dict[str, str] = {}  # the last turn's tool_use ids -> their tools' names
     for i, turn in enumerate(turns):
-        last = i == len(turns) - 1
-        if last and isinstance(turn, dict) and turn.get("role") == "assistant":
+        asked, calls = calls, {}
+        if i == len(turns) - 1 and isinstance(turn, dict) and turn.get("role") == "assistant":
             prefill = _prefill(turn, f"messages[{i}]")
         else:
-            messages += _turn(turn, f"messages[{i}]", names)
+            messages += _turn(turn, f"messages[{i}]", asked, calls)
+        if asked:  # left unanswered
+            raise invalid(
+                f"messages[{i - 1}]",
+                f"tool_use ids were found without tool_result blocks immediately after: "
+                f"{', '.join(asked)}. Each tool_use block must have a corresponding "
+                "tool_result block in the next message.",
+            )
     if not any(m.role != "system" for m in messages):
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
@@ -202,8 +211,14 @@ def _kind(block: Any) -> str:
     return repr(block.get("type")) if isinstance(block, dict) else json_type(block)
 
 
-def _turn(turn: Any, where: str, names: dict[str, str]) -> list[pb.ChatMessage]:
-    """The ChatMessages of one user or assistant message."""
+def _turn(
+    turn: Any, where: str, asked: dict[str, str], calls: dict[str, str]
+) -> list[pb.ChatMessage]:
+    """The ChatMessages of one user or assistant message.
+
+    Its tool_result blocks answer (and take out of) `asked`, the tool_use
+    blocks of the message before; its tool_use blocks go into `calls`.
+    """
     if not isinstance(turn, dict):
         raise invalid(where, f"expected an object, got {json_type(turn)}")
     role = turn.get("role")
@@ -221,7 +236,7 @@ def _turn(turn: Any, where: str, names: dict[str, str]) -> list[pb.ChatMessage]:
     if not isinstance(content, list):
         raise invalid(f"{where}.content", "expected a string or an array of content blocks")
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    uses: list[dict[str, Any]] = []
     out: list[pb.ChatMessage] = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -229,16 +244,16 @@ def _turn(turn: Any, where: str, names: dict[str, str]) -> list[pb.ChatMessage]:
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use" and role == "assistant":
-            calls.append(_tool_use(block, at, names))
+            uses.append(_tool_use(block, at, calls))
         elif kind == "tool_result" and role == "user":
-            out.append(_tool_result(block, at, names))
+            out.append(_tool_result(block, at, asked))
         else:
             allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
             raise invalid(at, f"{_kind(block)} blocks are not supported here ({allowed} are)")
-    if texts or calls or not out:
+    if texts or uses or not out:
         message = pb.ChatMessage(role=role, content="\n".join(texts))
-        if calls:
-            message.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+        if uses:
+            message.tool_calls_json = json.dumps(uses, ensure_ascii=False)
         out.append(message)
     return out
 
@@ -256,10 +271,15 @@ def _tool_use(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> pb.ChatMessage:
+def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb.ChatMessage:
     call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str) or call_id not in names:
-        raise invalid(f"{where}.tool_use_id", "expected the id of an earlier tool_use block")
+    if not isinstance(call_id, str) or call_id not in asked:
+        raise invalid(
+            f"{where}.tool_use_id",
+            f"unexpected tool_use_id found in tool_result blocks: {call_id}. Each tool_result "
+            "block must have a corresponding tool_use block in the previous message.",
+        )
+    name = asked.pop(call_id)
     content = block.get("content")
     if content is None or isinstance(content, str):
         text = content or ""
@@ -267,7 +287,7 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> pb
         text = _texts(content, f"{where}.content")
     if not isinstance(block.get("is_error", False), bool):
         raise invalid(f"{where}.is_error", "expected a boolean")
-    return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=names[call_id])
+    return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=name)
 
 
 def _prefill(turn: dict[str, Any], where: str) -> str:

@@ -157,6 +157,7 @@ def test_fields_clients_send_on_every_call_are_accepted(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options.include_usage"
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
+    suffix: object
     for suffix in (0, [], {}):
         bad = post(gateway, "/v1/completions", {"prompt": PROMPT, "suffix": suffix})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "suffix"

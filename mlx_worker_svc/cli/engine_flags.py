@@ -13,6 +13,7 @@ and `fleet` pass to the workers they bring up.
 from __future__ import annotations
 
 import argparse
+import json
 
 from mlx_worker_svc.core.domain import KVFormat
 from mlx_worker_svc.engine import options
@@ -36,16 +37,43 @@ def lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-def add_lora_arguments(parser: argparse.ArgumentParser, who: str) -> None:
-    """`--lora-modules NAME=PATH ...` (vLLM's flag); `who` says where they load."""
+def fleet_lora_module(text: str) -> tuple[str, str, str]:
+    """One adapter of the fleet's `--lora-modules`: NAME=PATH, or vLLM's JSON form
+    `{"name": ..., "path": ..., "base_model_name": ...}`; (name, path, base or "")."""
+    if not text.lstrip().startswith("{"):
+        return (*lora_module(text), "")
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from exc
+    keys = {"name", "path", "base_model_name"}
+    if not isinstance(spec, dict) or set(spec) - keys or not {"name", "path"} <= set(spec):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give an object with name, path and optionally base_model_name"
+        )
+    values = (spec["name"], spec["path"], spec.get("base_model_name", ""))
+    if not all(isinstance(v, str) for v in values) or not all(values[:2]):
+        raise argparse.ArgumentTypeError(f"{text!r}: name and path are non-empty strings")
+    return values
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser, who: str, *, fleet: bool = False) -> None:
+    """`--lora-modules NAME=PATH ...` (vLLM's flag); `who` says where they load. The
+    fleet's also take vLLM's JSON form, which names the adapter's base model."""
+    base = (
+        '; or \'{"name": NAME, "path": PATH, "base_model_name": MODEL}\' (vLLM\'s form), '
+        "needed when the fleet serves several models"
+        if fleet
+        else ""
+    )
     parser.add_argument(
         "--lora-modules",
         nargs="+",
-        type=lora_module,
+        type=fleet_lora_module if fleet else lora_module,
         default=[],
         metavar="NAME=PATH",
         help=f"LoRA adapters (mlx_lm.lora's directories) {who}, served under NAME "
-        "(requests' lora_name; the gateway's model id); docs/adapters.md",
+        f"(requests' lora_name; the gateway's model id){base}; docs/adapters.md",
     )
 
 

@@ -39,6 +39,19 @@ def _fleet_config(args: argparse.Namespace) -> Any:
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ValueError(f"--models names {', '.join(twice)} more than once")
+    models = dict(args.models or [])
+    for name, _, base in args.lora_modules:
+        if base and models and base not in models:
+            raise ValueError(
+                f"--lora-modules {name}: base_model_name {base!r} is none of --models "
+                f"({', '.join(models)})"
+            )
+        if not base and len(models) > 1:
+            raise ValueError(
+                f"--lora-modules {name}: the fleet serves {len(models)} models (--models), so "
+                f'give the adapter\'s base model: \'{{"name": "{name}", "path": ..., '
+                f'"base_model_name": ...}}\''
+            )
     credentials, token = worker_client_from_args(args)
     kv = kv_format(args)
     link = LinkConfig(
@@ -59,8 +72,9 @@ def _fleet_config(args: argparse.Namespace) -> Any:
         link=link,
         queue_capacity=args.queue,
         routing=args.routing,
-        models=dict(args.models or []),
-        lora_modules=dict(args.lora_modules),
+        models=models,
+        lora_modules={name: path for name, path, _ in args.lora_modules},
+        lora_bases={name: base for name, _, base in args.lora_modules if base},
     )
 
 
@@ -295,7 +309,9 @@ def add_commands(sub: Any) -> None:
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
         cmd.add_argument("--queue", type=count(1), default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
-        add_lora_arguments(cmd, "the fleet loads (AddLora) on a worker when none holds one")
+        add_lora_arguments(
+            cmd, "the fleet loads (AddLora) on a worker when none holds one", fleet=True
+        )
         if name in ("fleet", "gateway"):
             port = 50050 if name == "fleet" else 8000
             cmd.add_argument(

@@ -40,8 +40,11 @@ class AdapterNotFound(FleetError, NotFound):
 class AdapterPlacement:
     """The configured adapters (name -> path) and the loads under way."""
 
-    def __init__(self, configured: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, configured: Mapping[str, str] | None = None, bases: Mapping[str, str] | None = None
+    ) -> None:
         self.configured = dict(configured or {})
+        self.bases = dict(bases or {})  # adapter -> its model, where configured
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # (worker, adapter)
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
 
@@ -97,8 +100,10 @@ class AdapterPlacement:
         task.add_done_callback(self._background.discard)
 
     def parents(self, links: list[WorkerLink], models: list[str]) -> dict[str, str]:
-        """Adapter -> the model it runs on: its holders' model, else the fleet's only one."""
-        out = {name: models[0] if len(models) == 1 else "" for name in self.configured}
+        """Adapter -> the model it runs on: the configured base, else its holders'
+        model, else the fleet's only one ("": not known)."""
+        only = models[0] if len(models) == 1 else ""
+        out = {name: self.bases.get(name, only) for name in self.configured}
         for link in links:
             for name in link.adapters:
                 out.setdefault(name, link.model_name)

@@ -70,3 +70,6 @@ class FleetConfig:
     # LoRA adapters the fleet loads on a worker when none holds one, name -> path
     # (`fleet --lora-modules NAME=PATH`; fleet/adapters.py).
     lora_modules: Mapping[str, str] = field(default_factory=dict)
+    # The model each of them runs on, name -> model name (vLLM's base_model_name);
+    # unset: the model of a worker holding it, else the fleet's only model.
+    lora_bases: Mapping[str, str] = field(default_factory=dict)

@@ -89,7 +89,7 @@ class FleetScheduler:
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
-        self.adapters = AdapterPlacement(self.config.lora_modules)
+        self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
         self._up = self.residency.up
 
     # --------------------------------------------------------- lifecycle

@@ -141,8 +141,16 @@ class Gateway:
             return (names[0] if names else "unknown"), ""
         if names and asked not in names:
             raise _no_such_model(asked)
+        if self.config.served_model_name:
+            return asked, ""
         model = self.adapter_parents().get(asked, asked)  # an adapter runs on its parent
-        return asked, "" if self.config.served_model_name else model
+        if not model:  # an adapter no worker holds, of a fleet of several models
+            raise invalid(
+                "model",
+                f"adapter {asked!r} has no known base model: no worker holds it and the "
+                "gateway serves several models (its --lora-modules entry needs base_model_name)",
+            )
+        return asked, model
 
     # -------------------------------------------------- health, metrics
     async def health(self, request: Request) -> JSONResponse:

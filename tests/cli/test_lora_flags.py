@@ -42,3 +42,24 @@ def test_lora_modules_are_name_path_pairs() -> None:
     assert args.lora_modules == [("a", "/x/a"), ("b", "/x/b")] and args.max_loras == 3
     with pytest.raises(SystemExit):
         parse_args(["serve", "--lora-modules", "nopath"])
+
+
+def test_a_fleet_of_several_models_needs_each_adapters_base_model(tmp_path: Path) -> None:
+    fleet = [sys.executable, "-m", "mlx_worker_svc", "fleet", "--worker", "127.0.0.1:1"]
+    fleet += ["--port", "0", "--models", "a=/m/a", "b=/m/b", "--lora-modules"]
+    for spec, says in (
+        ("ad=/x", "the fleet serves 2 models (--models), so give the adapter's base model"),
+        ('{"name": "ad", "path": "/x", "base_model_name": "c"}', "'c' is none of --models"),
+    ):
+        done = subprocess.run(
+            [*fleet, spec], capture_output=True, text=True, timeout=120, check=False
+        )
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith("mlx-worker fleet: --lora-modules ad: ") and says in lines[0]
+    spec = '{"name": "ad", "path": "/x", "base_model_name": "b"}'
+    args = parse_args(["fleet", "--worker", "h:1", "--lora-modules", spec, "p=/y"])
+    assert args.lora_modules == [("ad", "/x", "b"), ("p", "/y", "")]
+    for bad in ('{"name": "ad"}', '{"name": "ad", "path": "/x", "base": "b"}', "{nope"):
+        with pytest.raises(SystemExit):
+            parse_args(["fleet", "--worker", "h:1", "--lora-modules", bad])

@@ -8,6 +8,7 @@ greedy tokens tell which model answered it; the workers' counts tell where.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from lora_adapters import make_adapter
 from processes import Fleet, Proc, Stream, WorkerPool, by_target, distinct_prompts, run_streams
 from processes import token_request as greedy
 from tiny_model import build_tiny_model
@@ -145,12 +147,21 @@ def test_the_gateway_lists_every_model_and_routes_by_name(
     pool: WorkerPool, models: dict[str, Path]
 ) -> None:
     args = [arg for target in pool.targets for arg in ("--worker", target)]
-    proc = Proc(["gateway", *args, "--port", "0", *model_flags(models, "ab")])
+    # An adapter of model b, named with its base as vLLM's JSON form does.
+    adapter = make_adapter(models["b"].parent / "adapter-b", models["b"], seed=5)
+    spec = json.dumps({"name": "ad", "path": str(adapter), "base_model_name": "b"})
+    lora = ["--lora-modules", spec]
+    proc = Proc(["gateway", *args, "--port", "0", *model_flags(models, "ab"), *lora])
     port = int(proc.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1))
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
             wait_for_workers(http, len(pool.targets))
-            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["a", "b"]
+            cards = http.get("/v1/models").json()["data"]
+            assert [(m["id"], m["parent"]) for m in cards] == [
+                ("a", None),
+                ("b", None),
+                ("ad", "b"),
+            ]
             assert http.get("/v1/models/b").json()["id"] == "b"
             texts = {}
             for name in "ab":
@@ -159,6 +170,9 @@ def test_the_gateway_lists_every_model_and_routes_by_name(
                 assert answer["model"] == name
                 texts[name] = answer["choices"][0]["text"]
             assert texts["a"] != texts["b"]
+            body = {"model": "ad", "prompt": "Once upon a time", "max_tokens": 8}
+            answer = http.post("/v1/completions", json=body | {"temperature": 0}).json()
+            assert answer["model"] == "ad" and answer["choices"][0]["text"] != texts["b"]
             body = {"model": "gpt-4", "prompt": "Once", "max_tokens": 2}
             missing = http.post("/v1/completions", json=body)
             assert missing.status_code == 404
@@ -186,6 +200,8 @@ def test_the_gateway_lists_every_model_and_routes_by_name(
                 sampling_params=pb.SamplingParams(temperature=0, max_tokens=8),
             )
             assert "".join(m.text for m in stub.Generate(request, timeout=60)) == texts[name]
+            adapters = stub.ListLoras(pb.ListLorasRequest(), timeout=30).names
+            assert ("ad" in adapters) == (name == "b"), (name, adapters)  # loaded on b's
             request.model = "c" if held != "c" else "a"
             with pytest.raises(grpc.RpcError) as other:
                 list(stub.Generate(request, timeout=60))

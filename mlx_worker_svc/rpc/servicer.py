@@ -304,13 +304,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             adapter=text_convert.lora_adapter(added.info),
             already_loaded=added.already_loaded,
             evicted=added.evicted,
+            kv=convert.kv_usage(self._worker.kv_usage()),
         )
 
     @_unary
     def RemoveLora(
         self, request: pb.RemoveLoraRequest, context: grpc.ServicerContext
     ) -> pb.RemoveLoraResponse:
-        return pb.RemoveLoraResponse(path=self._worker.remove_lora(request.name))
+        path = self._worker.remove_lora(request.name)
+        return pb.RemoveLoraResponse(path=path, kv=convert.kv_usage(self._worker.kv_usage()))
 
     @_unary
     def PinLora(

@@ -271,8 +271,10 @@ def test_adapters_after_init_cache_take_their_bytes_from_the_kv_budget(
         stub.InitCache(
             pb.InitCacheRequest(num_blocks=blocks, block_size=16, memory_limit_bytes=limit)
         )
-        added = stub.AddLora(pb.AddLoraRequest(name="b", path=str(adapters["b"]))).adapter
-        given = -(-added.bytes // profile.bytes_per_block)  # whole blocks of its bytes
+        reply = stub.AddLora(pb.AddLoraRequest(name="b", path=str(adapters["b"])))
+        given = -(-reply.adapter.bytes // profile.bytes_per_block)  # whole blocks of its bytes
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks - given
-        stub.RemoveLora(pb.RemoveLoraRequest(name="b"))
+        assert (reply.kv.num_blocks, reply.kv.free_blocks) == (blocks - given, blocks - given)
+        removed = stub.RemoveLora(pb.RemoveLoraRequest(name="b"))
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks
+        assert removed.kv.num_blocks == blocks and removed.kv.block_size == 16

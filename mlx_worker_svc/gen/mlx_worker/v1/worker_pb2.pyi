@@ -835,14 +835,16 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., scale: _Optional[float] = ..., bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., num_requests: _Optional[int] = ..., num_modules: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class AddLoraResponse(_message.Message):
-    __slots__ = ("adapter", "already_loaded", "evicted")
+    __slots__ = ("adapter", "already_loaded", "evicted", "kv")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     adapter: LoraAdapter
     already_loaded: bool
     evicted: str
-    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., already_loaded: _Optional[bool] = ..., evicted: _Optional[str] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., already_loaded: _Optional[bool] = ..., evicted: _Optional[str] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class RemoveLoraRequest(_message.Message):
     __slots__ = ("name",)
@@ -851,10 +853,12 @@ class RemoveLoraRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class RemoveLoraResponse(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "kv")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, path: _Optional[str] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class PinLoraRequest(_message.Message):
     __slots__ = ("name", "unpin")

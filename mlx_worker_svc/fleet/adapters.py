@@ -76,8 +76,11 @@ class AdapterPlacement:
     @staticmethod
     async def _load(link: WorkerLink, name: str, path: str) -> None:
         log.info("loading adapter %s on %s", name, link.target)
-        await link.client.add_lora(pb.AddLoraRequest(name=name, path=path))
+        added = await link.client.add_lora(pb.AddLoraRequest(name=name, path=path))
+        link.adapters.discard(added.evicted)  # under the worker's --max-loras
         link.adapters.add(name)
+        if added.kv.num_blocks:  # the budget the adapters left (AddLoraResponse.kv)
+            link.num_blocks = added.kv.num_blocks
 
     def place(
         self, up: list[WorkerLink], name: str, on_loaded: Callable[[WorkerLink], None]

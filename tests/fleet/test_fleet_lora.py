@@ -223,3 +223,49 @@ def test_the_gateway_serves_adapters_as_models(
         assert base.choices[0].text != text.text
     finally:
         gateway.close()
+
+
+def test_an_adapter_the_worker_evicts_is_no_longer_routed_there(
+    fleet_model: Path, adapters: dict[str, Path]
+) -> None:
+    """A worker of --max-loras 1 evicts its adapter for the one the fleet loads: the fleet
+    drops the evicted one from the worker's list (AddLoraResponse.evicted) and takes the KV
+    budget the load left (AddLoraResponse.kv)."""
+    flags = [
+        "--max-loras",
+        "1",
+        "--grace-seconds",
+        "1",
+        "--lora-modules",
+        f"held={adapters['held']}",
+    ]
+    worker = Proc(["serve", "--model", str(fleet_model), "--auto-init", "--port", "0", *flags])
+    try:
+        port = worker.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        target = f"127.0.0.1:{port}"
+        worker.wait_for(r"^ready:")
+        started = _fleet([target], "--lora-modules", f"later={adapters['later']}")
+        fleet = next(started)
+        try:
+            assert list(fleet.worker(target).lora_adapters) == ["held"]
+            [prompt] = distinct_prompts(1, 10, seed=13)
+            request = token_request(prompt, TOKENS)
+            request.lora_name = "later"
+            assert (
+                tokens_of(fleet.generate(request))
+                == reference(fleet_model, adapters["later"], [prompt])[0]
+            )
+            status = fleet.worker(target)
+            assert list(status.lora_adapters) == ["later"]
+            with grpc.insecure_channel(target) as channel:
+                health = pb_grpc.WorkerServiceStub(channel).CheckHealth(pb.CheckHealthRequest())
+            assert status.kv.num_blocks == health.kv.num_blocks
+            request.lora_name = "held"  # evicted, and the fleet has no path for it
+            with pytest.raises(grpc.RpcError) as info:
+                fleet.generate(request)
+            assert code_of(info.value) == grpc.StatusCode.NOT_FOUND
+            assert "no worker of the fleet holds adapter 'held'" in details_of(info.value)
+        finally:
+            next(started, None)  # the fleet stops
+    finally:
+        worker.reap()

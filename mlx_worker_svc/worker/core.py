@@ -183,6 +183,8 @@ class WorkerCore:
         if log.isEnabledFor(logging.DEBUG):
             _log_requests(work, outcome)
         self.streams.dispatch(outcome.outputs)
+        if self.state is S.READY:  # a first step, Execute's or Generate's
+            self.set_state(S.SERVING)
         return outcome
 
     def compile_grammars(self, specs: Iterable[tuple[StructuredOutputs | None, str]]) -> None:

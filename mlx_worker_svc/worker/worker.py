@@ -279,8 +279,6 @@ class Worker:
         work = core.scheduler.ride_along(runner, runner.plan(plan), plan.step_id)
         outcome = core.run(runner, work)
         outputs = [outcome.outputs[key] for key in work.touched if key[0] is Origin.EXECUTE]
-        if core.state is S.READY:
-            core.set_state(S.SERVING)
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, core.epoch, outputs, timings)
 

@@ -170,7 +170,7 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
     limits = AdmissionLimits()
     assert after("mlx_worker_max_running_requests") == limits.max_running_requests
     assert after("mlx_worker_max_queued_steps") == limits.max_queued_steps
-    assert after("mlx_worker_state", state="READY") == 1
+    assert after("mlx_worker_state", state="SERVING") == 1  # Generate steps ran
     assert after("mlx_worker_state", state="NEW") == 0
 
 

@@ -106,7 +106,9 @@ def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
                 stub.Shutdown(pb.ShutdownRequest(grace_seconds=bad))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "ShutdownRequest.grace_seconds must be" in str(refused.value.details())
-        assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_READY
+        assert (
+            stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_SERVING
+        )  # not DRAINING
         answer = stub.Shutdown(pb.ShutdownRequest(grace_seconds=30))
         assert answer.num_in_flight == 1
         status = health.Check(health_pb2.HealthCheckRequest(service="")).status

@@ -86,6 +86,7 @@ def test_generate_calls_stream_mlx_lm_tokens_without_a_server(
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     reference = mlx_lm_tokens(tiny_dir, prompts, 8)
     bring_up(core, tiny_dir)
+    assert state(core) is S.READY
     calls = GenerateCalls(core)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
     started = [
@@ -94,6 +95,7 @@ def test_generate_calls_stream_mlx_lm_tokens_without_a_server(
     ]
     assert [tokens_of(chunks) for chunks, _ in started] == reference
     assert not core.streams and core.runner is not None and not core.runner.state.seqs
+    assert state(core) is S.SERVING  # a first step, a Generate's as much as an Execute's
 
 
 def test_the_scheduler_sheds_the_youngest_stream_when_the_kv_budget_is_full(

@@ -251,7 +251,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             )
             return pb.TokenizeResponse(token_ids=ids, text=text)
         ids = self._worker.tokenize_text(request.text, request.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids, text=request.text)
+        return pb.TokenizeResponse(token_ids=ids)  # text is the rendered chat's only
 
     @_unary
     def Detokenize(

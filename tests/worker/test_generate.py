@@ -79,6 +79,7 @@ def test_generate_chat_and_text_prompts(tiny_stub: Stub) -> None:
     )
     assert last.prompt_tokens == len(rendered.token_ids) and len(tokens) == 4
     plain = tiny_stub.Tokenize(pb.TokenizeRequest(text="Hello there"))
+    assert plain.token_ids and not plain.text  # the text is not echoed back
     _, _, last = _collect(
         tiny_stub, pb.GenerateRequest(prompt="Hello there", sampling_params=greedy(2))
     )

@@ -234,6 +234,12 @@ class WorkerLink:
                 self._swap = self.catalog.path_of(self.model_name) or self.model
                 if self._on_load_failed is not None:
                     self._on_load_failed(self, name, exc)
+            elif _load_refused(exc) and self.initial:
+                # The model it was to start with does not load (a bad path): its
+                # requests fail with the cause, and the next try is the next model.
+                failed, self.initial = self.initial, self.catalog.after(self.initial)
+                if self._on_load_failed is not None:
+                    self._on_load_failed(self, self.catalog.name_of(failed), exc)
             return "down"
         if self.loading:
             self.num_loads += 1
@@ -394,3 +400,8 @@ class WorkerLink:
             self._lose_everything(f"{exc.code.name}: {exc.details}")
         else:
             refuse_step(exc, request, started, self._queues)
+
+
+def _load_refused(exc: Exception) -> bool:
+    """A LoadModel the worker answered with a refusal (the model, not the worker, failed)."""
+    return isinstance(exc, ClientError) and exc.method == "LoadModel" and not worker_lost(exc)

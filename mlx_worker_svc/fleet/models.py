@@ -49,6 +49,11 @@ class ModelCatalog:
         paths = list(self.configured.values())
         return paths[index % len(paths)] if paths else ""
 
+    def after(self, path: str) -> str:
+        """The configured path after `path`, in turn (`path` itself if not configured)."""
+        paths = list(self.configured.values())
+        return paths[(paths.index(path) + 1) % len(paths)] if path in paths else path
+
 
 class Holder(Protocol):
     """What the policy reads of a worker link."""

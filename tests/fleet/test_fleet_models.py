@@ -279,6 +279,28 @@ def test_a_model_that_does_not_load_fails_its_requests_and_the_worker_recovers(
         close(fleet)
 
 
+def test_a_first_model_that_does_not_load_leaves_the_worker_to_the_next(
+    models: dict[str, Path],
+) -> None:
+    """A bare worker whose first model (`--models` order) is a bad path loads the next one
+    instead of retrying the bad one for ever: requests for the good model are served."""
+    bare = WorkerPool(models["a"], size=1, auto_init=False)
+    try:
+        bare.start()
+        fleet = start(bare, [0], "--models", "bad=/no/such/model", f"a={models['a']}")
+        try:
+            assert len(tokens(fleet.generate(ask("a", PROMPTS[1])))) == 8
+            with pytest.raises(grpc.RpcError) as failed:
+                fleet.generate(ask("bad", PROMPTS[1]))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "/no/such/model" in str(failed.value.details())
+            assert [w.model_name for w in fleet.status().workers] == ["a"]
+        finally:
+            close(fleet)
+    finally:
+        bare.reap()
+
+
 def test_the_generate_command_answers_with_the_model_it_names(
     pool: WorkerPool, models: dict[str, Path]
 ) -> None:

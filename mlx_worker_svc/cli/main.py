@@ -23,6 +23,15 @@ from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logg
 
 def _convert(args: argparse.Namespace) -> int:
     if args.gguf is None:
+        given = [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
+        if given:  # the embedded model goes to the cache, never to --out
+            print(
+                f"convert-gguf: {' and '.join(given)} need a GGUF file; without one the "
+                "embedded model is built in $MLX_WORKER_CACHE/models (default "
+                "~/.cache/mlx-worker-svc/models)",
+                file=sys.stderr,
+            )
+            return 2
         from mlx_worker_svc.cli.envs import cache_root
         from mlx_worker_svc.engine.model.embedded import ensure_default_model
 

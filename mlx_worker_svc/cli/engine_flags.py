@@ -16,6 +16,7 @@ import argparse
 import json
 
 from mlx_worker_svc.core.domain import KVFormat
+from mlx_worker_svc.core.flag_values import count
 from mlx_worker_svc.engine import options
 from mlx_worker_svc.engine.options import LOOK_AHEAD_MODES, EngineOptions
 
@@ -81,7 +82,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_lora_arguments(parser, "loaded with the model")
     parser.add_argument(
         "--max-loras",
-        type=int,
+        type=count(1),
         default=8,
         metavar="N",
         help="LoRA adapters resident at once; AddLora past N evicts the least recently used "

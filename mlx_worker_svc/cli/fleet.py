@@ -19,7 +19,7 @@ from typing import Any
 from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.core.flag_values import count, non_negative, target
+from mlx_worker_svc.core.flag_values import count, non_negative, target, within
 from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -227,8 +227,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--probe-misses",
-        type=int,
-        choices=range(1, 101),
+        type=within(1, 100),
         metavar="N",
         default=default.probe_misses,
         help=f"probes missed in a row that make a worker hung (default {default.probe_misses}); "
@@ -298,8 +297,7 @@ def add_commands(sub: Any) -> None:
         )
         cmd.add_argument(
             "--steps-ahead",
-            type=int,
-            choices=range(8),
+            type=within(0, 7),
             default=1,
             metavar="N",
             help="steps sent to each worker ahead of the oldest reply, through ExecuteStream "

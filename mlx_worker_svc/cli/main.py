@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from mlx_worker_svc.core.domain import DeviceKind
-from mlx_worker_svc.core.flag_values import count, fraction, port, seconds
+from mlx_worker_svc.core.flag_values import count, fraction, port, seconds, within
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
 
 
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_MAX_QUEUED_STEPS,
         DEFAULT_MAX_RUNNING_REQUESTS,
         DEFAULT_MAX_STEPS_IN_FLIGHT,
+        MAX_LIMIT,
     )
 
     parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
@@ -150,21 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-running-requests",
-        type=int,
+        type=within(1, MAX_LIMIT),
         default=DEFAULT_MAX_RUNNING_REQUESTS,
         help="live requests admitted; past it RESOURCE_EXHAUSTED at once "
         f"(default {DEFAULT_MAX_RUNNING_REQUESTS})",
     )
     serve.add_argument(
         "--max-queued-steps",
-        type=int,
+        type=within(1, MAX_LIMIT),
         default=DEFAULT_MAX_QUEUED_STEPS,
         help="Execute steps and Generate starts waiting for the engine; past it "
         f"RESOURCE_EXHAUSTED at once (default {DEFAULT_MAX_QUEUED_STEPS})",
     )
     serve.add_argument(
         "--max-steps-in-flight",
-        type=int,
+        type=within(1, MAX_LIMIT),
         default=DEFAULT_MAX_STEPS_IN_FLIGHT,
         help="steps of one ExecuteStream read ahead of their responses "
         f"(default {DEFAULT_MAX_STEPS_IN_FLIGHT})",

@@ -36,6 +36,18 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def within(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
 def seconds(*, zero: bool) -> Callable[[str], float]:
     """A finite number of seconds, above 0 (or, with `zero`, at least 0)."""
 

@@ -18,6 +18,8 @@ from mlx_worker_svc.core.errors import InvalidArgument
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 DEFAULT_MAX_QUEUED_STEPS = 64
 DEFAULT_MAX_STEPS_IN_FLIGHT = 4
+# The most any of the three limits below may be set to.
+MAX_LIMIT = 1 << 20
 # Threads beyond the admitted work: health checks, GetInfo, Tokenize, lifecycle.
 RESERVED_THREADS = 16
 # Used when the model's context length is not known before it loads (hub ids).
@@ -42,8 +44,8 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_queued_steps", "max_steps_in_flight"):
             value = getattr(self, name)
-            if not 1 <= value <= 1 << 20:
-                raise InvalidArgument(f"{name} must be in [1, {1 << 20}], got {value}")
+            if not 1 <= value <= MAX_LIMIT:
+                raise InvalidArgument(f"{name} must be in [1, {MAX_LIMIT}], got {value}")
 
     @property
     def threads(self) -> int:

@@ -152,7 +152,11 @@ def test_a_misspelt_key_is_refused_with_its_name(
         ("[serve]\nauto-init = 'yes'\n", [], "[serve] auto-init = 'yes': expected true or false"),
         ("[serve]\nport = true\n", [], "[serve] port = True: expected a string or a number"),
         ("[serve]\ndevice = 'tpu'\n", [], "[serve] device = 'tpu': not one of auto, cpu, gpu"),
-        ("[fleet]\nworker = 'a:1'\nsteps-ahead = 9\n", [], "steps-ahead = 9: not in [0, 7]"),
+        (
+            "[fleet]\nworker = 'a:1'\nsteps-ahead = 9\n",
+            [],
+            "steps-ahead = 9: must be in [0, 7], got 9",
+        ),
         ("[serve]\nhelp = true\n", [], "unknown key 'help' in [serve]"),
         ("[gateway]\nport = 1\n", [], "no [serve] section"),
         (

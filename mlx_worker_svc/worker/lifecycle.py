@@ -104,7 +104,7 @@ class Lifecycle:
             swap = core.state is S.SLEEPING and core.sleep_level == 2
             if not swap:
                 core.require("LoadModel", S.DEVICE_READY)
-            if core.loaded is not None and spec == core.load_spec:
+            if core.loaded is not None and loader.same_load(spec, core.load_spec):
                 return core.loaded, core.epoch
             core.require_idle("LoadModel")
             loaded = core.replica.load(spec)  # raises before anything changes

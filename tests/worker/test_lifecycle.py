@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,10 @@ def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> No
     assert info.quantization.bits == 0 and info.dtype == "float32"
     again = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir)))
     assert again.worker_epoch == loaded.worker_epoch  # same args: no reload
+    # The same directory written another way is the same model: no reload either.
+    for spelled in (f"{tiny_dir}/", os.path.relpath(tiny_dir)):
+        same = stub.LoadModel(pb.LoadModelRequest(model=spelled))
+        assert same.worker_epoch == loaded.worker_epoch, spelled
 
     memory = stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32))
     assert memory.bytes_per_block > 0 and memory.block_size == 16
@@ -172,8 +177,11 @@ def test_bad_model_paths_leave_the_worker_usable(
 
 def test_reloading_a_model_starts_a_new_epoch(stub: Stub, tiny_dir: Path) -> None:
     epoch = bring_up(stub, tiny_dir)
-    reloaded = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), max_model_len=256))
+    relative = os.path.relpath(tiny_dir)
+    reloaded = stub.LoadModel(pb.LoadModelRequest(model=relative, max_model_len=256))
     assert reloaded.worker_epoch > epoch and reloaded.model.max_context_length == 256
+    # ModelInfo.model is the request's, model_path the directory made absolute.
+    assert (reloaded.model.model, reloaded.model.model_path) == (relative, str(tiny_dir))
     assert reloaded.state == pb.WORKER_STATE_MODEL_LOADED
     code, message = _code(lambda: stub.Execute(pb.ExecuteRequest(worker_epoch=epoch)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "DetermineMemory" in message

@@ -11,9 +11,10 @@ are read.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,22 @@ class LoadedModel:
         self.adapters = AdapterSet(self.model)
 
 
+def local_path(model: str) -> str:
+    """A model given as a path, made absolute (`~` expanded; symlinks kept, so the
+    directory's name stays the one given); anything else (a hub id) as it is."""
+    path = Path(model).expanduser()
+    return os.path.abspath(path) if path.exists() else model
+
+
+def same_load(spec: LoadSpec, held: LoadSpec | None) -> bool:
+    """Whether `spec` asks for the model held: the same arguments, its path written
+    either way ("m", "./m/", its absolute path)."""
+    if held is None:
+        return False
+    paths = replace(spec, model=local_path(spec.model))
+    return spec == held or paths == replace(held, model=local_path(held.model))
+
+
 def _resolve(spec: LoadSpec) -> str:
     try:
         return _resolve_path(spec)
@@ -67,7 +84,7 @@ def _resolve_path(spec: LoadSpec) -> str:
             raise InvalidArgument(
                 f"model directory {clip(spec.model)!r} has no config.json: not an MLX/HF model"
             )
-        return str(path)
+        return local_path(spec.model)
     if _HUB_ID.match(spec.model) is None:
         raise NotFound(f"model path {clip(spec.model)!r} does not exist")
     return spec.model

@@ -164,7 +164,9 @@ class WorkerServiceServicer:
 
     def LoadModel(self, request, context):
         """Loads a model through mlx_lm.load (local directory or hub id).
-        Idempotent for the same arguments; a new model starts a new worker_epoch.
+        Idempotent for the same arguments (a local path written another way,
+        relative or with a trailing slash, is the same); a new model starts a
+        new worker_epoch.
         A worker asleep at level 2 (weights freed) takes LoadModel too, of any
         model: it wakes as MODEL_LOADED, so DetermineMemory and InitCache follow
         (how a scheduler swaps the model of an idle worker); if the load fails it

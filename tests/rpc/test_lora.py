@@ -222,6 +222,12 @@ def test_remove_while_in_use_and_unknown_names(tiny_stub: Stub, adapters: dict[s
     assert code == grpc.StatusCode.NOT_FOUND and "RemoveLora.name" in text
     code, text = _fails(tiny_stub.PinLora, pb.PinLoraRequest(name="zzz"))
     assert code == grpc.StatusCode.NOT_FOUND and "PinLora.name" in text
+    for call, message in (
+        (tiny_stub.RemoveLora, pb.RemoveLoraRequest),
+        (tiny_stub.PinLora, pb.PinLoraRequest),
+    ):
+        code, text = _fails(call, message(name=""))  # as AddLora: required, not unknown
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "Lora.name is required" in text
     unknown = pb.NewRequest(
         req_id="u", prompt_token_ids=[1, 2], sampling_params=greedy(2), lora_name="a"
     )

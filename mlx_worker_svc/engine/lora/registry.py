@@ -29,6 +29,7 @@ from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
 from mlx_worker_svc.core.errors import (
     AlreadyExists,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
@@ -133,6 +134,8 @@ class AdapterSet:
         return self.info(name)
 
     def _need(self, name: str, where: str) -> _Entry:
+        if not name:
+            raise InvalidArgument(f"{where} is required: a resident adapter's name")
         entry = self._entries.get(name)
         if entry is None:
             loaded = ", ".join(repr(n) for n in self._entries) or "none"

@@ -23,7 +23,14 @@ def _listing(statuses: dict[str, int]) -> health_pb2.HealthListResponse:
 
 
 class HealthServicer(health.HealthServicer):
-    """grpcio-health's servicer for a synchronous `grpc.server`, with List."""
+    """grpcio-health's servicer for a synchronous `grpc.server`, with List; a status
+    set again unchanged sends Watch streams nothing (grpcio-health would send it again)."""
+
+    def set(self, service: str, status: int) -> None:
+        with self._lock:
+            if self._server_status.get(service) == status:
+                return
+        super().set(service, status)
 
     def List(  # noqa: N802 (gRPC method name)
         self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,8 +154,22 @@ def test_health_service_follows_the_lifecycle(
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == serving
     service = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
     assert health.Check(service).status == not_serving
+    watch = health.Watch(service)
+    seen: list[int] = []
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):  # CANCELLED, below
+            seen.extend(r.status for r in watch)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     bring_up(stub, tiny_dir)
     assert health.Check(service).status == serving
+    time.sleep(0.3)
+    watch.cancel()
+    reader.join(timeout=10)
+    # Watch sends on change: four lifecycle calls to READY, one change.
+    assert seen == [not_serving, serving]
 
 
 def test_bad_model_paths_leave_the_worker_usable(

@@ -336,7 +336,9 @@ class WorkerServiceServicer:
 
     def ListLoras(self, request, context):
         """Lists the resident adapters: name, path, rank, bytes, pinned, and the
-        live requests using each.
+        live requests using each. Asleep at level 2 none is resident (their
+        weights went with the model's): the list is empty, and WakeUp loads
+        them again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,6 +21,8 @@ from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 MAX_LOGPROBS = 20
 # Most decode steps one Execute call may run (ExecuteRequest.num_decode_steps).
 MAX_DECODE_STEPS = 64
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): 1/T would overflow.
+GREEDY_BELOW = 1e-5
 
 
 class DeviceKind(enum.Enum):
@@ -127,7 +129,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy sampling: temperature 0, or below vLLM's epsilon (1e-5) as vLLM has it."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

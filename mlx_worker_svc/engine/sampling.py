@@ -1,9 +1,10 @@
 """Per-request sampling: logits processors, seeded sampling and logprobs.
 
 Each request owns a `RequestSampler` built once from its SamplingParams.
-Processing follows vLLM's order: min_tokens masking, logit_bias, penalties
-(repetition over prompt + output, presence and frequency over output), then
-temperature, top_k, top_p and min_p on the scaled distribution. Logprobs are
+Processing follows vLLM v1's sampler: the logits in float32, then min_tokens
+masking, logit_bias, penalties (repetition over prompt + output, presence and
+frequency over output), then temperature, min_p, top_k and top_p on the
+scaled distribution (below vLLM's 1e-5, a temperature is greedy). Logprobs are
 reported from the raw model logits (vLLM's default), so they do not depend on
 the sampling knobs. A request with a seed draws from its own PRNG key, split
 once per sampled token, so its tokens do not depend on its batch neighbours.
@@ -70,10 +71,12 @@ class RequestSampler:
         """Applies the logits processors to one row of shape [V]."""
         p = self.params
         num_output = len(tokens) - prompt_len
+        # In float32, as vLLM: a small bias or penalty would round away in bfloat16.
+        logits = logits.astype(mx.float32)
         if self._min_tokens_mask is not None and num_output < p.min_tokens:
             logits = logits.at[self._min_tokens_mask].add(-float("inf"))
         if self._bias_ids is not None and self._bias_values is not None:
-            logits = logits.at[self._bias_ids].add(self._bias_values.astype(logits.dtype))
+            logits = logits.at[self._bias_ids].add(self._bias_values)
         if p.repetition_penalty != 1.0 and tokens:
             seen = mx.array(sorted(set(tokens)), dtype=mx.uint32)
             picked = logits[seen]
@@ -85,7 +88,7 @@ class RequestSampler:
             output = mx.array(list(tokens[prompt_len:]), dtype=mx.uint32)
             counts = mx.zeros((self.vocab_size,), dtype=mx.float32).at[output].add(1.0)
             penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            logits = logits - penalty[: logits.shape[-1]].astype(logits.dtype)
+            logits = logits - penalty[: logits.shape[-1]]
         return logits
 
     def choose(self, logits: mx.array) -> mx.array:
@@ -93,14 +96,17 @@ class RequestSampler:
         p = self.params
         if p.greedy:
             return greedy(logits)
-        scaled = logits.astype(mx.float32) * (1.0 / p.temperature)
+        # The largest logit is taken out before scaling, so that neither a tiny
+        # temperature nor a huge bias overflows float32 (inf - inf is NaN).
+        logits = logits.astype(mx.float32)
+        scaled = (logits - logits.max(axis=-1, keepdims=True)) * (1.0 / p.temperature)
         logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        if p.min_p > 0.0:  # vLLM v1 applies min_p before top_k and top_p
+            logprobs = apply_min_p(logprobs, p.min_p)
         if 0 < p.top_k < self.vocab_size:
             logprobs = apply_top_k(logprobs, p.top_k)
         if p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
         if self._key is None:
             return mx.random.categorical(logprobs)
         self._key, sub = mx.random.split(self._key)

@@ -11,6 +11,8 @@ from driver import drive
 from mlx_lm import load
 
 from mlx_worker_svc.client.execute_loop import run_prompts
+from mlx_worker_svc.core.domain import SamplingParams
+from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -184,3 +186,43 @@ def test_top_k_one_is_greedy_and_samples_stay_in_the_vocabulary(tiny_stub: Stub)
         )[0]
     )
     assert len(wild) == 8 and all(0 <= t < 49152 for t in wild)
+
+
+# ------------------------------------------------- the sampler alone (vLLM v1's)
+def _sampler(vocab: int, **params: object) -> RequestSampler:
+    return RequestSampler(SamplingParams(**params), eos_ids=frozenset(), vocab_size=vocab)  # type: ignore[arg-type]
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy() -> None:
+    logits = mx.array([1.0, 30.0, 29.5, -4.0])
+    for temperature in (1e-6, 1e-30, 1e-38, 1e-44):  # 1/T overflowed float32 from ~1e-37
+        sampler = _sampler(4, temperature=temperature, seed=3)
+        assert sampler.params.greedy
+        assert int(sampler.choose(sampler.process(logits, [], 0))) == 1, temperature
+    # A huge (finite) bias at a small temperature samples the biased token, never NaN's pick.
+    sampler = _sampler(4, temperature=0.01, seed=3, logit_bias={3: 1e37})
+    assert {int(sampler.choose(sampler.process(logits, [], 0))) for _ in range(8)} == {3}
+
+
+def test_bias_and_penalties_apply_in_float32_on_a_bfloat16_model() -> None:
+    # Two bfloat16 logits tie at 18.5, where bfloat16 steps by 0.125: +0.05 in bfloat16
+    # rounds away; vLLM adds it in float32, and it decides the token.
+    tie = mx.array([18.5, 18.5, 3.0], dtype=mx.bfloat16)
+    for params, want in (
+        ({"logit_bias": {1: 0.05}}, 1),
+        ({"logit_bias": {0: -0.05}}, 1),
+        ({"presence_penalty": 0.05}, 1),  # token 0 was output once
+    ):
+        sampler = _sampler(3, temperature=0.0, **params)
+        assert int(sampler.choose(sampler.process(tie, [2, 0], 1))) == want, params
+
+
+def test_min_p_comes_before_top_p_as_in_vllm_v1() -> None:
+    # p = [.4, .3, .1, .1, .1]: min_p .3 keeps tokens 0 and 1 (renormalised .57 / .43),
+    # then top_p .5 keeps token 0 alone. The old order (top_p first) also kept token 1.
+    logits = mx.log(mx.array([0.4, 0.3, 0.1, 0.1, 0.1]))
+    drawn = set()
+    for seed in range(40):
+        sampler = _sampler(5, temperature=1.0, top_p=0.5, min_p=0.3, seed=seed)
+        drawn.add(int(sampler.choose(sampler.process(logits, [], 0))))
+    assert drawn == {0}

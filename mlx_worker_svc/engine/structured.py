@@ -106,6 +106,11 @@ class GrammarCompiler:
                 self.stats.tokenizer_ns = time.perf_counter_ns() - start
             return self._ll[json]
 
+    def stops(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request of these params (as RequestSampler.stops has them)."""
+        eos = frozenset() if params.ignore_eos else frozenset(self._eos)
+        return frozenset(params.stop_token_ids) | eos
+
     def compile(self, spec: StructuredOutputs, where: str) -> llguidance.LLMatcher:
         """The compiled (never advanced) matcher of `spec`; raises InvalidArgument."""
         with self._lock:
@@ -165,8 +170,10 @@ class MaskedRow(Protocol):
 
     key: RequestKey
     tokens: list[int]
+    prompt_len: int
     params: SamplingParams
     grammar: Grammar | None
+    stops: frozenset[int]  # the ids min_tokens masks (stop ids, EOS unless ignored)
 
 
 class PlannedStep(Protocol):
@@ -220,8 +227,11 @@ class Grammar:
         return bool(self.matcher.is_stopped())
 
 
-def check_bitmask(data: bytes, vocab_size: int, where: str) -> None:
-    """Refuses a scheduler's packed mask of the wrong size or with no token allowed."""
+def check_bitmask(
+    data: bytes, vocab_size: int, where: str, masked: frozenset[int] = frozenset()
+) -> None:
+    """Refuses a scheduler's packed mask of the wrong size or with no token allowed,
+    `masked` (ids min_tokens holds back this step) left out."""
     expected = mask_words(vocab_size) * 4
     if len(data) != expected:
         raise InvalidArgument(
@@ -234,6 +244,14 @@ def check_bitmask(data: bytes, vocab_size: int, where: str) -> None:
         words[-1] &= np.uint32((1 << tail) - 1)
     if not words.any():
         raise InvalidArgument(f"{where} allows no token")
+    for token in masked:
+        if token < vocab_size:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+    if not words.any():
+        raise InvalidArgument(
+            f"{where} allows only tokens that end the request (EOS or a stop token), which "
+            "sampling_params.min_tokens holds back in this step: no token could be sampled"
+        )
 
 
 @dataclass
@@ -331,7 +349,8 @@ def plan_structured(
                 f"cached_requests[{i}] (req_id {cached.req_id!r}).new_token_ids: the "
                 "request's structured_outputs does not allow these tokens here"
             )
-    specs = {new.req_id: new.sampling.structured_outputs for new in plan.new_requests}
+    params = {new.req_id: new.sampling for new in plan.new_requests}
+    appended = {c.req_id: len(c.new_token_ids) for c in plan.cached_requests}
     for req_id, data in plan.grammar_bitmask.items():
         where = f"grammar_bitmask[{req_id!r}]"
         key = (Origin.EXECUTE, req_id)
@@ -345,11 +364,16 @@ def plan_structured(
         if not samples(key):
             raise InvalidArgument(f"{where}: the request does not sample in this step")
         held = seqs.get(key)
-        spec = held.params.structured_outputs if held is not None else specs.get(req_id)
-        if spec is not None:
+        sampling = held.params if held is not None else params[req_id]
+        if sampling.structured_outputs is not None:
             raise InvalidArgument(
                 f"{where}: the request has sampling_params.structured_outputs; send one or "
                 "the other"
             )
-        check_bitmask(data, compiler.vocab_size, where)
+        # Before min_tokens, the request's EOS and stop tokens cannot be sampled.
+        done = len(held.tokens) - held.prompt_len + appended.get(req_id, 0) if held else 0
+        stops = held.stops if held is not None else compiler.stops(sampling)
+        check_bitmask(
+            data, compiler.vocab_size, where, stops if done < sampling.min_tokens else frozenset()
+        )
         work.bitmasks[key] = data

@@ -113,6 +113,19 @@ def test_a_mask_allowing_one_token_gives_that_token(tiny_stub: Stub) -> None:
     [out] = tiny_stub.Execute(step).outputs
     assert list(out.sampled_token_ids) == [12345]
     assert out.logprobs[0].logprob < 0  # the raw model's, not the mask's certainty
+    # Under min_tokens, EOS (2) allowed beside it is held back: the other token comes.
+    words[0] |= np.uint32(1 << 2)
+    held_back = pb.SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2)
+    step = pb.ExecuteRequest(
+        worker_epoch=_epoch(tiny_stub),
+        new_requests=[
+            pb.NewRequest(req_id="b", prompt_token_ids=[1, 2], sampling_params=held_back)
+        ],
+        num_scheduled_tokens={"b": 2},
+        grammar_bitmask={"b": words.tobytes()},
+    )
+    [out] = tiny_stub.Execute(step).outputs
+    assert list(out.sampled_token_ids) == [12345]
 
 
 def _one(
@@ -139,6 +152,18 @@ def _one(
 
 
 ALL = np.full(WORDS, 0xFFFFFFFF, dtype="<u4").tobytes()
+
+
+def _only(*tokens: int) -> bytes:
+    words = np.zeros(WORDS, dtype="<u4")
+    for token in tokens:
+        words[token // 32] |= np.uint32(1 << (token % 32))
+    return words.tobytes()
+
+
+# A scheduler's grammar that is complete allows only EOS (2); min_tokens holds EOS and
+# stop tokens back, so nothing could be sampled (the worker sampled token 0 here).
+UNDER_MIN_TOKENS = pb.SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[777])
 BAD_MASKS = [
     (_one(ALL[:-4]), "has 6140 bytes"),
     (_one(bytes(len(ALL))), "allows no token"),
@@ -146,6 +171,8 @@ BAD_MASKS = [
     (_one(ALL, scheduled=2), "does not sample in this step"),
     (_one(ALL, mask_for="b"), "not scheduled in this step"),
     (_one(ALL, params=constrained(4, regex="[a-z]+")), "has sampling_params.structured_outputs"),
+    (_one(_only(2), params=UNDER_MIN_TOKENS), "min_tokens holds back in this step"),
+    (_one(_only(2, 777), params=UNDER_MIN_TOKENS), "min_tokens holds back in this step"),
 ]
 
 

@@ -123,7 +123,8 @@ class StepStream:
         new = {r.req_id for r in plan.new_requests}
         leaving = {r for r in (*plan.finished_req_ids, *plan.preempted_req_ids) if r in done}
         named = [*(c.req_id for c in plan.cached_requests), *plan.num_scheduled_tokens]
-        gone = {r for r in named if r in done and r not in new}
+        # A live request under the id was made since, by Execute or another stream: it runs.
+        gone = {r for r in named if r in done and r not in new and self._identify(r) is None}
         if not gone and not leaving:
             return plan, []
         plan = replace(
@@ -132,6 +133,7 @@ class StepStream:
             num_scheduled_tokens={
                 r: n for r, n in plan.num_scheduled_tokens.items() if r not in gone
             },
+            grammar_bitmask={r: m for r, m in plan.grammar_bitmask.items() if r not in gone},
             finished_req_ids=tuple(r for r in plan.finished_req_ids if r not in leaving),
             preempted_req_ids=tuple(r for r in plan.preempted_req_ids if r not in leaving),
         )

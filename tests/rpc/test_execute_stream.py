@@ -271,6 +271,79 @@ def test_a_stream_frees_only_the_requests_it_created(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_a_live_request_under_a_finished_id_is_scheduled(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """The stream skips the request it saw finish, not one Execute made since under its id."""
+    stub, epoch, _ = worker
+    prompt = [5, 6, 7]
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("r", prompt, 1)],  # finishes at once
+                num_scheduled_tokens={"r": 3},
+            )
+        )
+        assert raise_for_error(stream.receive()).outputs[0].finish_reason
+        made = stub.Execute(_starting("r", prompt, epoch)).outputs[0]  # a new, live "r"
+        decode = pb.ExecuteRequest(
+            step_id=2,
+            worker_epoch=epoch,
+            cached_requests=[pb.CachedRequest(req_id="r", num_computed_tokens=3)],
+            num_scheduled_tokens={"r": 1},
+        )
+        stream.send(decode)
+        reply = stream.receive()
+        assert not reply.already_finished_req_ids
+        [out] = raise_for_error(reply).outputs
+        assert (out.req_id, out.num_computed_tokens, len(out.sampled_token_ids)) == ("r", 4, 1)
+        assert made.sampled_token_ids
+        stream.close()
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["r"]))
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
+def test_a_finished_requests_mask_is_left_out_with_it(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """A step sent ahead with a grammar_bitmask for a request an earlier step finished
+    runs for the others (the mask goes with the request's other entries)."""
+    stub, epoch, _ = worker
+    vocab = stub.GetInfo(pb.GetInfoRequest()).model.vocab_size
+    every = b"\xff" * (-(-vocab // 32) * 4)
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("a", [5, 6, 7], 1), _new("b", [8, 9], 9)],
+                num_scheduled_tokens={"a": 3, "b": 2},
+            )
+        )
+        stream.send(  # sent before step 1's reply: "a" will have finished
+            pb.ExecuteRequest(
+                step_id=2,
+                worker_epoch=epoch,
+                cached_requests=[
+                    pb.CachedRequest(req_id="a", num_computed_tokens=3),
+                    pb.CachedRequest(req_id="b", num_computed_tokens=2),
+                ],
+                num_scheduled_tokens={"a": 1, "b": 1},
+                grammar_bitmask={"a": every, "b": every},
+            )
+        )
+        first = raise_for_error(stream.receive())
+        assert {o.req_id for o in first.outputs if o.finish_reason} == {"a"}
+        reply = stream.receive()
+        assert list(reply.already_finished_req_ids) == ["a"]
+        [out] = raise_for_error(reply).outputs
+        assert (out.req_id, out.num_computed_tokens) == ("b", 3)
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_get_info_states_the_depth(worker: tuple[pb_grpc.WorkerServiceStub, int, int]) -> None:
     stub, _, _ = worker
     assert stub.GetInfo(pb.GetInfoRequest()).limits.max_steps_in_flight == 4

@@ -214,11 +214,13 @@ class WorkerServiceServicer:
         of the stream will have computed (they run first).
         - Already finished: a request that an earlier step of this stream finished
         (finish_reason set: EOS, a stop token, a length limit) is left out of a
-        later step's cached_requests, num_scheduled_tokens, finished_req_ids and
-        preempted_req_ids and listed in already_finished_req_ids; not an error.
-        Its id is free again: a later step's new_requests entry under it is a
-        new request, run as Execute would (a finished_req_ids entry for the old
-        one beside it is dropped), and not listed.
+        later step's cached_requests, num_scheduled_tokens, grammar_bitmask,
+        finished_req_ids and preempted_req_ids and listed in
+        already_finished_req_ids; not an error. Its id is free again: a later
+        step's new_requests entry under it is a new request, run as Execute
+        would (a finished_req_ids entry for the old one beside it is dropped),
+        and not listed; so is a live request created under it since by Execute
+        or another stream, which a later step schedules as usual.
         - A failing step changes nothing (as a failed Execute) and gets its error
         in its own response (error); the stream goes on. A later step that
         counted on the failed step's tokens (its num_computed_tokens includes

@@ -190,6 +190,9 @@ def test_bad_model_paths_leave_the_worker_usable(
     assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_DEVICE_READY
     loaded = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir)))
     assert loaded.state == pb.WORKER_STATE_MODEL_LOADED
+    # With a model held too (its path is compared first): a name no file system takes.
+    code, message = _code(lambda: stub.LoadModel(pb.LoadModelRequest(model="a" * 5000)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a usable path" in message
 
 
 def test_reloading_a_model_starts_a_new_epoch(stub: Stub, tiny_dir: Path) -> None:

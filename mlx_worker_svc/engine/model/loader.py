@@ -53,8 +53,11 @@ class LoadedModel:
 def local_path(model: str) -> str:
     """A model given as a path, made absolute (`~` expanded; symlinks kept, so the
     directory's name stays the one given); anything else (a hub id) as it is."""
-    path = Path(model).expanduser()
-    return os.path.abspath(path) if path.exists() else model
+    try:
+        path = Path(model).expanduser()
+        return os.path.abspath(path) if path.exists() else model
+    except (OSError, RuntimeError):  # name too long, unknown ~user: no local path
+        return model
 
 
 def same_load(spec: LoadSpec, held: LoadSpec | None) -> bool:

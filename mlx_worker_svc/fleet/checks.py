@@ -39,6 +39,19 @@ def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
     return pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
 
 
+def check_size(ask: pb.TokenizeRequest, max_message: int) -> None:
+    """Raises BadRequest for prompt text past what a worker takes in one message (0:
+    unknown), which the worker's Tokenize would refuse as its own transport error."""
+    size = ask.ByteSize()
+    if max_message and size > max_message:
+        field = "messages" if ask.messages else "prompt"
+        raise BadRequest(
+            f"{field}: {size} bytes of text, more than a worker of the model takes in one "
+            f"message ({max_message} bytes, sized to its context): longer than any prompt "
+            "it serves"
+        )
+
+
 def check_fits(
     prompt: list[int],
     params: pb.SamplingParams,

@@ -84,6 +84,7 @@ class WorkerLink:
         self.kv_format = (0, 0)  # the worker's KV (bits, group size); (0, 0): float
         self.max_context = 0
         self.vocab_size = 0
+        self.max_message = 0
         self.chat_template = ""  # the model's, as GetInfo reports it
         self.adapters: set[str] = set()  # LoRA adapters it holds (ListLoras; fleet/adapters.py)
         self.max_seqs = config.max_num_seqs
@@ -256,6 +257,7 @@ class WorkerLink:
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size
+        self.max_message = info.limits.max_message_bytes  # a request the worker takes
         # Never past what the worker admits (it would refuse the step).
         admitted = info.limits.max_running_requests or self.config.max_num_seqs
         self.max_seqs = min(self.config.max_num_seqs, admitted)

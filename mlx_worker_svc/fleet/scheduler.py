@@ -33,7 +33,7 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
-from mlx_worker_svc.fleet.checks import check_fits, check_forms
+from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_size
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
     BadRequest,
@@ -201,6 +201,7 @@ class FleetScheduler:
                 await self.adapters.ensure(self._up(model), request.lora_name)
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
+                    check_size(ask, link.max_message)
                     prompt = list((await link.client.tokenize(ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
                 check_fits(prompt, params, reserve_max_tokens, **fits)

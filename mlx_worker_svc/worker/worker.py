@@ -268,7 +268,12 @@ class Worker:
         runner = core.need_runner("Execute")
         if plan.worker_epoch != core.epoch:
             why = f"since that epoch the worker {core.epoch_change}"
-            if plan.worker_epoch > core.epoch:
+            if float(plan.worker_epoch) == float(core.epoch):
+                why = (
+                    "the worker's own rounded to a double, as a JavaScript Number rounds it: "
+                    "send uint64s as strings (JSON) or 64-bit integers"
+                )
+            elif plan.worker_epoch > core.epoch:
                 why = "newer than the worker's own, so from another worker or process"
             raise FailedPrecondition(
                 f"Execute.worker_epoch {plan.worker_epoch} is stale; the worker's epoch is "

@@ -50,6 +50,17 @@ class ParsedRequest:
     structured_param: str | None = None  # the request field of sampling_params.structured_outputs
 
 
+# Chat fields OpenAI takes that change nothing here, each with the values it takes:
+# caching, routing and abuse-tracking hints, and reasoning knobs for models that do
+# not reason here (vLLM accepts them too).
+_HINTS: dict[str, tuple[str, ...] | None] = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority"),
+    "prompt_cache_key": None,  # any string
+    "prompt_cache_retention": ("in-memory", "24h"),
+    "safety_identifier": None,
+    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+    "verbosity": ("low", "medium", "high"),
+}
 # Fields both endpoints read; the sets below add each endpoint's own.
 _COMMON = {
     "model",
@@ -82,6 +93,7 @@ _KNOWN: dict[OpenAIKind, set[str]] = {
         "top_logprobs",
         "metadata",
         "store",
+        *_HINTS,
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -95,6 +107,7 @@ _UNSUPPORTED = {
     "audio": "audio output is not supported by this server",
     "modalities": "only text output is supported by this server",
     "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
 }
 
 
@@ -246,6 +259,12 @@ def _ignored(kind: OpenAIKind, fields: Fields) -> None:
     if kind != "chat":
         return
     fields.boolean("store")
+    for name, allowed in _HINTS.items():
+        value = fields.get(name)
+        if value is not None and not isinstance(value, str):
+            raise invalid(name, f"expected a string, got {json_type(value)}")
+        if value is not None and allowed is not None and value not in allowed:
+            raise invalid(name, f"{value!r} is not one of {list(allowed)}")
     metadata = fields.get("metadata")
     if metadata is None:
         return
@@ -357,26 +376,32 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
         if message.get("content") is None and role != "assistant":
             raise invalid(f"{where}.content", f"a {role} message needs its content")
         # "developer" is OpenAI's newer name for "system", which chat templates know.
-        content = _content(message.get("content"), where)
+        content = _content(message.get("content"), where, role)
         role = "system" if role == "developer" else role
         out.append(pb.ChatMessage(role=role, content=content, **history(message, where)))
     check_tool_answers(value)
     return out
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str, role: str) -> str:
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
         raise invalid(f"{where}.content", "expected a string or an array of text parts")
     texts = []
     for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        # An assistant's earlier refusal comes back as a part of its own, as OpenAI's do.
+        kind = "refusal" if role == "assistant" and _type(part) == "refusal" else "text"
+        if _type(part) != kind:
             raise invalid(f"{where}.content[{j}]", "only text parts are supported")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{where}.content[{j}].text", "expected a string")
-        texts.append(part["text"])
+        if not isinstance(part.get(kind), str):
+            raise invalid(f"{where}.content[{j}].{kind}", "expected a string")
+        texts.append(part[kind])
     return "\n".join(texts)
+
+
+def _type(part: Any) -> Any:
+    return part.get("type") if isinstance(part, dict) else None
 
 
 def _chat_logprobs(fields: Fields) -> int | None:

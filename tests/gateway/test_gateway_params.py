@@ -136,6 +136,13 @@ def test_fields_clients_send_on_every_call_are_accepted(
         "frequency_penalty": 0,
         "presence_penalty": 0,
         "top_p": 1,
+        # Hints OpenAI takes on every chat model, and reasoning knobs (vLLM takes them too).
+        "service_tier": "auto",
+        "prompt_cache_key": "session-abc",
+        "safety_identifier": "user-hash",
+        "prompt_cache_retention": "24h",
+        "reasoning_effort": "low",
+        "verbosity": "low",
     }
     done = chat(client, **everyday)
     assert done.choices[0].message.content == want
@@ -158,6 +165,16 @@ def test_fields_clients_send_on_every_call_are_accepted(
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
     suffix: object
+    for name, bad_value in (("service_tier", "fastest"), ("prompt_cache_key", 7)):
+        bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, name: bad_value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name
+    # An assistant's refusal part (as the SDK hands it back) is its text in the history.
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    history = [*CHAT, refused, {"role": "user", "content": "Why?"}]
+    assert (
+        post(gateway, "/v1/chat/completions", {"messages": history, "max_tokens": 2}).status_code
+        == 200
+    )
     for suffix in (0, [], {}):
         bad = post(gateway, "/v1/completions", {"prompt": PROMPT, "suffix": suffix})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "suffix"

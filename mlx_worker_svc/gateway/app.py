@@ -35,6 +35,7 @@ from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.gateway.anthropic.routes import MessagesApi
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
+from mlx_worker_svc.gateway.body import parse_body
 from mlx_worker_svc.gateway.calls import (
     CLIENT_CLOSED,
     Answer,
@@ -47,7 +48,7 @@ from mlx_worker_svc.gateway.calls import (
 from mlx_worker_svc.gateway.errors import ApiError, error_body, invalid
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
-from mlx_worker_svc.gateway.schema import OpenAIKind, ParsedRequest, parse_body, parse_request
+from mlx_worker_svc.gateway.schema import OpenAIKind, ParsedRequest, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.rpc.security import SecurityConfig, token_check
 

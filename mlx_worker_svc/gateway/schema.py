@@ -10,17 +10,16 @@ and so are the structured-output fields (structured.py) and chat's tool fields
 one it knows but cannot honour (n > 1, echo) is a 400 that says so, never
 silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
 past the parser's depth or holds a lone surrogate escape is a 400 too
-(`parse_body`).
+(`body.parse_body`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.structured import FIELDS, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
@@ -109,83 +108,6 @@ _UNSUPPORTED = {
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
 }
-
-
-class Fields:
-    """Typed reads of a JSON object's fields; every failure names the field."""
-
-    def __init__(self, body: dict[str, Any], where: str = "") -> None:
-        self.body = body
-        self.where = where  # the path of a nested object, as errors name it
-
-    def _param(self, name: str) -> str:
-        return f"{self.where}.{name}" if self.where else name
-
-    def get(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def boolean(self, name: str, default: bool = False) -> bool:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise invalid(self._param(name), f"expected a boolean, got {json_type(value)}")
-        return value
-
-    def number(self, name: str, low: float, high: float) -> float | None:
-        value = self.body.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(self._param(name), f"expected a number, got {json_type(value)}")
-        if not (math.isfinite(value) and low <= value <= high):
-            raise invalid(self._param(name), f"{value} is not in [{low:g}, {high:g}]")
-        return float(value)
-
-    def integer(self, name: str, low: int, high: int) -> int | None:
-        value = self.body.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(self._param(name), f"expected an integer, got {json_type(value)}")
-        if not low <= value <= high:
-            raise invalid(self._param(name), f"{value} is not in [{low}, {high}]")
-        return value
-
-
-def json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-    names |= {list: "an array", dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def parse_body(raw: bytes) -> Any:
-    """The request body's JSON value; raises `ApiError` (400) for anything else.
-
-    JSON between systems is UTF-8 (RFC 8259), so other encodings are refused,
-    and so is a string with a lone surrogate escape ("\\ud800"), which is no
-    Unicode character and could reach neither the fleet nor an error message.
-    """
-    cannot = "We could not parse the JSON body of your request"
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"{cannot}: it is not UTF-8 text ({exc})") from exc
-    except ValueError as exc:
-        raise ApiError(400, f"{cannot}: {exc}") from exc
-    except RecursionError as exc:
-        raise ApiError(400, f"{cannot}: it nests too deeply") from exc
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        why = "a string holds a lone surrogate escape (\\ud800 to \\udfff without its pair)"
-        raise ApiError(400, f"{cannot}: {why}") from exc
-    return body
-
-
-def _no_constant(name: str) -> Any:
-    # Python's json reads NaN, Infinity and -Infinity, which RFC 8259 has no place for.
-    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
 
 
 def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:

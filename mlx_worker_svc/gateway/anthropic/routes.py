@@ -24,6 +24,7 @@ from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.gateway.anthropic.reply import Blocks, MessageReply, Sse
 from mlx_worker_svc.gateway.anthropic.schema import MessagesRequest, parse_messages
+from mlx_worker_svc.gateway.body import parse_body
 from mlx_worker_svc.gateway.calls import (
     CLIENT_CLOSED,
     Answer,
@@ -36,7 +37,7 @@ from mlx_worker_svc.gateway.calls import (
 )
 from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
-from mlx_worker_svc.gateway.schema import ParsedRequest, parse_body
+from mlx_worker_svc.gateway.schema import ParsedRequest
 from mlx_worker_svc.gateway.structured import request_error
 from mlx_worker_svc.gateway.tool_calls import Event
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb

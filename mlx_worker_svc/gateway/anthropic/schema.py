@@ -29,8 +29,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.schema import Fields, ParsedRequest, json_type
+from mlx_worker_svc.gateway.schema import ParsedRequest
 from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 

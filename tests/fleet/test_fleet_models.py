@@ -61,7 +61,11 @@ def start(pool: WorkerPool, indexes: list[int], *options: str) -> Fleet:
     targets = [pool.targets[i] for i in indexes]
     args = [arg for target in targets for arg in ("--worker", target)]
     fleet = Fleet(Proc(["fleet", *args, "--port", "0", *options]), targets)
-    fleet.wait(lambda s: all(w.up for w in s.workers), "every worker up", timeout=120)
+    try:
+        fleet.wait(lambda s: all(w.up for w in s.workers), "every worker up", timeout=120)
+    except BaseException:
+        close(fleet)  # a fleet that never came up is not left running
+        raise
     return fleet
 
 

@@ -141,6 +141,11 @@ def _options(spec: pb.StructuredOutputs, value: dict[str, Any]) -> None:
         spec.disable_any_whitespace = compact
 
 
+def json_schema_spec(param: str, value: Any) -> pb.StructuredOutputs:
+    """The spec of a JSON Schema given as an object (or its JSON text); errors name `param`."""
+    return _spec(param, "json", value)
+
+
 def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
     """One constraint of `kind` (vLLM's names) from `value`; errors name `param`."""
     if kind == "json":

@@ -433,3 +433,32 @@ def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:
         plain.usage.input_tokens + plain.usage.cache_read_input_tokens
     )
     assert message.content[0].type == "text"
+
+
+def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic) -> None:
+    """output_config.format (Anthropic's structured outputs) is held to by the grammar:
+    the answer is compact JSON of the schema, even at temperature 1 on random weights."""
+    schema = {
+        "type": "object",
+        "properties": {"sea": {"enum": ["calm", "rough"]}, "waves": {"type": "boolean"}},
+        "required": ["sea", "waves"],
+        "additionalProperties": False,
+    }
+    config = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+    for temperature in (0.0, 1.0):
+        message = create(
+            client,
+            max_tokens=40,
+            extra_body={"temperature": temperature, "output_config": config},
+            cache_control={"type": "ephemeral"},  # top-level: accepted, changes nothing
+        )
+        jsonschema.validate(json.loads(message.content[0].text), schema)
+        assert message.stop_reason == "end_turn"
+    for bad, where in (
+        ({"format": {"type": "json_object"}}, "output_config.format"),
+        ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+        ({"effort": "extreme"}, "output_config.effort"),
+        ({"verbosity": "low"}, "output_config.verbosity"),
+    ):
+        with pytest.raises(anthropic.BadRequestError, match=where.replace(".", r"\.")):
+            create(client, extra_body={"output_config": bad})

@@ -3,8 +3,9 @@
 `/v1/messages` takes `model`, `messages` and `max_tokens` (required, as
 Anthropic's API requires them), `system` (a string or text blocks),
 `stop_sequences`, `stream`, `temperature` (0 to 1), `top_p`, `top_k`,
-`metadata` (`user_id`), `tools` and `tool_choice`; `/v1/messages/count_tokens`
-takes `model`, `messages`, `system`, `tools` and `tool_choice`. Content is a
+`metadata` (`user_id`), `tools`, `tool_choice` and `output_config` (a JSON
+Schema the answer follows); `/v1/messages/count_tokens` takes `model`,
+`messages`, `system`, `tools` and `tool_choice`. Content is a
 string or an array of blocks: `text` (with `cache_control`, which changes
 nothing: the workers' prefix cache reuses every prompt), `tool_use` (an
 assistant's calls) and `tool_result` (a user's answers to them, their
@@ -32,12 +33,14 @@ from typing import Any
 from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import ParsedRequest
+from mlx_worker_svc.gateway.structured import json_schema_spec
 from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 MAX_STOP_SEQUENCES = 16
 _UINT32 = 2**32 - 1
-_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"}
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _CREATE_FIELDS = _COUNT_FIELDS | {
     "max_tokens",
     "stop_sequences",
@@ -47,6 +50,7 @@ _CREATE_FIELDS = _COUNT_FIELDS | {
     "top_k",
     "metadata",
     "service_tier",
+    "output_config",
 }
 # Known to Anthropic, not honoured here (None/absent is fine).
 _UNSUPPORTED = {
@@ -110,6 +114,14 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     if not any(m.role != "system" for m in messages):
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
+    spec = None if count else _output_config(fields.get("output_config"))
+    if spec is not None:
+        if tools.may_call:
+            raise invalid(
+                "output_config.format", "cannot be combined with tools the model may call"
+            )
+        params.structured_outputs.CopyFrom(spec)
+    _cache_control(fields.get("cache_control"), "cache_control")
     request = pb.GenerateRequest(
         messages=messages, sampling_params=params, request_id=f"msg_{uuid.uuid4().hex}"
     )
@@ -122,6 +134,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
         include_usage=False,
         logprobs=None,
         tools=tools,
+        structured_param="output_config.format" if spec is not None else None,
     )
     return MessagesRequest(parsed, prefill)
 
@@ -166,6 +179,41 @@ def _metadata(value: Any) -> None:
             raise invalid(f"metadata.{key}", "Extra inputs are not permitted")
         if item is not None and not isinstance(item, str):
             raise invalid("metadata.user_id", "expected a string")
+
+
+def _output_config(value: Any) -> pb.StructuredOutputs | None:
+    """`output_config`: `format` (a JSON Schema the answer follows, enforced by the
+    workers' grammar engine) and `effort` (accepted; it changes nothing here)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("output_config", f"expected an object, got {json_type(value)}")
+    for key in value:
+        if key not in ("effort", "format"):
+            raise invalid(f"output_config.{key}", "Extra inputs are not permitted")
+    effort = value.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise invalid("output_config.effort", f"{effort!r} is not one of {list(_EFFORTS)}")
+    form = value.get("format")
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        raise invalid("output_config.format", "expected an object with 'type': 'json_schema'")
+    for key in form:
+        if key not in ("type", "schema"):
+            raise invalid(f"output_config.format.{key}", "Extra inputs are not permitted")
+    if not isinstance(form.get("schema"), dict):
+        raise invalid("output_config.format.schema", "Field required (a JSON Schema object)")
+    spec = json_schema_spec("output_config.format.schema", form["schema"])
+    spec.disable_any_whitespace = True  # compact JSON, as Claude's answers have it
+    return spec
+
+
+def _cache_control(value: Any, where: str) -> None:
+    """`cache_control` changes nothing (the workers' prefix cache reuses every prompt);
+    its shape is checked as Anthropic's API checks it."""
+    if value is not None and (not isinstance(value, dict) or value.get("type") != "ephemeral"):
+        raise invalid(where, "expected an object with 'type': 'ephemeral'")
 
 
 def _thinking(value: Any) -> None:

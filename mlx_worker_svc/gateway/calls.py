@@ -93,7 +93,8 @@ async def open_answer(
         first = await until_disconnect(request, fleet_call(_first(parsed, stream)))
     except ApiError as exc:
         await stream.aclose()
-        spec_from = parsed.structured_param or ("tools" if parsed.tools.forced else None)
+        constrained = parsed.tools.forced or parsed.answer_schema is not None
+        spec_from = parsed.structured_param or ("tools" if constrained else None)
         raise request_error(exc, spec_from, anthropic=parsed.kind == "messages") from exc
     except BaseException:
         await stream.aclose()
@@ -125,9 +126,13 @@ async def _tools(fleet: FleetScheduler, parsed: ParsedRequest) -> ToolCallParser
     fmt = tool_format(await fleet.chat_template(parsed.generate.model))
     if parsed.generate.messages:  # else the prompt's tokens were rendered with the tools
         parsed.generate.tools_json = tools.tools_json()
-    if tools.forced:
+    if tools.forced:  # calls only: a response format is for a later answer
         parallel = tools.parallel and tools.choice == "required"
         grammar = call_grammar(tools.forced, fmt, parallel=parallel)
+        parsed.generate.sampling_params.structured_outputs.lark_grammar = grammar
+    elif parsed.answer_schema is not None:  # calls, or an answer of the schema
+        answer = parsed.answer_schema
+        grammar = call_grammar(tools.tools, fmt, parallel=tools.parallel, answer=answer)
         parsed.generate.sampling_params.structured_outputs.lark_grammar = grammar
     return ToolCallParser(fmt, parallel=tools.parallel)
 

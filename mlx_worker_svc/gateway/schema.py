@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.structured import FIELDS, parse_structured
+from mlx_worker_svc.gateway.structured import FIELDS, answer_beside_tools, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -47,6 +47,8 @@ class ParsedRequest:
     logprobs: int | None  # None: no logprobs; else how many alternatives per token
     tools: ToolRequest  # chat's tool fields (legacy completions have none)
     structured_param: str | None = None  # the request field of sampling_params.structured_outputs
+    # A JSON answer's schema beside tools the model may call (it calls them or answers so).
+    answer_schema: dict[str, Any] | None = None
 
 
 # Chat fields OpenAI takes that change nothing here, each with the values it takes:
@@ -154,11 +156,10 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     if logprobs is not None:
         request.sampling_params.logprobs = logprobs
     spec, structured_param = parse_structured(body)
-    if spec is not None:
-        if tools.may_call:
-            raise invalid(
-                structured_param or "", "cannot be combined with tools the model may call"
-            )
+    answer_schema = None
+    if spec is not None and tools.may_call:
+        answer_schema = answer_beside_tools(spec, structured_param or "")
+    elif spec is not None:
         request.sampling_params.structured_outputs.CopyFrom(spec)
     return ParsedRequest(
         kind=kind,
@@ -170,6 +171,7 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
         logprobs=logprobs,
         tools=tools,
         structured_param=structured_param,
+        answer_schema=answer_schema,
     )
 
 

@@ -141,6 +141,21 @@ def _options(spec: pb.StructuredOutputs, value: dict[str, Any]) -> None:
         spec.disable_any_whitespace = compact
 
 
+def answer_beside_tools(spec: pb.StructuredOutputs, param: str) -> dict[str, Any]:
+    """The JSON Schema an answer follows when the model may also call tools (its grammar:
+    calls or such an answer, tool_calls.call_grammar); only JSON specs combine so."""
+    kind = spec.WhichOneof("kind")
+    if kind == "json_object":
+        return {"type": "object"}
+    schema = json.loads(spec.json_schema) if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise invalid(
+            param,
+            "only a JSON Schema or a JSON object can be combined with tools the model may call",
+        )
+    return schema
+
+
 def json_schema_spec(param: str, value: Any) -> pb.StructuredOutputs:
     """The spec of a JSON Schema given as an object (or its JSON text); errors name `param`."""
     return _spec(param, "json", value)

@@ -59,8 +59,15 @@ def tool_format(chat_template: str) -> Format:
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def call_grammar(tools: tuple[dict[str, Any], ...], fmt: Format, *, parallel: bool) -> str:
-    """The Lark grammar of one call (or, with `parallel`, one or more) of `tools`."""
+def call_grammar(
+    tools: tuple[dict[str, Any], ...],
+    fmt: Format,
+    *,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
+) -> str:
+    """The Lark grammar of one call (or, with `parallel`, one or more) of `tools`; with
+    `answer` (a JSON Schema), of either those calls or an answer of that schema."""
     key = ARGUMENTS[fmt]
     rules = []
     for i, tool in enumerate(tools):
@@ -78,11 +85,16 @@ def call_grammar(tools: tuple[dict[str, Any], ...], fmt: Format, *, parallel: bo
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     separator = {"hermes": "\n", "llama3_json": "; ", "mistral": ", "}[fmt]
     more = f" ({_lit(separator)} call)*" if parallel else ""
-    if fmt == "mistral":
-        start = f"start: {_lit(_MISTRAL + '[')} call{more} {_lit(']')}"
-    else:
-        start = f"start: call{more}"
-    return "\n".join([start, f"call: {calls}", *rules])
+    sequence = (
+        f"{_lit(_MISTRAL + '[')} call{more} {_lit(']')}" if fmt == "mistral" else f"call{more}"
+    )
+    if answer is None:
+        return "\n".join([f"start: {sequence}", f"call: {calls}", *rules])
+    # Structured output beside tools (OpenAI's response_format with tools): the model
+    # calls tools or answers in the schema.
+    schema = {"x-guidance": _JSON_STYLE, **answer}
+    top = ["start: calls | answer", f"calls: {sequence}", f"answer: %json {json.dumps(schema)}"]
+    return "\n".join([*top, f"call: {calls}", *rules])
 
 
 def _lit(text: str) -> str:

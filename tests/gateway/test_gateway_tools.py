@@ -305,22 +305,64 @@ def test_auto_mode_without_a_call_is_plain_content(
         assert answer == ((want, "length"), [])
 
 
-@pytest.mark.parametrize(
-    ("options", "param"),
-    [
-        (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
-        ({"guided_regex": "a"}, "guided_regex"),  # tools under "auto" (the default)
-    ],
-)
-def test_a_constraint_with_tools_to_call_is_a_400(
-    gateway: Gateway, options: dict[str, Any], param: str
-) -> None:
-    body = {"model": "model", "messages": ASK, "tools": TOOLS} | options
+def test_a_non_json_constraint_with_tools_to_call_is_a_400(gateway: Gateway) -> None:
+    body = {"model": "model", "messages": ASK, "tools": TOOLS, "guided_regex": "a"}
     response = gateway.http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_format_beside_tools_gives_a_call_or_an_answer_of_the_schema(
+    client: openai.OpenAI, worker: ServeProcess, stream: bool
+) -> None:
+    """As OpenAI's: with tools the model may call and a response_format, each answer is
+    tool calls or JSON of the schema (agents' tools + typed output); on noise, at
+    temperature 1, every seed gives one or the other. Forced calls ignore the format."""
+    schema = {"name": "report", "strict": True, "schema": REPORT}
+    kinds = set()
+    for seed in range(6):
+        (content, finish), calls = ask(
+            client,
+            stream,
+            tools=TOOLS,
+            response_format={"type": "json_schema", "json_schema": schema},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+            parallel_tool_calls=False,  # one call: noise would call on to max_tokens
+        )
+        if calls:
+            check_calls(calls, set(SCHEMAS))
+            assert (content, finish) == (None, "tool_calls")
+            kinds.add("calls")
+        else:
+            assert finish == "stop" and content is not None, (content, finish)
+            jsonschema.validate(json.loads(content), REPORT)
+            kinds.add("answer")
+    assert kinds, "no answer"
+    # With the calls' first token ('<' of <tool_call>) banned, the answer is the JSON.
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    opening = stub.Tokenize(pb.TokenizeRequest(text="<tool_call>")).token_ids[0]
+    (content, finish), calls = ask(
+        client,
+        stream,
+        tools=TOOLS,
+        response_format={"type": "json_schema", "json_schema": schema},
+        logit_bias={str(opening): -100},
+        max_tokens=120,
+    )
+    assert not calls and finish == "stop" and content is not None
+    jsonschema.validate(json.loads(content), REPORT)
+    (_, finish), calls = ask(
+        client,
+        stream,
+        tools=TOOLS,
+        tool_choice="required",
+        response_format={"type": "json_object"},
+        parallel_tool_calls=False,
+    )
+    check_calls(calls, set(SCHEMAS))
+    assert finish == "tool_calls"
 
 
 @pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "array"}, {"type": ["object"]}])

@@ -76,6 +76,8 @@ def call_grammar(
         # OpenAI: "Omitting parameters defines a function with an empty parameter list."
         schema = dict(_NO_PARAMETERS if parameters is None else parameters or {"type": "object"})
         schema.setdefault("type", "object")  # arguments are an object (tools.check_function)
+        if tool.get("strict") is not True:  # OpenAI's default: not held to every keyword
+            schema = relaxed(schema)
         schema.setdefault("x-guidance", _JSON_STYLE)
         opening, closing = head, "}"
         if fmt == "hermes":
@@ -95,6 +97,42 @@ def call_grammar(
     schema = {"x-guidance": _JSON_STYLE, **answer}
     top = ["start: calls | answer", f"calls: {sequence}", f"answer: %json {json.dumps(schema)}"]
     return "\n".join([*top, f"call: {calls}", *rules])
+
+
+# JSON Schema keywords the workers' grammar engine (llguidance) does not enforce, and the
+# string formats it does: a schema with others is refused, unless relaxed.
+_UNENFORCED = frozenset(
+    {
+        "uniqueItems", "not", "contains", "minContains", "maxContains", "propertyNames",
+        "dependentRequired", "dependentSchemas", "if", "then", "else",
+        "unevaluatedProperties", "unevaluatedItems",
+    }
+)  # fmt: skip
+_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties")
+
+
+def relaxed(schema: Any) -> Any:
+    """`schema` without the keywords the grammar engine does not enforce (an unknown
+    `format` included), at every level: a superset of what it allows, for a tool that is
+    not strict, whose arguments OpenAI's and Anthropic's APIs do not hold to it either."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _UNENFORCED or (key == "format" and value not in _FORMATS):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: relaxed(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [relaxed(sub) for sub in value]
+        else:
+            out[key] = relaxed(value) if key in _SCHEMA_ONE else value
+    return out
 
 
 def _lit(text: str) -> str:

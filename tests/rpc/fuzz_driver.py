@@ -51,8 +51,8 @@ EXPECTED: dict[str, frozenset[Code]] = {
     "Sleep": frozenset({Code.INVALID_ARGUMENT}),  # only invalid levels are sent
     # Random names and paths: no adapter directory is ever found.
     "AddLora": frozenset({Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
-    "RemoveLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
-    "PinLora": frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "RemoveLora": frozenset({Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    "PinLora": frozenset({Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
     "ListLoras": frozenset({Code.OK}),
     "LoadModel": frozenset(
         {Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}

@@ -55,11 +55,11 @@ class ParsedRequest:
 # caching, routing and abuse-tracking hints, and reasoning knobs for models that do
 # not reason here (vLLM accepts them too).
 _HINTS: dict[str, tuple[str, ...] | None] = {
-    "service_tier": ("auto", "default", "flex", "scale", "priority"),
+    "service_tier": ("auto", "default", "flex", "scale", "priority", "fast"),
     "prompt_cache_key": None,  # any string
-    "prompt_cache_retention": ("in-memory", "24h"),
+    "prompt_cache_retention": ("in_memory", "in-memory", "24h"),
     "safety_identifier": None,
-    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
     "verbosity": ("low", "medium", "high"),
 }
 # Fields both endpoints read; the sets below add each endpoint's own.

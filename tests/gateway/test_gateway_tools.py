@@ -366,12 +366,12 @@ def test_a_response_format_beside_tools_gives_a_call_or_an_answer_of_the_schema(
 
 
 def test_a_forced_call_of_a_tool_that_is_not_strict_leaves_out_what_cannot_be_enforced(
-    client: openai.OpenAI, gateway: Gateway
+    gateway: Gateway,
 ) -> None:
     """Keywords the grammar engine does not enforce (a pydantic set's uniqueItems, bytes'
     format binary, not) do not refuse a tool that is not strict, as OpenAI does not;
     with strict: true they do (a 400 naming tools)."""
-    tags = {
+    tags: dict[str, Any] = {
         "type": "object",
         "properties": {
             "tags": {
@@ -386,17 +386,15 @@ def test_a_forced_call_of_a_tool_that_is_not_strict_leaves_out_what_cannot_be_en
         "required": ["tags"],
         "additionalProperties": False,
     }
-    tool = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "tag", "parameters": tags}}
     forced = {"type": "function", "function": {"name": "tag"}}
-    done = client.chat.completions.create(
-        model="model", messages=ASK, tools=[tool], tool_choice=forced, max_tokens=80, temperature=0
-    )
-    [call] = done.choices[0].message.tool_calls or []
-    arguments = json.loads(call.function.arguments)
+    body = {"model": "model", "messages": ASK, "tools": [tool], "tool_choice": forced}
+    done = gateway.http.post("/v1/chat/completions", json=body | {"max_tokens": 80}).json()
+    [call] = done["choices"][0]["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
     assert set(arguments) <= set(tags["properties"]) and set(arguments["tags"]) <= {"a", "b"}
     strict = {**tool, "function": {**tool["function"], "strict": True}}
-    body = {"model": "model", "messages": ASK, "tools": [strict], "tool_choice": forced}
-    response = gateway.http.post("/v1/chat/completions", json=body)
+    response = gateway.http.post("/v1/chat/completions", json=body | {"tools": [strict]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.core.flag_values import count, non_negative, target, within
+from mlx_worker_svc.core.flag_values import count, non_negative, seconds, target, within
 from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -111,7 +111,8 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    await server.stop(grace=5.0)
+    await fleet.drain(args.grace_seconds)  # health NOT_SERVING, new calls UNAVAILABLE
+    await server.stop(grace=1.0)  # the last replies go out
     endpoint.close()
     await fleet.stop()
     return 0
@@ -136,7 +137,11 @@ async def _run_gateway(args: argparse.Namespace) -> int:
         fleet_config = _fleet_config(args)
         config = GatewayConfig(served_model_name=args.served_model_name, security=security)
         server = GatewayServer(
-            FleetScheduler(args.worker, fleet_config), args.host, args.port, config
+            FleetScheduler(args.worker, fleet_config),
+            args.host,
+            args.port,
+            config,
+            grace=args.grace_seconds,
         )
         await server.start()  # the app's lifespan starts the fleet
     except (OSError, SecurityError, ValueError, WorkerError) as exc:
@@ -304,6 +309,14 @@ def add_commands(sub: Any) -> None:
             "(0-7, default 1); 0 drives workers through unary Execute, one step at a time",
         )
         _add_probe_arguments(cmd)
+        if name in ("fleet", "gateway"):
+            cmd.add_argument(
+                "--grace-seconds",
+                type=seconds(zero=True),
+                default=30.0,
+                help="on SIGTERM: requests in flight may finish for this long, new ones are "
+                "refused (UNAVAILABLE, HTTP 503); then those left end ABORTED (default 30)",
+            )
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
         cmd.add_argument("--queue", type=count(1), default=256, help="queue bound (default 256)")
         cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")

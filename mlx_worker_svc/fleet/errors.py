@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlx_worker_svc.core.errors import (
+    Aborted,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -25,6 +26,22 @@ class NoWorkers(FleetError, Unavailable):
 
 class LoadFailed(FleetError, Unavailable):
     """The request's model could not be loaded on the worker chosen for it."""
+
+
+class ShuttingDown(FleetError, Unavailable):
+    """The fleet is draining (SIGTERM): it takes no new request."""
+
+    def __init__(self) -> None:
+        super().__init__("the fleet is shutting down: send the request to another fleet")
+
+
+class ShutDown(FleetError, Aborted):
+    """The fleet stopped before the request finished (its grace period ran out)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the fleet shut down before the request finished (its --grace-seconds ran out)"
+        )
 
 
 class BadRequest(FleetError, InvalidArgument):

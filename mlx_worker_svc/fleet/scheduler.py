@@ -41,6 +41,8 @@ from mlx_worker_svc.fleet.errors import (
     ModelNotFound,
     NoWorkers,
     Overloaded,
+    ShutDown,
+    ShuttingDown,
 )
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
@@ -86,6 +88,8 @@ class FleetScheduler:
         self._any_up = asyncio.Event()
         self.num_finished = 0
         self.num_rejected = 0
+        self.draining = False  # drain(): no new request is taken
+        self._live: set[FleetRequest] = set()  # admitted, their stream not yet ended
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
@@ -105,6 +109,22 @@ class FleetScheduler:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} workers came up in {timeout:.0f} s")
             await asyncio.sleep(0.05)
+
+    async def drain(self, grace: float) -> None:
+        """Takes no new request (ShuttingDown, UNAVAILABLE), lets the live ones run for
+        up to `grace` seconds, then ends those left with ShutDown (ABORTED), freeing them
+        on their workers."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for r in list(self._live):
+            if r.phase is not Phase.DONE:
+                self._cancel(r)
+                r.phase = Phase.DONE
+                r.outbox.put_nowait(ShutDown())
+        while self._live and time.monotonic() < deadline + 5:  # the streams end
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -160,6 +180,7 @@ class FleetScheduler:
         except asyncio.CancelledError:  # the caller left while it waited for a worker
             self._ended(request.request_id, self._model_named(request.model), "cancelled", started)
             raise
+        self._live.add(r)
         try:
             while True:
                 message = await r.outbox.get()
@@ -177,11 +198,14 @@ class FleetScheduler:
                 self._cancel(r)
                 self._ended(r.request_id, r.model, "cancelled", r.admitted)
             self._where.pop(r, None)
+            self._live.discard(r)
 
     async def _admit(
         self, request: pb.GenerateRequest, started: float, reserve_max_tokens: bool
     ) -> FleetRequest:
         """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
+        if self.draining:
+            raise ShuttingDown()
         if self._queued() >= self.config.queue_capacity:
             self.num_rejected += 1
             raise Overloaded(

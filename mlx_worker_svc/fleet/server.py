@@ -127,6 +127,6 @@ async def _track_health(fleet: FleetScheduler, checker: AsyncHealthServicer) -> 
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:
-        up = any(link.up for link in fleet.links)
+        up = any(link.up for link in fleet.links) and not fleet.draining
         await checker.set(SERVICE_NAME, serving if up else not_serving)
         await asyncio.sleep(0.25)

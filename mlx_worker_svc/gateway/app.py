@@ -157,8 +157,11 @@ class Gateway:
     async def health(self, request: Request) -> JSONResponse:
         status = self.fleet.status()
         up = sum(w.up for w in status.workers)
+        state = "ok" if up else "unavailable"
+        if self.fleet.draining:  # shutting down: send traffic elsewhere
+            up, state = 0, "draining"
         body = {
-            "status": "ok" if up else "unavailable",
+            "status": state,
             "workers_up": up,
             "workers": len(status.workers),
             "queued": status.num_queued,

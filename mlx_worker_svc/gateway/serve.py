@@ -3,8 +3,9 @@
 The socket is bound here (so a taken port or a bad address is an `OSError`
 before anything starts, and port 0 reports the port it got); TLS and mutual
 TLS come from the same `SecurityConfig` as the workers' and the fleet's. The
-caller owns the signals: `stop()` ends the server, which lets in-flight
-requests finish for `grace` seconds and then stops the fleet (the app's
+caller owns the signals: `stop()` drains the fleet (new requests get 503, the
+ones in flight may finish for `grace` seconds, then end with an error in the
+API's shape) and then ends the server, which stops the fleet (the app's
 lifespan).
 """
 
@@ -57,10 +58,12 @@ class GatewayServer:
         port: int,
         config: GatewayConfig,
         *,
-        grace: int = 5,
+        grace: float = 30.0,
     ) -> None:
         security = config.security
         self.host = host
+        self._fleet, self._grace = fleet, grace
+        self._draining: asyncio.Task[None] | None = None
         self._sock = _bind(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._server = _Server(
@@ -68,7 +71,7 @@ class GatewayServer:
                 create_app(fleet, config),
                 lifespan="on",
                 log_config=None,  # the command's logging setup
-                timeout_graceful_shutdown=grace,
+                timeout_graceful_shutdown=5,  # after the drain: the last replies go out
                 ssl_certfile=security.tls_cert,
                 ssl_keyfile=security.tls_key,
                 ssl_ca_certs=security.tls_client_ca,
@@ -95,6 +98,14 @@ class GatewayServer:
         log.info("gateway serving %s://%s:%d", scheme, self.host, self.port)
 
     def stop(self) -> None:
+        """Drains the fleet, then ends the server (a second call ends it at once)."""
+        if self._draining is None:
+            self._draining = asyncio.ensure_future(self._drain())
+        else:
+            self._server.should_exit = True
+
+    async def _drain(self) -> None:
+        await self._fleet.drain(self._grace)
         self._server.should_exit = True
 
     async def wait(self) -> None:

@@ -12,6 +12,7 @@ Routing and admission are in test_fleet_routing.py, failover in test_fleet_failo
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -251,3 +252,37 @@ def test_a_prompt_text_past_a_workers_message_limit_is_the_clients_error(
         field = "messages" if request.messages else "prompt"
         assert f"{field}: " in str(refused.value.details())
         assert f"in one message ({limit} bytes" in str(refused.value.details())
+
+
+@pytest.mark.parametrize("grace", [30, 0])
+def test_sigterm_drains_the_fleet_for_its_grace_seconds(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet], grace: int
+) -> None:
+    """On SIGTERM the fleet takes no new request (UNAVAILABLE) and its health turns
+    NOT_SERVING; requests in flight finish within --grace-seconds, and those still
+    running past it end ABORTED, counted as aborted, not as the caller's cancels."""
+    fleet = start_fleet(pool.targets[:1], "--grace-seconds", str(grace))
+    prompts = distinct_prompts(3, 8, seed=41)
+    streams = [Stream(fleet.stub, token_request(p, 480)) for p in prompts]  # to the context
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first_token.wait(STREAM_TIMEOUT)
+    fleet.proc.proc.send_signal(signal.SIGTERM)
+    if grace:  # a new request is refused while the three finish
+        with pytest.raises(grpc.RpcError) as refused:
+            fleet.generate(token_request(prompts[0], 4))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the fleet is shutting down" in str(refused.value.details())
+    for stream in streams:
+        stream.join(STREAM_TIMEOUT)
+    if grace:
+        assert [(s.error, len(s.tokens)) for s in streams] == [(None, 480)] * 3
+    else:
+        for stream in streams:
+            assert stream.error is not None and stream.error.code() == grpc.StatusCode.ABORTED
+            assert "the fleet shut down before the request finished" in str(stream.error.details())
+    assert fleet.proc.proc.wait(timeout=60) == 0
+    assert "outcome=cancelled" not in fleet.proc.output
+    with grpc.insecure_channel(pool.targets[0]) as channel:  # nothing left on the worker
+        assert wait_until_idle(pb_grpc.WorkerServiceStub(channel), 30).num_running_requests == 0

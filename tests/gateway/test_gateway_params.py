@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Any
 
 import httpx
@@ -434,3 +435,37 @@ def test_the_fleet_refuses_what_the_model_cannot_take_before_routing_it(
             await fleet.stop()
 
     asyncio.run(run())
+
+
+def test_sigterm_drains_the_gateway_and_ends_what_is_left_in_the_apis_shape(
+    worker: ServeProcess,
+) -> None:
+    """On SIGTERM, /health says draining (503) and a new request is a 503 in OpenAI's
+    shape while one in flight finishes; with no grace left, a stream still running ends
+    with a last `data: {"error": ...}` event, not a broken connection."""
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    for grace in ("30", "0"):
+        gw = Gateway(worker.port, "--grace-seconds", grace)
+        try:
+            with gw.http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                assert json.loads(first.removeprefix("data: "))["choices"]
+                gw.proc.proc.send_signal(signal.SIGTERM)
+                if grace != "0":
+                    health = gw.http.get("/health")
+                    assert (health.status_code, health.json()["status"]) == (503, "draining")
+                    late = post(gw, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+                    assert late.status_code == 503
+                    assert "the fleet is shutting down" in late.json()["error"]["message"]
+                rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            if grace != "0":
+                assert rest[-1] == "[DONE]"
+                assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+            else:
+                error = json.loads(rest[-1])["error"]
+                assert "the fleet shut down before the request finished" in error["message"]
+            assert gw.proc.proc.wait(timeout=60) == 0
+            assert "Traceback" not in gw.proc.output
+        finally:
+            gw.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -84,6 +85,21 @@ def _new(req_id: str, prompt: list[int], max_tokens: int) -> pb.NewRequest:
     return pb.NewRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=greedy(max_tokens))
 
 
+def _decoding(
+    step_id: int, epoch: int, computed: dict[str, int], **extra: Any
+) -> pb.ExecuteRequest:
+    """A step that decodes one token of each request, from its computed tokens."""
+    return pb.ExecuteRequest(
+        step_id=step_id,
+        worker_epoch=epoch,
+        cached_requests=[
+            pb.CachedRequest(req_id=r, num_computed_tokens=n) for r, n in computed.items()
+        ],
+        num_scheduled_tokens=dict.fromkeys(computed, 1),
+        **extra,
+    )
+
+
 def _starting(req_id: str, prompt: list[int], epoch: int, step_id: int = 1) -> pb.ExecuteRequest:
     """A step that starts one request (50 tokens) and prefills its whole prompt."""
     return pb.ExecuteRequest(
@@ -101,17 +117,7 @@ def test_failed_step_is_answered_and_later_steps_that_counted_on_it_fail(
     with ExecuteStreamCall(stub) as stream:
         stream.send(_starting("a", [5, 6, 7], epoch))
         # Step 2 fails (an unknown request): nothing of it runs, "a" included.
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=2,
-                worker_epoch=epoch,
-                cached_requests=[
-                    pb.CachedRequest(req_id="a", num_computed_tokens=3),
-                    pb.CachedRequest(req_id="ghost", num_computed_tokens=0),
-                ],
-                num_scheduled_tokens={"a": 1, "ghost": 1},
-            )
-        )
+        stream.send(_decoding(2, epoch, {"a": 3, "ghost": 0}))
         # Step 3 was sent counting on step 2's token for "a": refused, not run.
         stream.send(
             pb.ExecuteRequest(
@@ -288,13 +294,7 @@ def test_a_live_request_under_a_finished_id_is_scheduled(
         )
         assert raise_for_error(stream.receive()).outputs[0].finish_reason
         made = stub.Execute(_starting("r", prompt, epoch)).outputs[0]  # a new, live "r"
-        decode = pb.ExecuteRequest(
-            step_id=2,
-            worker_epoch=epoch,
-            cached_requests=[pb.CachedRequest(req_id="r", num_computed_tokens=3)],
-            num_scheduled_tokens={"r": 1},
-        )
-        stream.send(decode)
+        stream.send(_decoding(2, epoch, {"r": 3}))
         reply = stream.receive()
         assert not reply.already_finished_req_ids
         [out] = raise_for_error(reply).outputs
@@ -322,18 +322,8 @@ def test_a_finished_requests_mask_is_left_out_with_it(
                 num_scheduled_tokens={"a": 3, "b": 2},
             )
         )
-        stream.send(  # sent before step 1's reply: "a" will have finished
-            pb.ExecuteRequest(
-                step_id=2,
-                worker_epoch=epoch,
-                cached_requests=[
-                    pb.CachedRequest(req_id="a", num_computed_tokens=3),
-                    pb.CachedRequest(req_id="b", num_computed_tokens=2),
-                ],
-                num_scheduled_tokens={"a": 1, "b": 1},
-                grammar_bitmask={"a": every, "b": every},
-            )
-        )
+        masks = {"a": every, "b": every}  # sent before step 1's reply: "a" will have finished
+        stream.send(_decoding(2, epoch, {"a": 3, "b": 2}, grammar_bitmask=masks))
         first = raise_for_error(stream.receive())
         assert {o.req_id for o in first.outputs if o.finish_reason} == {"a"}
         reply = stream.receive()

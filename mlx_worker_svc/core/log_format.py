@@ -30,6 +30,7 @@ _FIELD_CHARS = 2000
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message",
     "asctime",
+    "color_message",  # uvicorn's copy of its message with terminal colour codes
 }
 
 

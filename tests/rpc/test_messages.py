@@ -161,3 +161,15 @@ def test_a_megabyte_request_id_is_quoted_short(
     lines = [f.format(r) for r in caplog.records for f in (TextFormatter(), JsonFormatter())]
     assert sum("...[1048576 chars]" in line for line in lines) >= 4  # admitted, finished, refused
     assert max(len(line) for line in lines) < 3000
+
+
+def test_log_lines_leave_out_uvicorns_coloured_copy_of_the_message() -> None:
+    record = logging.LogRecord(
+        "uvicorn.error", logging.INFO, "", 0, "Started server process [%d]", (7,), None
+    )
+    record.color_message = "Started server process [\x1b[36m%d\x1b[0m]"  # as uvicorn adds it
+    record.req_id = "r1"
+    for formatter in (TextFormatter(), JsonFormatter()):
+        line = formatter.format(record)
+        assert "\x1b" not in line and "\\u001b" not in line and "color_message" not in line
+        assert "Started server process [7]" in line and "r1" in line

@@ -24,7 +24,6 @@ import itertools
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 
 import grpc
@@ -78,8 +77,6 @@ class FleetScheduler:
             for i, t in enumerate(dict.fromkeys(targets))
         ]
         self._pending: list[tuple[float, FleetRequest]] = []
-        # Live requests by the id their workers know them by (see `_claim_id`).
-        self._by_key: weakref.WeakValueDictionary[str, FleetRequest] = weakref.WeakValueDictionary()
         self._suffixes = itertools.count(1)
         self._where: dict[FleetRequest, WorkerLink] = {}
         busy = self.config.link.max_num_seqs  # a full batch: prefix affinity yields past it
@@ -89,7 +86,9 @@ class FleetScheduler:
         self.num_finished = 0
         self.num_rejected = 0
         self.draining = False  # drain(): no new request is taken
-        self._live: set[FleetRequest] = set()  # admitted, their stream not yet ended
+        # Admitted requests whose stream has not ended, by the id their workers know
+        # them by (`_claim_id`).
+        self._live: dict[str, FleetRequest] = {}
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
@@ -118,7 +117,7 @@ class FleetScheduler:
         deadline = time.monotonic() + grace
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for r in list(self._live):
+        for r in list(self._live.values()):
             if r.phase is not Phase.DONE:
                 self._cancel(r)
                 r.phase = Phase.DONE
@@ -180,7 +179,6 @@ class FleetScheduler:
         except asyncio.CancelledError:  # the caller left while it waited for a worker
             self._ended(request.request_id, self._model_named(request.model), "cancelled", started)
             raise
-        self._live.add(r)
         try:
             while True:
                 message = await r.outbox.get()
@@ -198,7 +196,8 @@ class FleetScheduler:
                 self._cancel(r)
                 self._ended(r.request_id, r.model, "cancelled", r.admitted)
             self._where.pop(r, None)
-            self._live.discard(r)
+            if self._live.get(r.worker_key) is r:
+                del self._live[r.worker_key]
 
     async def _admit(
         self, request: pb.GenerateRequest, started: float, reserve_max_tokens: bool
@@ -269,10 +268,10 @@ class FleetScheduler:
         """Gives `r` a worker-side id no other live request has: its request_id is the
         caller's (for logs), and two callers may send the same one at once."""
         key = r.request_id
-        while (holder := self._by_key.get(key)) is not None and holder.phase is not Phase.DONE:
+        while (holder := self._live.get(key)) is not None and holder.phase is not Phase.DONE:
             key = f"{r.request_id}~{next(self._suffixes)}"
         r.worker_key = key
-        self._by_key[key] = r
+        self._live[key] = r
 
     def _ended(self, req_id: str, model: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""

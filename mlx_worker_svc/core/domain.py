@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -126,6 +127,11 @@ class SamplingParams:
                     "cannot be combined with structured_outputs: the grammar decides "
                     "where the output ends",
                 )
+
+    def stop_ids(self, eos_ids: Iterable[int]) -> frozenset[int]:
+        """The tokens that end a request of these params: its stop ids, and EOS unless
+        ignored (what min_tokens holds back, and what the engine's stop check looks for)."""
+        return frozenset(self.stop_token_ids) | frozenset(() if self.ignore_eos else eos_ids)
 
     @property
     def greedy(self) -> bool:

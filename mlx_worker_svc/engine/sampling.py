@@ -32,11 +32,7 @@ class RequestSampler:
         self.params = params
         self.vocab_size = vocab_size
         self._key = mx.random.key(params.seed) if params.seed is not None else None
-        # The tokens that end the request (its stop ids, and EOS unless ignored):
-        # masked before min_tokens, and what the engine's stop check looks for.
-        self.stops = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else eos_ids
-        )
+        self.stops = params.stop_ids(eos_ids)
         self._min_tokens_mask = (
             mx.array(sorted(self.stops), dtype=mx.uint32)
             if self.stops and params.min_tokens

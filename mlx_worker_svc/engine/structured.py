@@ -74,7 +74,7 @@ class GrammarCompiler:
     ) -> None:
         self._hf = tokenizer
         self.vocab_size = vocab_size
-        self._eos = sorted(eos_ids)
+        self.eos_ids = sorted(eos_ids)
         self._capacity = capacity
         self._lock = threading.Lock()
         self._ll: dict[bool, llguidance.LLTokenizer] = {}
@@ -99,17 +99,12 @@ class GrammarCompiler:
             if not self._ll:
                 start = time.perf_counter_ns()
                 general = llguidance.hf.from_tokenizer(
-                    self._hf._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+                    self._hf._tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
                 )
                 self._ll[False] = general
                 self._ll[True] = general.with_slices(llguidance.LLTokenizer.json_slices())
                 self.stats.tokenizer_ns = time.perf_counter_ns() - start
             return self._ll[json]
-
-    def stops(self, params: SamplingParams) -> frozenset[int]:
-        """The ids that end a request of these params (as RequestSampler.stops has them)."""
-        eos = frozenset() if params.ignore_eos else frozenset(self._eos)
-        return frozenset(params.stop_token_ids) | eos
 
     def compile(self, spec: StructuredOutputs, where: str) -> llguidance.LLMatcher:
         """The compiled (never advanced) matcher of `spec`; raises InvalidArgument."""
@@ -372,7 +367,7 @@ def plan_structured(
             )
         # Before min_tokens, the request's EOS and stop tokens cannot be sampled.
         done = len(held.tokens) - held.prompt_len + appended.get(req_id, 0) if held else 0
-        stops = held.stops if held is not None else compiler.stops(sampling)
+        stops = held.stops if held is not None else sampling.stop_ids(compiler.eos_ids)
         check_bitmask(
             data, compiler.vocab_size, where, stops if done < sampling.min_tokens else frozenset()
         )

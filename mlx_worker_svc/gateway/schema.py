@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.structured import FIELDS, answer_beside_tools, parse_structured
+from mlx_worker_svc.gateway.structured import FIELDS, apply_spec, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -156,11 +156,8 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     if logprobs is not None:
         request.sampling_params.logprobs = logprobs
     spec, structured_param = parse_structured(body)
-    answer_schema = None
-    if spec is not None and tools.may_call:
-        answer_schema = answer_beside_tools(spec, structured_param or "")
-    elif spec is not None:
-        request.sampling_params.structured_outputs.CopyFrom(spec)
+    param = structured_param or ""
+    answer_schema = apply_spec(request.sampling_params, spec, param, tools=tools.may_call)
     return ParsedRequest(
         kind=kind,
         id=request.request_id,

@@ -141,7 +141,21 @@ def _options(spec: pb.StructuredOutputs, value: dict[str, Any]) -> None:
         spec.disable_any_whitespace = compact
 
 
-def answer_beside_tools(spec: pb.StructuredOutputs, param: str) -> dict[str, Any]:
+def apply_spec(
+    params: pb.SamplingParams, spec: pb.StructuredOutputs | None, param: str, *, tools: bool
+) -> dict[str, Any] | None:
+    """Puts a request's structured-output `spec` (from field `param`) on its `params`; with
+    `tools` the model may call, returns instead the JSON Schema its answer follows beside
+    them (the grammar is built with the tools', calls.py). None when there is no spec."""
+    if spec is None:
+        return None
+    if tools:
+        return _answer_beside_tools(spec, param)
+    params.structured_outputs.CopyFrom(spec)
+    return None
+
+
+def _answer_beside_tools(spec: pb.StructuredOutputs, param: str) -> dict[str, Any]:
     """The JSON Schema an answer follows when the model may also call tools (its grammar:
     calls or such an answer, tool_calls.call_grammar); only JSON specs combine so."""
     kind = spec.WhichOneof("kind")

@@ -33,7 +33,7 @@ from typing import Any
 from mlx_worker_svc.gateway.body import Fields, json_type
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import ParsedRequest
-from mlx_worker_svc.gateway.structured import answer_beside_tools, json_schema_spec
+from mlx_worker_svc.gateway.structured import apply_spec, json_schema_spec
 from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -115,11 +115,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
     spec = None if count else _output_config(fields.get("output_config"))
-    answer_schema = None
-    if spec is not None and tools.may_call:  # it calls tools or answers in the schema
-        answer_schema = answer_beside_tools(spec, "output_config.format")
-    elif spec is not None:
-        params.structured_outputs.CopyFrom(spec)
+    answer_schema = apply_spec(params, spec, "output_config.format", tools=tools.may_call)
     _cache_control(fields.get("cache_control"), "cache_control")
     request = pb.GenerateRequest(
         messages=messages, sampling_params=params, request_id=f"msg_{uuid.uuid4().hex}"

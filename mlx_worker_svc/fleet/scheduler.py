@@ -90,6 +90,7 @@ class FleetScheduler:
         # them by (`_claim_id`).
         self._live: dict[str, FleetRequest] = {}
         self._admitting = 0  # admitted requests whose prompt is being tokenized
+        self._cut = False  # drain(): the grace ran out; requests still admitting end
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
         self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
@@ -115,14 +116,17 @@ class FleetScheduler:
         on their workers."""
         self.draining = True
         deadline = time.monotonic() + grace
-        while self._live and time.monotonic() < deadline:
+        # Requests admitted before the drain and still being tokenized (or waiting
+        # for a worker) count as live: they run too, or end ShutDown at the cut.
+        while (self._live or self._admitting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self._cut = True
         for r in list(self._live.values()):
             if r.phase is not Phase.DONE:
                 self._cancel(r)
                 r.phase = Phase.DONE
                 r.outbox.put_nowait(ShutDown())
-        while self._live and time.monotonic() < deadline + 5:  # the streams end
+        while (self._live or self._admitting) and time.monotonic() < deadline + 5:  # they end
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
@@ -245,6 +249,8 @@ class FleetScheduler:
                 )
         finally:
             self._admitting -= 1
+        if self._cut:
+            raise ShutDown()
         self._claim_id(r)
         self.metrics.prompt_tokens.inc(len(prompt))
         extra = {"req_id": clip(r.request_id), "model": model, "prompt_tokens": len(prompt)}
@@ -308,6 +314,8 @@ class FleetScheduler:
         deadline = began + self.config.no_worker_timeout
         with self.residency.wanting(model) if want else contextlib.nullcontext():
             while not self._up(model):
+                if self._cut:
+                    raise ShutDown()
                 self._place()
                 failed = self.residency.failed_since(model, began)
                 if failed is not None:

@@ -183,3 +183,43 @@ def test_a_caller_that_leaves_while_no_worker_is_up_is_counted_as_cancelled() ->
 
     before, after = asyncio.run(main())
     assert after == before + 1
+
+
+def test_a_drain_ends_a_request_still_being_admitted() -> None:
+    """A request admitted before SIGTERM but still waiting for a worker is waited for
+    through the grace period, then ends ShutDown (ABORTED), not 30 s later with
+    NoWorkers, and the drain does not return before it has ended."""
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+    from mlx_worker_svc.fleet.errors import ShutDown
+
+    async def main() -> tuple[str, float, float]:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig())  # nothing listens there
+        await fleet.start()
+        request = pb.GenerateRequest(prompt="hi", sampling_params=greedy(4))
+        outcome = ""
+
+        async def ask() -> None:
+            nonlocal outcome
+            try:
+                async for _ in fleet.generate(request):
+                    pass
+            except ShutDown as exc:
+                outcome = f"{exc.code.name}: {exc}"
+
+        task = asyncio.create_task(ask())
+        await asyncio.sleep(0.2)  # admitted: waiting for a worker
+        assert fleet.status().num_queued == 1
+        began = asyncio.get_running_loop().time()
+        await fleet.drain(0.5)
+        drained = asyncio.get_running_loop().time() - began
+        await asyncio.wait_for(task, timeout=5)
+        aborted = fleet.metrics.requests.labels("aborted")._value.get()
+        await fleet.stop()
+        return outcome, drained, aborted
+
+    outcome, drained, aborted = asyncio.run(main())
+    assert outcome == (
+        "ABORTED: the fleet shut down before the request finished (its --grace-seconds ran out)"
+    )
+    assert 0.5 <= drained < 5  # the grace was given, and the request did not outlast it
+    assert aborted == 1

@@ -227,8 +227,11 @@ class WorkerLink:
             info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
             loras = await held_adapters(self.client)
         except (ClientError, RuntimeError) as exc:
+            # A worker that stays down fails the same way at every try: WARNING
+            # once, DEBUG while the cause stays the same (Status has it meanwhile).
+            same = self.last_error == str(exc)
             self.last_error = str(exc)
-            log.warning("worker %s not usable: %s", self.target, exc)
+            (log.debug if same else log.warning)("worker %s not usable: %s", self.target, exc)
             if self.loading:
                 name, self.loading = self.loading, ""
                 # Back to the model it had (it may be asleep without weights).

@@ -223,3 +223,25 @@ def test_a_drain_ends_a_request_still_being_admitted() -> None:
     )
     assert 0.5 <= drained < 5  # the grace was given, and the request did not outlast it
     assert aborted == 1
+
+
+def test_a_worker_that_stays_down_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Retries that fail the same way log WARNING once (DEBUG after), not every retry;
+    Status still has the cause."""
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+
+    async def main() -> str:
+        link = LinkConfig(retry_backoff=0.02, max_backoff=0.02)
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig(link=link))  # nothing listens
+        await fleet.start()
+        await asyncio.sleep(1.0)  # a dozen tries or more
+        last_error: str = fleet.status().workers[0].last_error
+        await fleet.stop()
+        return last_error
+
+    with caplog.at_level("DEBUG", logger="mlx_worker_svc.fleet.link"):
+        last_error = asyncio.run(main())
+    tries = [r for r in caplog.records if "not usable" in r.getMessage()]
+    assert [r.levelname for r in tries[:2]] == ["WARNING", "DEBUG"]
+    assert sum(r.levelname == "WARNING" for r in tries) == 1 and len(tries) > 5
+    assert last_error and last_error in tries[0].getMessage()

@@ -225,6 +225,7 @@ class ModelRunner:
             seq.grammar = self.grammars.grammar(
                 params.structured_outputs,
                 "sampling_params.structured_outputs",
+                key=new.key,
                 start=len(prompt) - new.generated,
             )
         if new.skip_special_tokens is not None:

@@ -4,8 +4,17 @@
 matcher for the model's tokenizer. Compiling is thread-safe and cached by
 spec (an LRU of compiled matchers; each request gets a cheap copy), so the
 worker compiles on the gRPC thread that received the request and the engine
-thread only takes the copy. A spec that does not compile, or a JSON schema
-keyword llguidance cannot honour, is InvalidArgument naming the field.
+thread only takes the copy. A spec that does not compile, a JSON schema
+keyword llguidance cannot honour, or a spec no text matches (found by
+computing its first mask) is InvalidArgument naming the field.
+
+llguidance's parser has limits (at most 2,000 Earley items in a row, lexer
+states and fuel per step) that a spec may reach only on some token. The
+matcher then stops in an error state; `Grammar` turns that into
+`GrammarFailed` (INVALID_ARGUMENT naming the request and the field) instead
+of letting the error state's EOS-only mask end the request with a text the
+spec does not match, and the compiler forgets the spec, whose cached matcher
+may share the exhausted state.
 
 `Grammar` is one request's matcher. It follows the request's output tokens
 (`sync`), so preemption, resume and a rolled-back step need no bookkeeping.
@@ -35,13 +44,35 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
-from mlx_worker_svc.core.errors import Internal, InvalidArgument
+from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.structured_outputs import StructuredOutputs
 
 RequestKey = tuple[Origin, str]
 
 # Compiled grammars kept per tokenizer (a schema's matcher is a few hundred KB at most).
 DEFAULT_CACHE_SIZE = 256
+# llguidance's default limits, with short errors: the verbose ones dump the
+# parser's state and the grammar into the message a client reads.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+class GrammarFailed(InvalidArgument):
+    """A request's grammar reached one of the engine's limits while it ran (`key`'s)."""
+
+    def __init__(self, key: RequestKey, field_name: str, error: str) -> None:
+        self.key = key
+        # Without the req_id: what a Generate caller, whose request it is, reads.
+        self.detail = (
+            f"{field_name}: the grammar engine (llguidance) reached one of its limits on "
+            f"this spec: {_first_line(error)}; simplify the spec (fewer alternatives, "
+            "shorter repetitions)"
+        )
+        super().__init__(f"req_id {clip(key[1])!r}: {self.detail}")
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "no reason given"
 
 
 def mask_words(vocab_size: int) -> int:
@@ -122,9 +153,10 @@ class GrammarCompiler:
         if failed or messages:
             # Warnings too: a keyword the engine would ignore is refused, never dropped.
             raise InvalidArgument(f"{field_name}: {'; '.join(messages).strip()}")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise InvalidArgument(f"{field_name}: {matcher.get_error().strip()}")
+        self._first_mask(matcher.deep_copy(), field_name)
         with self._lock:
             self.stats.compiled += 1
             self.stats.compile_ns += time.perf_counter_ns() - start
@@ -133,9 +165,34 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def grammar(self, spec: StructuredOutputs, where: str, *, start: int) -> Grammar:
-        """A fresh matcher for one request whose output begins at token `start`."""
-        return Grammar(self.compile(spec, where).deep_copy(), start)
+    def _first_mask(self, matcher: llguidance.LLMatcher, field_name: str) -> None:
+        """Refuses a spec whose first mask fails: one no text matches, or past a limit."""
+        words = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
+        if not matcher.is_error():
+            return
+        error = matcher.get_error()
+        if error.startswith("NoExtensionBias"):  # llguidance: no token can start the text
+            raise InvalidArgument(f"{field_name}: no text matches this spec")
+        raise InvalidArgument(f"{field_name}: {_first_line(error)}")
+
+    def forget(self, spec: StructuredOutputs) -> None:
+        """Drops `spec`'s compiled matcher (it failed while running): compile it afresh."""
+        with self._lock:
+            self._cache.pop(spec, None)
+
+    def grammar(
+        self, spec: StructuredOutputs, where: str, *, key: RequestKey, start: int
+    ) -> Grammar:
+        """A fresh matcher for request `key`, whose output begins at token `start`."""
+        matcher = self.compile(spec, where).deep_copy()
+        return Grammar(
+            matcher,
+            start,
+            key=key,
+            field_name=f"{where}.{spec.kind}",
+            failed=lambda: self.forget(spec),
+        )
 
 
 def _grammar_text(spec: StructuredOutputs, where: str) -> str:
@@ -185,10 +242,27 @@ class Grammar:
     earlier for a continuation (NewRequest.num_generated_tokens).
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, start: int) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        start: int,
+        *,
+        key: RequestKey = (Origin.EXECUTE, ""),
+        field_name: str = "sampling_params.structured_outputs",
+        failed: Callable[[], None] = lambda: None,
+    ) -> None:
         self.matcher = matcher
         self.start = start
         self.consumed = 0
+        self.key = key
+        self.field_name = field_name
+        self._failed = failed
+
+    def check(self) -> None:
+        """Raises GrammarFailed if the matcher stopped in an error state (a limit)."""
+        if self.matcher.is_error():
+            self._failed()
+            raise GrammarFailed(self.key, self.field_name, self.matcher.get_error())
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Brings the matcher to the state after the request's output `tokens[start:]`.
@@ -207,8 +281,7 @@ class Grammar:
         if self.consumed < output:
             self.matcher.consume_tokens(list(tokens[self.start + self.consumed :]))
             self.consumed = output
-        if self.matcher.is_error():
-            raise Internal(f"the request's grammar failed: {self.matcher.get_error()}")
+        self.check()
 
     def accepts(self, tokens: Sequence[int]) -> bool:
         """Whether the grammar allows `tokens` next (does not advance it)."""
@@ -216,8 +289,9 @@ class Grammar:
 
     def advance(self, token: int) -> bool:
         """Consumes a sampled token; returns whether the grammar allows nothing more."""
-        if not self.matcher.consume_token(token):
-            raise Internal(f"the grammar refused sampled token {token}: {self.matcher.get_error()}")
+        if not self.matcher.consume_token(token):  # the mask allowed it: a limit refused it
+            self._failed()
+            raise GrammarFailed(self.key, self.field_name, self.matcher.get_error())
         self.consumed += 1
         return bool(self.matcher.is_stopped())
 
@@ -291,6 +365,9 @@ def step_mask(
             pairs.append((row.grammar.matcher, i))
     if pairs:
         llguidance.numpy.fill_next_token_bitmask_par(compiler.executor, pairs, words)
+        for row in rows:  # a matcher in an error state masks all but EOS
+            if row.grammar is not None:
+                row.grammar.check()
     elapsed = time.perf_counter_ns() - start
     compiler.stats.masks += 1
     compiler.stats.mask_ns += elapsed

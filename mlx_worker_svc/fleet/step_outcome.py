@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import grpc
 
 from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 # How the worker names a field of one new request of a step.
 _NEW_REQUEST = re.compile(r"new_requests\[(\d+)\](?: \(req_id '[^']*'\))?\.")
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # Codes that mean the worker (not the request) is gone or restarted.
 WORKER_DOWN = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -56,6 +58,8 @@ def refuse_step(
     # worker does not know is already free there).
     if exc.code != grpc.StatusCode.NOT_FOUND:
         queues.to_free.extend(request.finished_req_ids)
+    # Read before the attempts go back: the worker named the step's ids.
+    one = _running_request(exc, started, queues) if exc.code == INVALID else None
     for r in started:
         queues.running.pop(r.worker_id, None)
         r.attempt -= 1
@@ -69,8 +73,24 @@ def refuse_step(
             newest = list(queues.running.values())[-1]
             _preempt(newest, queues)
         return
+    if one is not None:
+        # One request's grammar reached a limit of the worker's engine while it
+        # ran: it fails in its own terms and is freed there; the others go on.
+        r, prefix = one
+        for other in reversed(started):
+            if other is not r:
+                other.phase = Phase.QUEUED
+                queues.waiting.insert(0, other)
+        if r not in started:
+            queues.running.pop(r.worker_id, None)
+            queues.to_free.append(r.worker_id)
+        r.phase = Phase.DONE
+        r.outbox.put_nowait(
+            ClientError(exc.code, exc.details[len(prefix) :], exc.method, exc.attempts)
+        )
+        return
     named = _NEW_REQUEST.match(exc.details)
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT and named and started:
+    if exc.code == INVALID and named and started:
         # One new request's own field (a grammar that does not compile): fail
         # only it, in its own terms; the others of the step start next time.
         bad = started[min(int(named.group(1)), len(started) - 1)]
@@ -90,6 +110,20 @@ def refuse_step(
             queues.to_free.append(r.worker_id)
         r.phase = Phase.DONE
         r.outbox.put_nowait(exc)
+
+
+def _running_request(
+    exc: ClientError, started: list[FleetRequest], queues: Queues
+) -> tuple[FleetRequest, str] | None:
+    """The request an error names as `req_id '<its worker id>': ...` (the worker's
+    form for a request that failed while it ran), with that prefix."""
+    if not exc.details.startswith("req_id "):
+        return None
+    for r in [*started, *queues.running.values()]:
+        prefix = f"req_id {clip(r.worker_id)!r}: "
+        if exc.details.startswith(prefix):
+            return r, prefix
+    return None
 
 
 def undo_step(

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from mlx_worker_svc.core.errors import Internal, ResourceExhausted, WorkerError
+from mlx_worker_svc.core.errors import Internal, InvalidArgument, ResourceExhausted, WorkerError
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
 from mlx_worker_svc.engine.sequence import Work
+from mlx_worker_svc.engine.structured import GrammarFailed
 from mlx_worker_svc.worker.generation import StreamTable
 
 # Generate prompts are prefilled in chunks of this many tokens per step, so a
@@ -65,6 +66,10 @@ class GenerateScheduler:
         except ResourceExhausted as exc:
             # Shed the youngest stream; the others keep their state and retry.
             self._end_stream(self._streams.ids()[-1], exc)
+        except GrammarFailed as exc:
+            # One request's spec reached a limit of the grammar engine: it ends with
+            # the cause; the step was undone, and the others run again next step.
+            self._end_stream(exc.key[1], InvalidArgument(exc.detail))
         except Exception as exc:
             # No caller waits on this step: end the streams it carried with the
             # cause instead of letting the engine thread die for all requests.

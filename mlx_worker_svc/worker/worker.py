@@ -29,7 +29,7 @@ from mlx_worker_svc.core.domain import (
     StepPlan,
     StepResult,
 )
-from mlx_worker_svc.core.errors import FailedPrecondition
+from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
 from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.limits import AdmissionLimits
@@ -54,6 +54,7 @@ from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.profiler import EngineProfiler
+from mlx_worker_svc.engine.structured import GrammarFailed
 from mlx_worker_svc.worker.adapters import AdapterCalls
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
@@ -281,8 +282,17 @@ class Worker:
             )
         leaving = sum((Origin.EXECUTE, r) in runner.state.seqs for r in plan.finished_req_ids)
         core.admit_requests(f"Execute step {plan.step_id}", len(plan.new_requests), leaving)
-        work = core.scheduler.ride_along(runner, runner.plan(plan), plan.step_id)
-        outcome = core.run(runner, work)
+        while True:
+            work = core.scheduler.ride_along(runner, runner.plan(plan), plan.step_id)
+            try:
+                outcome = core.run(runner, work)
+                break
+            except GrammarFailed as exc:
+                if exc.key[0] is not Origin.GENERATE:
+                    raise
+                # A Generate request riding along failed on its own grammar: the step
+                # was undone; that request ends with the cause and the step runs again.
+                core.end_stream(exc.key[1], InvalidArgument(exc.detail))
         outputs = [outcome.outputs[key] for key in work.touched if key[0] is Origin.EXECUTE]
         timings = replace(outcome.timings, total_ns=time.perf_counter_ns() - received_ns)
         return StepResult(plan.step_id, core.epoch, outputs, timings)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +254,13 @@ BAD_SPECS = [
     ({"json_object": False}, "structured_outputs.json_object must be true"),
     ({}, "structured_outputs: set one of"),
     ({"regex": "a+", "disable_any_whitespace": True}, "disable_any_whitespace"),
+    # Specs no text matches: their first mask has no token, not even EOS.
+    ({"regex": r"[^\s\S]"}, "structured_outputs.regex: no text matches this spec"),
+    ({"lark_grammar": 'start: start "a"'}, "lark_grammar: no text matches this spec"),
+    (
+        {"json_schema": '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'},
+        "json_schema: no text matches this spec",
+    ),
 ]
 
 
@@ -350,3 +360,118 @@ def test_a_bad_continuation_is_refused(shared_stub: Stub, generated: int, named:
     assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
     assert "new_requests[0] (req_id 'c').num_generated_tokens" in details_of(caught.value)
     assert named in details_of(caught.value)
+
+
+# Past llguidance's parser limits only on a token: 2,001 alternatives in one row
+# (the limit is 2,000), and a regex whose lexer needs too many expressions.
+CHOICE_PAST_LIMIT: dict[str, Any] = {
+    "choice": pb.StructuredChoice(choices=[f"city{i}" for i in range(2001)])
+}
+REGEX_PAST_LIMIT: dict[str, Any] = {"regex": "(x{1000}){1021}"}
+LIMIT = "the grammar engine (llguidance) reached one of its limits on this spec: "
+
+
+def test_a_spec_past_the_engines_limits_fails_its_request_alone(shared_stub: Stub) -> None:
+    """A limit reached while a request runs is INVALID_ARGUMENT naming the request and
+    the field, never INTERNAL, never an EOS-only text the spec does not match; the step
+    is undone, and the same spec sent again fails the same way (its cached matcher,
+    which may share the exhausted state, is dropped)."""
+    stub = shared_stub
+    epoch = _epoch(stub)
+    free = pb.SamplingParams(temperature=0, max_tokens=2)
+    step = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(req_id="free", prompt_token_ids=[5, 6], sampling_params=free),
+            pb.NewRequest(
+                req_id="bad",
+                prompt_token_ids=[5, 6],
+                sampling_params=constrained(8, **CHOICE_PAST_LIMIT),
+            ),
+        ],
+        num_scheduled_tokens={"free": 2, "bad": 2},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Execute(step)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert details_of(caught.value).startswith(
+        f"req_id 'bad': sampling_params.structured_outputs.choice: {LIMIT}Parser Error: "
+        "Current row has 2002 items; max is 2000"
+    )
+    assert wait_until_idle(stub, 10).num_running_requests == 0  # nothing was applied
+    # A request that ran a step (a prompt chunk) before it reached the limit: the step
+    # that reaches it is undone, and the request stays where it was until freed.
+    params = constrained(8, **CHOICE_PAST_LIMIT)
+    chunk = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[
+            pb.NewRequest(req_id="late", prompt_token_ids=[5, 6, 7, 8], sampling_params=params)
+        ],
+        num_scheduled_tokens={"late": 2},
+    )
+    assert stub.Execute(chunk).outputs[0].num_computed_tokens == 2
+    rest = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        cached_requests=[pb.CachedRequest(req_id="late", num_computed_tokens=2)],
+        num_scheduled_tokens={"late": 2},
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Execute(rest)
+    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert details_of(caught.value).startswith(
+        "req_id 'late': sampling_params.structured_outputs.choice: "
+    )
+    assert stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 1
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["late"]))
+    assert wait_until_idle(stub, 10).num_running_requests == 0
+    for _ in range(2):  # Generate, twice: the second finds no poisoned matcher
+        request = pb.GenerateRequest(prompt="x", sampling_params=constrained(8, **REGEX_PAST_LIMIT))
+        with pytest.raises(grpc.RpcError) as generate:
+            list(stub.Generate(request))
+        assert code_of(generate.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(generate.value) == (
+            f"sampling_params.structured_outputs.regex: {LIMIT}lexer error: too many "
+            "expressions constructed; simplify the spec (fewer alternatives, shorter repetitions)"
+        )
+
+
+def test_a_generate_request_past_a_limit_does_not_fail_the_step_it_rides(tiny_dir: Path) -> None:
+    """A Generate request riding along a scheduler's step (both queued while the engine
+    was busy) fails alone; the scheduler's step runs."""
+    with live_server() as (server, stub):
+        bring_up(stub, tiny_dir)
+        gate = threading.Event()
+        blocker = server.worker.core.engine.submit(gate.wait)  # occupies the engine thread
+        request = pb.GenerateRequest(
+            prompt="x", sampling_params=constrained(8, **CHOICE_PAST_LIMIT)
+        )
+        with ThreadPoolExecutor(2) as pool:
+            generate = pool.submit(lambda: list(stub.Generate(request)))
+            engine = server.worker.core.engine
+            deadline = time.monotonic() + 30
+            while engine.queued < 1:  # the Generate start is queued first
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            params = pb.SamplingParams(temperature=0, max_tokens=1)
+            step = pb.ExecuteRequest(
+                worker_epoch=_epoch(stub),
+                new_requests=[
+                    pb.NewRequest(req_id="s", prompt_token_ids=[5, 6], sampling_params=params)
+                ],
+                num_scheduled_tokens={"s": 2},
+            )
+            execute = pool.submit(stub.Execute, step)
+            while engine.queued < 2:  # then the scheduler's step
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            gate.set()
+            blocker.result(timeout=10)
+            output = execute.result(timeout=30).outputs[0]
+            assert output.req_id == "s" and len(output.sampled_token_ids) == 1
+            with pytest.raises(grpc.RpcError) as caught:
+                generate.result(timeout=30)
+        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(caught.value).startswith(
+            f"sampling_params.structured_outputs.choice: {LIMIT}"
+        )
+        assert wait_until_idle(stub, 10).num_running_requests == 0

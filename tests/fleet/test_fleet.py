@@ -193,6 +193,39 @@ def test_a_structured_output_spec_passes_through_and_survives_failover(
     assert by_target(fleet.status())[pool.targets[0]].num_failed_over > 0
 
 
+def test_a_spec_past_the_workers_grammar_limits_fails_only_its_request(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """A spec that reaches a limit of the worker's grammar engine on a token fails its
+    own request with INVALID_ARGUMENT naming the field, whether it was new in the step
+    (a short prompt) or had run a step before (a prompt prefilled in two chunks); a
+    request beside them keeps its tokens, and the worker ends idle."""
+    fleet = start_fleet(pool.targets[:1])
+    short, long, plain = distinct_prompts(2, 8, seed=41) + distinct_prompts(1, 700, seed=42)
+    plain_request = token_request(plain, 24)
+    alone = tokens_of(fleet.generate(plain_request))
+    choices = pb.StructuredChoice(choices=[f"city{i}" for i in range(2001)])
+    past = pb.SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=pb.StructuredOutputs(choice=choices)
+    )
+    requests = [
+        pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=past)
+        for prompt in (short, long)
+    ]
+    streams = run_streams(fleet.stub, [plain_request, *requests])
+    assert streams[0].error is None and streams[0].tokens == alone
+    for stream in streams[1:]:
+        assert stream.error is not None and not stream.tokens
+        assert stream.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(stream.error.details()).startswith(
+            "sampling_params.structured_outputs.choice: the grammar engine (llguidance) "
+            "reached one of its limits on this spec: Parser Error: Current row has 2002 items"
+        )
+    with grpc.insecure_channel(pool.targets[0]) as channel:
+        worker = pb_grpc.WorkerServiceStub(channel)
+        assert wait_until_idle(worker, 30).num_running_requests == 0
+
+
 def test_the_fleet_streams_every_token_as_sampled_through_execute_stream(
     pool: WorkerPool, start_fleet: Callable[..., Fleet]
 ) -> None:

@@ -165,6 +165,10 @@ def test_vllms_structured_fields_constrain_the_output(client: openai.OpenAI) -> 
         ("guided_regex", "(unclosed", "guided_regex"),
         ("structured_outputs", {"grammar": "start: ("}, "structured_outputs"),
         ("guided_json", {"type": "string", "minLength": 5, "maxLength": 2}, "guided_json"),
+        ("guided_regex", r"[^\s\S]", "guided_regex"),  # no text matches it
+        # Past the grammar engine's limits on the first token.
+        ("guided_choice", [f"city{i}" for i in range(2001)], "guided_choice"),
+        ("guided_regex", "(x{1000}){1021}", "guided_regex"),
     ],
 )
 def test_a_spec_the_engine_refuses_is_a_400_naming_the_field_before_any_token(

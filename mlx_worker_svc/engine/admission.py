@@ -18,12 +18,13 @@ import mlx.core as mx
 
 from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
 from mlx_worker_svc.core.log_format import clip
+from mlx_worker_svc.engine.grammar_mask import plan_structured
 from mlx_worker_svc.engine.lora.registry import check_adapter
 from mlx_worker_svc.engine.memory.guard import MemoryGuard
 from mlx_worker_svc.engine.planning import Limits, plan_step
 from mlx_worker_svc.engine.sequence import RequestKey, Work
 from mlx_worker_svc.engine.state import EngineState
-from mlx_worker_svc.engine.structured import GrammarCompiler, plan_structured
+from mlx_worker_svc.engine.structured import GrammarCompiler
 
 # Per scheduled request: (tokens computed before the step, computed after it, length).
 Spans = dict[RequestKey, tuple[int, int, int]]

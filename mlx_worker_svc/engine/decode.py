@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlx_worker_svc.core.domain import FinishReason, RequestOutput
-from mlx_worker_svc.engine import structured
+from mlx_worker_svc.engine import grammar_mask, structured
 from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.sampling import choose_tokens, token_logprobs
@@ -58,7 +58,7 @@ class Decoder:
         """One batched forward for `keys` (their last token each), then sampling.
 
         Rows with a grammar or a scheduler's bitmask sample from the masked
-        logits (structured.py); logprobs stay the raw model's.
+        logits (grammar_mask.py); logprobs stay the raw model's.
         """
         if self.state.step is not None:
             self.state.step.decoding = True
@@ -76,7 +76,7 @@ class Decoder:
         rows = [self.state.seqs[key] for key in self.state.batch.keys]
         logits = self.state.batch.forward(self.model, [seq.tokens[-1] for seq in rows])
         samplers = [s.sampler for s in rows]
-        mask = structured.step_mask(self.grammars, rows, bitmasks or {})
+        mask = grammar_mask.step_mask(self.grammars, rows, bitmasks or {})
         greedy = mask is None and all(s.trivial for s in samplers)
         # Launched with the look-ahead's forward (greedy rows, no mask).
         chosen = self.state.batch.choice if mask is None else None
@@ -95,7 +95,7 @@ class Decoder:
         tokens, speculated_on = chosen.read()
         self.state.batch.confirm(speculated_on)
         infos = None if greedy else token_logprobs(logits, samplers, tokens)
-        complete = structured.advance(mask, rows, tokens)
+        complete = grammar_mask.advance(mask, rows, tokens)
         finished: list[RequestKey] = []
         for i, seq in enumerate(rows):
             token = tokens[i]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 from mlx_worker_svc.gateway.errors import ApiError, invalid
@@ -53,6 +54,16 @@ class Fields:
         if not low <= value <= high:
             raise invalid(self._param(name), f"{value} is not in [{low}, {high}]")
         return value
+
+
+def only_keys(value: dict[str, Any], known: Collection[str], where: str, why: str = "") -> None:
+    """Refuses a key of the object at `where` that `known` does not list, naming it: a
+    misspelled field is an error, never a field silently ignored."""
+    for key in value:
+        if key not in known:
+            raise invalid(
+                f"{where}.{key}", why or f"unknown field ({where} takes {', '.join(known)})"
+            )
 
 
 def json_type(value: Any) -> str:

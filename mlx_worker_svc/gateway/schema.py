@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mlx_worker_svc.gateway.body import Fields, json_type
+from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.structured import FIELDS, apply_spec, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
@@ -32,6 +32,30 @@ MAX_STOP = 4  # OpenAI's bound on stop strings
 _UINT32 = 2**32 - 1
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
+# A message's fields: what OpenAI takes, and the reasoning fields vLLM's clients send back
+# (`annotations` and `reasoning*` are read as nothing: the models here do not reason).
+_MESSAGE_KEYS = (
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "refusal",
+    "annotations",
+    "reasoning_content",
+    "reasoning",
+    "audio",
+    "function_call",
+)
+# Fields known to OpenAI that cannot be honoured unless null.
+_MESSAGE_UNSUPPORTED = {
+    "audio": "audio in the history is not supported by this server",
+    "function_call": "function calls are not supported by this server (use tool_calls)",
+}
+# A content part's fields by type (`cache_control`, as some clients add for Anthropic
+# models, changes nothing: the workers' prefix cache reuses every prompt).
+_PART_KEYS = {"text": ("type", "text", "cache_control"), "refusal": ("type", "refusal")}
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 
 
 @dataclass(frozen=True)
@@ -208,7 +232,18 @@ def _stream_options(fields: Fields, stream: bool) -> bool:
         raise invalid("stream_options", "only allowed when 'stream' is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", f"expected an object, got {json_type(options)}")
-    return Fields(options, "stream_options").boolean("include_usage")
+    only_keys(options, _STREAM_OPTIONS, "stream_options")
+    fields = Fields(options, "stream_options")
+    fields.boolean("include_obfuscation")  # no obfuscation padding is sent either way
+    if fields.boolean("continuous_usage_stats"):
+        raise ApiError(
+            400,
+            "'stream_options.continuous_usage_stats' is not supported by this server: "
+            "'include_usage' sends the usage in a last chunk",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
+    return fields.boolean("include_usage")
 
 
 def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
@@ -244,6 +279,11 @@ def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
             raise invalid("repetition_penalty", "must be greater than 0")
         params.repetition_penalty = penalty
     params.min_tokens = fields.integer("min_tokens", 0, _UINT32) or 0
+    if params.HasField("max_tokens") and params.min_tokens > params.max_tokens:
+        raise invalid(
+            "min_tokens",
+            f"{params.min_tokens} must not exceed max_tokens ({params.max_tokens})",
+        )
     params.ignore_eos = fields.boolean("ignore_eos")
     stop_ids = fields.get("stop_token_ids")
     stop_ids = [] if stop_ids is None else stop_ids
@@ -291,6 +331,10 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(where, f"expected an object, got {json_type(message)}")
+        only_keys(message, _MESSAGE_KEYS, where)
+        for name, why in _MESSAGE_UNSUPPORTED.items():
+            if message.get(name) is not None:
+                raise invalid(f"{where}.{name}", why)
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role", f"{role!r} is not one of {sorted(_ROLES)}")
@@ -309,12 +353,15 @@ def _content(value: Any, where: str, role: str) -> str:
         return value or ""
     if not isinstance(value, list):
         raise invalid(f"{where}.content", "expected a string or an array of text parts")
+    if not value:
+        raise invalid(f"{where}.content", "empty array: expected at least one content part")
     texts = []
     for j, part in enumerate(value):
         # An assistant's earlier refusal comes back as a part of its own, as OpenAI's do.
         kind = "refusal" if role == "assistant" and _type(part) == "refusal" else "text"
         if _type(part) != kind:
             raise invalid(f"{where}.content[{j}]", "only text parts are supported")
+        only_keys(part, _PART_KEYS[kind], f"{where}.content[{j}]")
         if not isinstance(part.get(kind), str):
             raise invalid(f"{where}.content[{j}].{kind}", "expected a string")
         texts.append(part[kind])

@@ -31,6 +31,7 @@ import json
 import re
 from typing import Any
 
+from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -85,12 +86,16 @@ def _response_format(value: Any) -> pb.StructuredOutputs:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in kinds:
         raise invalid("response_format", f"expected an object with 'type' one of {list(kinds)}")
+    only_keys(
+        value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format"
+    )
     if kind == "json_object":
         return pb.StructuredOutputs(json_object=True)
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise invalid(where, "expected an object with a 'name' string")
+    only_keys(spec, ("name", "description", "schema", "strict"), where)
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{where}.strict", "expected a boolean")

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import invalid
 
 Choice = Literal["none", "auto", "required", "function"]
@@ -127,6 +128,9 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(call, dict) or call.get("type", "function") != "function":
         raise invalid(where, "expected an object with type 'function'")
+    only_keys(call, ("id", "type", "function"), where)
+    if isinstance(function, dict):
+        only_keys(function, ("name", "arguments"), f"{where}.function")
     if not isinstance(call.get("id"), str):
         raise invalid(f"{where}.id", "expected a string")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -155,9 +159,11 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise invalid(where, "expected an object with type 'function'")
+        only_keys(tool, ("type", "function"), where)
         function = tool.get("function")
         if not isinstance(function, dict):
             raise invalid(f"{where}.function", "expected an object")
+        only_keys(function, ("name", "description", "parameters", "strict"), f"{where}.function")
         check_function(function, f"{where}.function", "parameters")
         out.append(function)
     return tuple(out)
@@ -199,6 +205,8 @@ def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str 
             "expected 'none', 'auto', 'required' or "
             '{"type": "function", "function": {"name": ...}}',
         )
+    only_keys(value, ("type", "function"), "tool_choice")
+    only_keys(cast(dict[str, Any], function), ("name",), "tool_choice.function")
     if name not in {t["name"] for t in tools}:
         raise invalid("tool_choice", f"no tool named {name!r} is in 'tools'")
     return "function", name

@@ -197,6 +197,49 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
         ({"metadata": {"tier": 1}}, 400, "metadata.tier"),
         ({"store": "yes"}, 400, "store"),
         ({"extra_body": {"stop_token_ids": ""}}, 400, "stop_token_ids"),
+        ({"extra_body": {"min_tokens": 5}}, 400, "min_tokens"),  # past max_tokens 4
+        # Nested fields are checked as the top level is: a misspelling is never ignored.
+        ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, 400, "messages[0].bogus"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "b": 1}]}]},
+            400,
+            "messages[0].content[0].b",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a", "audio": {"id": "x"}}]},
+            400,
+            "messages[0].audio",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_usag": True}},
+            400,
+            "stream_options.include_usag",
+        ),
+        (
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            400,
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "scheme": {}},
+                }
+            },
+            400,
+            "response_format.json_schema.scheme",
+        ),
+        ({"response_format": {"type": "json_object", "schema": {}}}, 400, "response_format.schema"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]},
+            400,
+            "tools[0].function.params",
+        ),
     ],
 )
 def test_bad_parameters_get_openai_errors(

@@ -169,9 +169,14 @@ def test_fields_clients_send_on_every_call_are_accepted(
     for name, bad_value in (("service_tier", "fastest"), ("prompt_cache_key", 7)):
         bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, name: bad_value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == name
-    # An assistant's refusal part (as the SDK hands it back) is its text in the history.
+    # An assistant's refusal part (as the SDK hands it back) is its text in the history,
+    # and an assistant message as the SDK dumps it (nulls, annotations) is taken.
     refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
-    history = [*CHAT, refused, {"role": "user", "content": "Why?"}]
+    dumped: dict[str, Any] = {"role": "assistant", "content": "Hi.", "refusal": None}
+    dumped |= {"annotations": []}
+    dumped |= {"audio": None, "function_call": None, "tool_calls": None}
+    history = [*CHAT, refused, {"role": "user", "content": "Why?"}, dumped]
+    history.append({"role": "user", "content": [{"type": "text", "text": "And?"}]})
     assert (
         post(gateway, "/v1/chat/completions", {"messages": history, "max_tokens": 2}).status_code
         == 200

@@ -102,6 +102,14 @@ def _token(token: int, logprob: float, texts: dict[int, bytes]) -> dict[str, Any
     return {"token": _shown(raw), "logprob": _logprob(logprob), "bytes": list(raw)}
 
 
+def _legacy_top(lp: pb.TokenLogprobs, texts: dict[int, bytes]) -> dict[str, float]:
+    """Legacy `top_logprobs`: the top `logprobs` tokens and the sampled one, always
+    (OpenAI's rule: up to `logprobs` + 1 entries; vLLM's too)."""
+    top = {_shown(texts[t.token_id]): _logprob(t.logprob) for t in lp.top}
+    top.setdefault(_shown(texts[lp.token_id]), _logprob(lp.logprob))
+    return top
+
+
 class Reply:
     """Builds the OpenAI objects of one request from the fleet's messages."""
 
@@ -147,9 +155,7 @@ class Reply:
         return {
             "tokens": [_shown(texts[lp.token_id]) for lp in logprobs],
             "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
-            "top_logprobs": [
-                {_shown(texts[t.token_id]): _logprob(t.logprob) for t in lp.top} for lp in logprobs
-            ],
+            "top_logprobs": [_legacy_top(lp, texts) for lp in logprobs],
             "text_offset": offsets,
         }
 

@@ -171,6 +171,15 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     for text, logprob, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(alts) == 2 and alts[text] == logprob == max(alts.values())
+    # Sampled, the chosen token is always among the legacy top_logprobs (OpenAI's rule:
+    # up to logprobs + 1 entries), the only one with logprobs: 0.
+    for most in (1, 0):
+        sampled = complete(client, max_tokens=12, logprobs=most, temperature=2.0, seed=4)
+        lp = sampled.choices[0].logprobs
+        assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+        for text, logprob, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert alts[text] == logprob and len(alts) <= most + 1
+            assert most or alts == {text: logprob}
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ def check_fits(
         if vocab_size and max(ids, default=0) >= vocab_size:
             raise OutOfVocabulary(name, next(t for t in ids if t >= vocab_size), vocab_size)
     max_tokens = params.max_tokens if params.HasField("max_tokens") else None
-    need = len(prompt) + ((max_tokens or 1) if reserve else 0)
+    # Room for one generated token at least, as a worker requires of a prompt.
+    need = len(prompt) + ((max_tokens or 1) if reserve else 1)
     if max_context and need > max_context:
         raise ContextTooLong(len(prompt), max_tokens if reserve else None, max_context)

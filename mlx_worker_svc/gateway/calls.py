@@ -88,7 +88,10 @@ async def open_answer(
     """
     start = time.monotonic()
     tools = await fleet_call(_tools(fleet, parsed))
-    stream = cast(Stream, fleet.generate(parsed.generate, reserve_max_tokens=True))
+    # OpenAI's rule: the prompt leaves room for max_tokens. Anthropic's: an answer may ask
+    # for more than is left, and stops at the end of the context.
+    reserve = parsed.kind != "messages"
+    stream = cast(Stream, fleet.generate(parsed.generate, reserve_max_tokens=reserve))
     try:
         first = await until_disconnect(request, fleet_call(_first(parsed, stream)))
     except ApiError as exc:

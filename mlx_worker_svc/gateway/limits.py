@@ -1,13 +1,16 @@
 """The model's limits (context length, vocabulary) as 400s in the API's words, not the fleet's.
 
-The gateway asks the fleet to keep room for `max_tokens` (OpenAI's rule), and
-words the fleet's `ContextTooLong` as OpenAI and vLLM do: "This model's
+The OpenAI routes ask the fleet to keep room for `max_tokens` (OpenAI's rule),
+and word the fleet's `ContextTooLong` as OpenAI and vLLM do: "This model's
 maximum context length is N tokens. However, you requested M tokens (P in the
 messages, C in the completion). ...", code `context_length_exceeded`, `param`
 naming the prompt's field (`messages`, or `prompt` for legacy completions).
 Without `max_tokens` (chat) an answer may run to the end of the context, so
-then only the prompt must leave room for one token. A token id out of the
-vocabulary (`OutOfVocabulary`) names the request field that holds it.
+then only the prompt must leave room for one token. `/v1/messages` reserves
+no `max_tokens` (Anthropic's rule: the answer stops at the end of the context,
+`model_context_window_exceeded`), and words a prompt with no room left as
+Anthropic does: "prompt is too long: P tokens > M maximum". A token id out of
+the vocabulary (`OutOfVocabulary`) names the request field that holds it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary) -> ApiError:
     if isinstance(exc, OutOfVocabulary):
         param = _PARAMS.get(exc.field, exc.field)
         return invalid(param, f"token {exc.token} is out of the vocabulary (size {exc.vocab_size})")
+    if kind == "messages":  # Anthropic's words; its max_tokens is not reserved
+        most = exc.context_length - 1
+        return ApiError(
+            400,
+            f"prompt is too long: {exc.prompt_tokens} tokens > {most} maximum (the model's "
+            f"context is {exc.context_length} tokens, one of them for the answer)",
+            param="messages",
+        )
     where = "prompt" if kind == "completion" else "messages"
     message = f"This model's maximum context length is {exc.context_length} tokens. However, "
     if exc.max_tokens is None:

@@ -11,6 +11,7 @@ tool's `input_schema` (`jsonschema`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,27 @@ def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic)
     ):
         with pytest.raises(anthropic.BadRequestError, match=where.replace(".", r"\.")):
             create(client, extra_body={"output_config": bad})
+
+
+def test_max_tokens_past_the_context_runs_to_its_end(
+    client: anthropic.Anthropic, gateway: Gateway
+) -> None:
+    """As Anthropic's API has it (agents send a large fixed max_tokens, 32000 for one),
+    max_tokens may ask for more than the context has left: the answer stops at its end
+    with model_context_window_exceeded. A prompt with no room left is a 400 in
+    Anthropic's words."""
+    message = create(client, max_tokens=32000)
+    assert message.stop_reason == "model_context_window_exceeded", message.stop_reason
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens == 512
+    long = [{"role": "user", "content": "sea " * 600}]
+    body = {"model": MODEL, "messages": long, "max_tokens": 4}
+    response = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert re.fullmatch(
+        r"prompt is too long: \d+ tokens > 511 maximum \(the model's context is 512 tokens, "
+        r"one of them for the answer\)",
+        error["message"],
+    ), error

@@ -418,6 +418,34 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
             {"messages": [*ASK, {"role": "assistant", "content": "The sea "}]},
             "messages[1].content': final assistant content cannot end with trailing whitespace",
         ),
+        # Nested fields are checked as the top level is (Anthropic's API refuses them too).
+        (
+            {"messages": [{"role": "user", "content": "hi", "bogus": 1}]},
+            "messages[0].bogus': Extra inputs are not permitted",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "b": 1}]}]},
+            "messages[0].content[0].b': Extra inputs are not permitted",
+        ),
+        ({"system": [{"type": "text", "text": "s", "b": 1}]}, "system[0].b'"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "b": 1}]}, "tools[0].b'"),
+        ({"tool_choice": {"type": "auto", "b": 1}}, "tool_choice.b'"),
+        # A grammar cannot continue a prefill it does not know.
+        (
+            {
+                "messages": [*ASK, {"role": "assistant", "content": '{"sea":'}],
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+            },
+            "output_config.format': cannot be combined with a prefill",
+        ),
+        (
+            {
+                "messages": [*ASK, {"role": "assistant", "content": "I will"}],
+                "tools": TOOLS,
+                "tool_choice": {"type": "any"},
+            },
+            "tool_choice': cannot be combined with a prefill",
+        ),
     ]
     for extra, where in cases:
         body = {"model": MODEL, "messages": ASK, "max_tokens": 4} | extra

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_worker_svc.gateway.body import Fields, json_type
+from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import ParsedRequest
 from mlx_worker_svc.gateway.structured import apply_spec, json_schema_spec
@@ -58,6 +58,14 @@ _UNSUPPORTED = {
     "mcp_servers": "MCP servers are not supported by this server",
     "context_management": "context management is not supported by this server",
 }
+# The fields of each block and object the messages take; others are refused by name.
+_EXTRA = "Extra inputs are not permitted"
+_BLOCK_KEYS = {
+    "text": ("type", "text", "cache_control", "citations"),
+    "tool_use": ("type", "id", "name", "input", "cache_control"),
+    "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control"),
+}
+_TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
 _CHOICES: dict[str, Choice] = {
     "auto": "auto",
     "any": "required",
@@ -115,6 +123,14 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
     spec = None if count else _output_config(fields.get("output_config"))
+    if prefill and (spec is not None or tools.forced):
+        # The grammar would start after the prefill's text, which it does not know.
+        where = "output_config.format" if spec is not None else "tool_choice"
+        raise invalid(
+            where,
+            "cannot be combined with a prefill (a final assistant message): the "
+            "constrained answer starts the assistant's text",
+        )
     answer_schema = apply_spec(params, spec, "output_config.format", tools=tools.may_call)
     _cache_control(fields.get("cache_control"), "cache_control")
     request = pb.GenerateRequest(
@@ -237,6 +253,7 @@ def _texts(value: Any, where: str) -> str:
             raise invalid(
                 f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"
             )
+        only_keys(block, _BLOCK_KEYS["text"], f"{where}[{j}]", _EXTRA)
         texts.append(_text(block, f"{where}[{j}]"))
     return "\n".join(texts)
 
@@ -266,6 +283,7 @@ def _turn(
     """
     if not isinstance(turn, dict):
         raise invalid(where, f"expected an object, got {json_type(turn)}")
+    only_keys(turn, ("role", "content"), where, _EXTRA)
     role = turn.get("role")
     if role not in ("user", "assistant"):
         raise invalid(f"{where}.role", f"{role!r} is not one of ['assistant', 'user']")
@@ -286,6 +304,8 @@ def _turn(
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _BLOCK_KEYS:
+            only_keys(block, _BLOCK_KEYS[kind], at, _EXTRA)
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use" and role == "assistant":
@@ -337,6 +357,7 @@ def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb
 
 def _prefill(turn: dict[str, Any], where: str) -> str:
     """The text a final assistant message starts the answer with."""
+    only_keys(turn, ("role", "content"), where, _EXTRA)
     content = turn.get("content")
     text = content if isinstance(content, str) else _texts(content, f"{where}.content")
     if text != text.rstrip():
@@ -356,6 +377,10 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
             raise invalid(where, f"expected an object, got {json_type(tool)}")
         if tool.get("type", "custom") not in ("custom", None):
             raise invalid(f"{where}.type", f"server tools ({tool['type']!r}) are not supported")
+        only_keys(tool, _TOOL_KEYS, where, _EXTRA)
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid(f"{where}.strict", "expected a boolean")
         check_function(tool, where, "input_schema")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
@@ -366,6 +391,8 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         function = {"name": tool["name"], "parameters": schema}
         if description:
             function["description"] = description
+        if strict:  # the whole schema holds the input, as OpenAI's strict function's
+            function["strict"] = True
         tools.append(function)
     return _tool_choice(choice, tuple(tools))
 
@@ -376,6 +403,7 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> ToolRequest:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in _CHOICES:
         raise invalid("tool_choice", f"expected an object with 'type' one of {list(_CHOICES)}")
+    only_keys(value, ("type", "name", "disable_parallel_tool_use"), "tool_choice", _EXTRA)
     parallel = Fields(value, "tool_choice").boolean("disable_parallel_tool_use") is False
     name = value.get("name")
     if kind == "tool":

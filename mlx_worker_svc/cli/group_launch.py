@@ -6,7 +6,10 @@ with `--group` added on every rank (N ranks on this machine, or the hosts of
 `--hostfile`). Rank 0 serves gRPC; the other ranks follow it
 (engine/group/replica.py). This process relays the group's output, passes SIGTERM
 and SIGINT to rank 0 (whose drain stops every rank), and exits with rank 0's
-exit status, which rank 0 prints as its last line (`EXIT_LINE`).
+exit status, which rank 0 prints as its last line (`EXIT_LINE`). Ranks still
+running `AFTER_RANK0_SECONDS` after that line (a follower that is stopped or
+hung, which mlx.launch's SIGTERM cannot end) are killed with the launcher, so
+the command a supervisor watches exits and the group can be restarted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ _EXIT = re.compile(r"mlx-worker rank 0 exits with status (-?\d+)")
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 # More than a pipe buffer holds (64 KiB on Linux, at most that on macOS).
 _STDIN_FILL = 256 << 10
+# How long the other ranks may take to end once rank 0 has exited.
+AFTER_RANK0_SECONDS = 10.0
 
 
 def init_backend(backend: str) -> str:
@@ -181,8 +186,11 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             if ranked and ranked.group(1) == "0" and ranked.group(3) == socket.gethostname():
                 rank0 = int(ranked.group(2))
             ended = _EXIT.search(line)
-            if ended:
+            if ended and status is None:
                 status = int(ended.group(1))
+                stray = threading.Timer(AFTER_RANK0_SECONDS, _kill_session, (group,))
+                stray.daemon = True
+                stray.start()
         group.wait()
     finally:
         for signum, handler in previous.items():
@@ -191,3 +199,16 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             if pipe is not None:
                 pipe.close()
     return status if status is not None else 1
+
+
+def _kill_session(group: subprocess.Popen[str]) -> None:
+    """Kills mlx.launch and the ranks it started here (SIGKILL ends a stopped one too)."""
+    if group.poll() is None:
+        print(
+            f"mlx-worker serve: ranks still running {AFTER_RANK0_SECONDS:g} s after rank 0 "
+            "exited: killed",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)

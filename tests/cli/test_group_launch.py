@@ -1,10 +1,13 @@
-"""`serve --world-size N`: a group that cannot start on this machine is refused before launch."""
+"""`serve --world-size N`: a group that cannot start on this machine is refused before
+launch, and the command exits with rank 0 even when another rank cannot be stopped."""
 
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,29 @@ def test_serve_over_nccl_without_gpus_fails_at_once_with_one_line(tiny_dir: Path
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("mlx-worker serve: --backend nccl needs")
     assert f"MLX sees {device.cuda_gpu_count()} on this machine" in lines[0]
+
+
+# Stands in for mlx.launch: starts a "rank" that SIGTERM cannot end (as a stopped one),
+# prints rank 0's lines as a group's rank 0 does, and waits for the rank, as the
+# launcher waits for its ranks.
+_LAUNCHER = """
+import os, signal, subprocess, sys
+stuck = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print(sys.argv[1].format(rank=0, size=2, backend="ring", pid=os.getpid(), host=sys.argv[2]))
+print(sys.argv[3].format(status=3), flush=True)
+stuck.wait()
+"""
+
+
+def test_the_command_exits_with_rank_0_when_another_rank_will_not_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(group_launch, "AFTER_RANK0_SECONDS", 0.5)
+    launcher = [sys.executable, "-c", _LAUNCHER, group_launch.RANK_LINE, socket.gethostname()]
+    launcher.append(group_launch.EXIT_LINE)
+    monkeypatch.setattr(group_launch, "launch_command", lambda _args, _argv: launcher)
+    began = time.monotonic()
+    status = group_launch.run_group(_args(backend="ring", hostfile="hosts.json"), [])
+    assert status == 3
+    assert time.monotonic() - began < 30  # not the stuck rank's 600 s

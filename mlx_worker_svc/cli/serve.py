@@ -91,6 +91,15 @@ def _serve_status(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
         return 2
+    if args.group and not _launched():
+        print(
+            "mlx-worker serve: --group is for the ranks mlx.launch starts (it sets MLX_RANK "
+            "and MLX_HOSTFILE, or its backend's variables, on each): give --world-size N "
+            "to start a group",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
         print(
             "mlx-worker serve: --hostfile and --backend start a worker group: give "
@@ -262,3 +271,12 @@ def _exit_after_engine_death(server: WorkerServer, seconds: float, group: bool) 
         os._exit(3)
 
     threading.Thread(target=watch, name="death-watch", daemon=True).start()
+
+
+def _launched() -> bool:
+    """Whether a launcher started this process as a rank (its variables are set)."""
+    from mlx_worker_svc.cli.group_launch import launched_backend
+
+    if launched_backend() != "ring":  # found by the backend's own variables
+        return True
+    return bool(os.environ.get("MLX_RANK") and os.environ.get("MLX_HOSTFILE"))

@@ -134,6 +134,13 @@ def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
         "mlx-worker serve: --hostfile and --backend start a worker group: give "
         "--world-size N (N >= 2)"
     )
+    done = _run("serve", "--port", "0", "--group")  # by hand, outside mlx.launch
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "mlx-worker serve: --group is for the ranks mlx.launch starts (it sets MLX_RANK and "
+        "MLX_HOSTFILE, or its backend's variables, on each): give --world-size N to start "
+        "a group"
+    )
     garbage = tmp_path / "ca.pem"
     garbage.write_text("not a certificate")
     done = _run("fleet", *WORKER, "--port", "0", "--worker-ca", str(garbage))

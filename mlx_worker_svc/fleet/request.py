@@ -83,6 +83,34 @@ class FleetRequest:
         return self.tokens, params
 
     # ------------------------------------------------------------- stream
+    def next_message(self) -> tuple[pb.GenerateResponse, bool]:
+        """What to stream now, and whether a stop string ended the request.
+
+        The tokens and text not streamed yet; the first message carries the
+        prefix-cache hit. The last one (a stop string hit, or the worker's
+        finish: `phase` DONE) carries the finish, the rest of the text and the
+        counts, and leaves the request DONE.
+        """
+        piece, stop = self.new_text()
+        tokens, logprobs = self.take_tokens()
+        message = pb.GenerateResponse(
+            token_ids=tokens, text=piece, logprobs=logprobs, request_id=self.request_id
+        )
+        if not self.streamed:
+            self.streamed = True
+            message.num_cached_prompt_tokens = self.cached_tokens
+        if stop is not None:
+            message.finish_reason = pb.FINISH_REASON_STOP_STRING
+            message.stop_string = stop
+        elif self.phase is Phase.DONE:
+            message.finish_reason = self.finish_reason
+            message.text += self.flush()
+        if message.finish_reason:
+            message.prompt_tokens = len(self.prompt)
+            message.completion_tokens = len(self.generated)
+            self.phase = Phase.DONE
+        return message, stop is not None
+
     def new_text(self) -> tuple[str, str | None]:
         """Text to stream now and the stop string hit, from the output's text so far.
 

@@ -407,27 +407,14 @@ class FleetScheduler:
     # ------------------------------------------------------------ stream
     def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
         """Streams what a step gave `r`; returns whether a stop string ended it."""
-        piece, stop = r.new_text()
-        tokens, logprobs = r.take_tokens()
-        message = pb.GenerateResponse(
-            token_ids=tokens, text=piece, logprobs=logprobs, request_id=r.request_id
-        )
-        self.metrics.generation_tokens.inc(len(tokens))
-        if not r.streamed:
-            r.streamed = True
-            message.num_cached_prompt_tokens = r.cached_tokens
+        first = not r.streamed
+        message, stopped = r.next_message()
+        self.metrics.generation_tokens.inc(len(message.token_ids))
+        if first:
             self.metrics.first_token(r.model, time.monotonic() - r.admitted, r.waited_for_load)
-        if stop is not None or r.phase is Phase.DONE:
-            if stop is not None:  # the fleet ends it (the worker's finishes count there)
-                message.finish_reason = pb.FINISH_REASON_STOP_STRING
-                message.stop_string = stop
+        if message.finish_reason:
+            if stopped:  # the fleet ends it (the worker's finishes count there)
                 link.stats.num_finished += 1
-            else:
-                message.finish_reason = r.finish_reason
-                message.text += r.flush()
-            message.prompt_tokens = len(r.prompt)
-            message.completion_tokens = len(r.generated)
-            r.phase = Phase.DONE
             self.num_finished += 1
             self._place()  # its worker may be idle now
             self._ended(
@@ -441,4 +428,4 @@ class FleetScheduler:
             )
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
-        return stop is not None
+        return stopped

@@ -58,9 +58,11 @@ class Fields:
 
 def only_keys(value: dict[str, Any], known: Collection[str], where: str, why: str = "") -> None:
     """Refuses a key of the object at `where` that `known` does not list, naming it: a
-    misspelled field is an error, never a field silently ignored."""
-    for key in value:
-        if key not in known:
+    misspelled field is an error, never a field silently ignored. A null one is taken as
+    absent (as every optional field may be null): the SDKs dump the optional fields of
+    the answers they hand back, such as anthropic's `caller: null`, as nulls."""
+    for key, item in value.items():
+        if key not in known and item is not None:
             raise invalid(
                 f"{where}.{key}", why or f"unknown field ({where} takes {', '.join(known)})"
             )

@@ -32,8 +32,9 @@ MAX_STOP = 4  # OpenAI's bound on stop strings
 _UINT32 = 2**32 - 1
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
-# A message's fields: what OpenAI takes, and the reasoning fields vLLM's clients send back
-# (`annotations` and `reasoning*` are read as nothing: the models here do not reason).
+# A message's fields: what OpenAI takes, and what clients send back of an answer, read
+# as nothing: `annotations`, the openai SDK's `parsed` (its parse() and stream()
+# helpers' messages) and vLLM's `reasoning*` (the models here do not reason).
 _MESSAGE_KEYS = (
     "role",
     "content",
@@ -42,6 +43,7 @@ _MESSAGE_KEYS = (
     "tool_call_id",
     "refusal",
     "annotations",
+    "parsed",
     "reasoning_content",
     "reasoning",
     "audio",

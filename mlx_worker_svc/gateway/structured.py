@@ -209,6 +209,8 @@ def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
 
 
 _TOOL_CALLS = re.compile(r"(messages\[\d+\])\.tool_calls_json")
+# Where in the gateway's grammar llguidance found a problem ("at 4(9): ").
+_GRAMMAR_AT = re.compile(r"^at \d+\(\d+\): ")
 
 
 def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) -> ApiError:
@@ -230,6 +232,8 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
     for worker_field, name in fields.items():
         if exc.message.startswith(worker_field):
             detail = exc.message.split(": ", 1)[-1]
+            if name == "tools":  # the gateway's own grammar: not its text, only the cause
+                detail = _GRAMMAR_AT.sub("", detail.splitlines()[0])
             return ApiError(
                 400, f"Invalid value for '{name}': {detail}", param=name, code="invalid_value"
             )

@@ -99,13 +99,14 @@ def call_grammar(
     return "\n".join([*top, f"call: {calls}", *rules])
 
 
-# JSON Schema keywords the workers' grammar engine (llguidance) does not enforce, and the
-# string formats it does: a schema with others is refused, unless relaxed.
+# JSON Schema keywords the workers' grammar engine (llguidance) does not enforce (min/
+# maxProperties only where every property is required), and the string formats it
+# does: a schema with others is refused, unless relaxed.
 _UNENFORCED = frozenset(
     {
         "uniqueItems", "not", "contains", "minContains", "maxContains", "propertyNames",
         "dependentRequired", "dependentSchemas", "if", "then", "else",
-        "unevaluatedProperties", "unevaluatedItems",
+        "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties",
     }
 )  # fmt: skip
 _FORMATS = frozenset(

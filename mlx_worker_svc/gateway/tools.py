@@ -128,9 +128,11 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(call, dict) or call.get("type", "function") != "function":
         raise invalid(where, "expected an object with type 'function'")
-    only_keys(call, ("id", "type", "function"), where)
+    # `index` (a streamed call's) and `parsed_arguments` (the openai SDK's parse()):
+    # what clients send back of an answer, read as nothing.
+    only_keys(call, ("id", "type", "function", "index"), where)
     if isinstance(function, dict):
-        only_keys(function, ("name", "arguments"), f"{where}.function")
+        only_keys(function, ("name", "arguments", "parsed_arguments"), f"{where}.function")
     if not isinstance(call.get("id"), str):
         raise invalid(f"{where}.id", "expected a string")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):

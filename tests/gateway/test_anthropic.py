@@ -345,6 +345,18 @@ def test_a_tool_result_goes_back_to_the_model(client: anthropic.Anthropic) -> No
     assert with_result.input_tokens > alone.input_tokens
     message = create(client, messages=history, tools=TOOLS, tool_choice={"type": "none"})
     assert [b.type for b in message.content] == ["text"]
+    # The same turns as the SDK's model_dump() gives them back: its optional fields as
+    # nulls (caller, toolset_name, citations) are absent fields, and change nothing.
+    dumped = [
+        *ASK,
+        {"role": "assistant", "content": [call | {"caller": None, "toolset_name": None}]},
+        {"role": "user", "content": [result | {"toolset_name": None}]},
+    ]
+    again = create(client, messages=dumped, tools=TOOLS, tool_choice={"type": "none"})
+    assert again.content[0].text == message.content[0].text
+    text = {"type": "text", "text": "Tell me about the sea.", "citations": []}
+    plain = create(client, messages=[{"role": "user", "content": [text]}])
+    assert plain.content[0].text == create(client).content[0].text
     with pytest.raises(anthropic.BadRequestError, match="tool_use_id"):
         bad = {**result, "tool_use_id": "toolu_unknown"}
         create(client, messages=[*history[:2], {"role": "user", "content": [bad]}], tools=TOOLS)

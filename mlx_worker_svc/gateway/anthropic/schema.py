@@ -60,12 +60,19 @@ _UNSUPPORTED = {
 }
 # The fields of each block and object the messages take; others are refused by name.
 _EXTRA = "Extra inputs are not permitted"
+# A tool_use's `caller` and `toolset_name` (the anthropic SDK's, for programmatic calls
+# and tool sets) and a tool's opt-in beta hints change nothing here.
 _BLOCK_KEYS = {
     "text": ("type", "text", "cache_control", "citations"),
-    "tool_use": ("type", "id", "name", "input", "cache_control"),
-    "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control"),
-}
-_TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
+    "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+    "tool_result": (
+        "type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name",
+    ),
+}  # fmt: skip
+_TOOL_KEYS = (
+    "type", "name", "description", "input_schema", "cache_control", "strict",
+    "eager_input_streaming", "input_examples", "defer_loading", "allowed_callers",
+)  # fmt: skip
 _CHOICES: dict[str, Choice] = {
     "auto": "auto",
     "any": "required",
@@ -264,7 +271,7 @@ def _text(block: dict[str, Any], where: str) -> str:
         raise invalid(f"{where}.text", "expected a string")
     if not text:
         raise invalid(f"{where}.text", "text content blocks must be non-empty")
-    if block.get("citations") is not None:
+    if block.get("citations"):  # null or [] (as the SDK dumps a text block) is none
         raise invalid(f"{where}.citations", "citations are not supported by this server")
     return text
 

@@ -1,6 +1,6 @@
 """What the worker reports about itself: lifecycle state, device, model, memory, health.
 
-These are the answers of InitDevice, LoadModel, GetInfo, Sleep and Health (and
+These are the answers of InitDevice, LoadModel, GetInfo, Sleep, WakeUp and Health (and
 LoadModel's request, `LoadSpec`), as plain dataclasses the servicer converts. The
 KV budget types they embed (`KVUsage`, `KVFormat`) belong to the step contract in
 `domain.py`.
@@ -121,6 +121,16 @@ class SleepReport:
     num_aborted: int
     freed_bytes: int
     worker_epoch: int
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    state: WorkerState
+    worker_epoch: int
+    seconds: float
+    # Adapters resident before a level-2 Sleep that could not be loaded again (their
+    # files gone or changed): the worker woke without them.
+    dropped_loras: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -284,9 +284,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     @_unary
     def WakeUp(self, request: pb.WakeUpRequest, context: grpc.ServicerContext) -> pb.WakeUpResponse:
-        state, epoch, seconds = self._worker.wake_up()
+        woken = self._worker.wake_up()
         return pb.WakeUpResponse(
-            state=convert.state(state), worker_epoch=epoch, wake_seconds=seconds
+            state=convert.state(woken.state),
+            worker_epoch=woken.worker_epoch,
+            wake_seconds=woken.seconds,
+            dropped_loras=woken.dropped_loras,
         )
 
     @_unary

@@ -16,17 +16,20 @@ the model they were loaded on (a new LoadModel starts with the start-up ones).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
-from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted
+from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted, WorkerError
 from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.engine.lora.registry import AdapterSet
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model.loader import LoadedModel
 from mlx_worker_svc.worker.core import WorkerCore
+
+log = logging.getLogger(__name__)
 
 S = WorkerState
 
@@ -116,6 +119,25 @@ def load_adapters(loaded: LoadedModel, specs: Iterable[tuple[str, str, bool]], c
         loaded.adapters.add(name, path)
         if pinned:
             loaded.adapters.pin(name, True)
+
+
+def reload_adapters(
+    loaded: LoadedModel, specs: Iterable[tuple[str, str, bool]], cap: int
+) -> tuple[str, ...]:
+    """Loads again the adapters a level-2 Sleep released; returns those that no longer
+    load (their files gone or changed), each logged with the cause: a WakeUp wakes the
+    model without them rather than staying asleep for good."""
+    dropped = []
+    for spec in specs:
+        try:
+            load_adapters(loaded, [spec], cap)
+        except WorkerError as exc:
+            dropped.append(spec[0])
+            log.warning(
+                "adapter dropped at WakeUp: it no longer loads",
+                extra={"lora_name": spec[0], "path": spec[1], "error": exc.message},
+            )
+    return tuple(dropped)
 
 
 def given_up(core: WorkerCore, adapter_bytes: int) -> int:

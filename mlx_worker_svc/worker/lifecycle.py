@@ -20,12 +20,12 @@ from dataclasses import asdict, replace
 from mlx_worker_svc.core.domain import CacheConfig, DeviceKind, MemoryProfile
 from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
-from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WorkerState
+from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WakeReport, WorkerState
 from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
-from mlx_worker_svc.worker.adapters import fit_budget, load_adapters
+from mlx_worker_svc.worker.adapters import fit_budget, load_adapters, reload_adapters
 from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
@@ -308,27 +308,29 @@ class Lifecycle:
 
         return core.engine.call(job)
 
-    def wake_up(self) -> tuple[WorkerState, int, float]:
-        """Restores what Sleep freed; returns (state, epoch, seconds)."""
+    def wake_up(self) -> WakeReport:
+        """Restores what Sleep freed (adapters that no longer load are dropped)."""
         core = self.core
 
-        def job() -> tuple[WorkerState, int, float]:
+        def job() -> WakeReport:
             start = time.perf_counter()
             if core.state is not S.SLEEPING:
                 core.require("WakeUp", S.READY)
-                return core.state, core.epoch, 0.0
+                return WakeReport(core.state, core.epoch, 0.0)
+            dropped: tuple[str, ...] = ()
             if core.loaded is None:
                 assert core.load_spec is not None
                 loaded = core.replica.load(core.load_spec)  # raises: still asleep
                 cap = core.replica.options.max_loras
-                load_adapters(loaded, core.asleep_adapters, cap)
+                dropped = reload_adapters(loaded, core.asleep_adapters, cap)
+                core.asleep_adapters = []
                 core.loaded = loaded
             assert core.cache_config is not None and core.memory is not None
             core.runner = core.replica.new_runner(core.cache_config, core.memory)
             fit_budget(core)
             core.sleep_level = 0
             core.set_state(core.awake_state)
-            return core.state, core.epoch, time.perf_counter() - start
+            return WakeReport(core.state, core.epoch, time.perf_counter() - start, dropped)
 
         return core.engine.call(job)
 

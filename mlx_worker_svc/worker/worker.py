@@ -47,6 +47,7 @@ from mlx_worker_svc.core.reports import (
     MemoryUsage,
     ModelInfo,
     SleepReport,
+    WakeReport,
     WorkerState,
 )
 from mlx_worker_svc.engine.group.channel import GroupChannel
@@ -189,7 +190,7 @@ class Worker:
     def sleep(self, level: int) -> SleepReport:
         return self.states.sleep(level)
 
-    def wake_up(self) -> tuple[WorkerState, int, float]:
+    def wake_up(self) -> WakeReport:
         return self.states.wake_up()
 
     def reset_prefix_cache(self) -> int:

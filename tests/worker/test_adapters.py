@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from lora_adapters import make_adapter
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.errors import FailedPrecondition
 from mlx_worker_svc.core.lifecycle import DeviceArgs
-from mlx_worker_svc.core.reports import LoadSpec
+from mlx_worker_svc.core.reports import LoadSpec, WorkerState
 from mlx_worker_svc.worker.adapters import AdapterCalls
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.lifecycle import Lifecycle
@@ -58,8 +59,30 @@ def test_a_deep_sleep_loads_the_adapters_again(
     before = calls.list()[0]
     life.sleep(2)
     assert calls.list()[0] == []  # the weights, and the adapters with them, are gone
-    life.wake_up()
+    assert life.wake_up().dropped_loras == ()
     after = calls.list()[0]
     assert [(a.name, a.path, a.pinned, a.nbytes) for a in after] == [
         (a.name, a.path, a.pinned, a.nbytes) for a in before
     ]
+
+
+def test_an_adapter_whose_files_went_away_during_a_deep_sleep_is_dropped_at_wake_up(
+    core: WorkerCore, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """WakeUp after a level-2 Sleep loads the adapters again from their paths; one whose
+    files are gone is dropped (reported), and the model wakes without it instead of the
+    worker staying asleep for good."""
+    life = Lifecycle(core)
+    calls = AdapterCalls(core)
+    calls.add("kept", str(make_adapter(tmp_path / "kept", tiny_dir, seed=1)))
+    gone = make_adapter(tmp_path / "gone", tiny_dir, seed=2)
+    calls.add("gone", str(gone))
+    life.determine_memory(0.9, 16, 16)
+    life.init_cache(64, 16)
+    life.sleep(2)
+    shutil.rmtree(gone)
+    woken = life.wake_up()
+    assert woken.state is WorkerState.READY and woken.dropped_loras == ("gone",)
+    assert [a.name for a in calls.list()[0]] == ["kept"]
+    life.sleep(2)  # and the next deep sleep does not try it again
+    assert life.wake_up().dropped_loras == ()

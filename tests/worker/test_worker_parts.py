@@ -74,8 +74,9 @@ def test_the_lifecycle_part_moves_the_core_through_its_states(
     assert state(core) is S.SLEEPING and report.level == 1
     assert core.runner is None and core.loaded is not None  # level 1 keeps the weights
     assert core.epoch != epoch
-    woken, woken_epoch, _ = life.wake_up()
-    assert woken is S.SERVING and woken_epoch == core.epoch and core.runner is not None
+    woken = life.wake_up()
+    assert woken.state is S.SERVING and woken.worker_epoch == core.epoch
+    assert core.runner is not None and woken.dropped_loras == ()
     life.close()
     assert state(core) is S.STOPPED and core.runner is None and core.loaded is None
 

@@ -741,14 +741,16 @@ class WakeUpRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WakeUpResponse(_message.Message):
-    __slots__ = ("state", "worker_epoch", "wake_seconds")
+    __slots__ = ("state", "worker_epoch", "wake_seconds", "dropped_loras")
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WAKE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_LORAS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     worker_epoch: int
     wake_seconds: float
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., wake_seconds: _Optional[float] = ...) -> None: ...
+    dropped_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., worker_epoch: _Optional[int] = ..., wake_seconds: _Optional[float] = ..., dropped_loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

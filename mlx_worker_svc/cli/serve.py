@@ -91,22 +91,9 @@ def _serve_status(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
         return 2
-    if args.group and not _launched():
-        print(
-            "mlx-worker serve: --group is for the ranks mlx.launch starts (it sets MLX_RANK "
-            "and MLX_HOSTFILE, or its backend's variables, on each): give --world-size N "
-            "to start a group",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
-    if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
-        print(
-            "mlx-worker serve: --hostfile and --backend start a worker group: give "
-            "--world-size N (N >= 2)",
-            file=sys.stderr,
-            flush=True,
-        )
+    problem = _flag_problem(args)
+    if problem:
+        print(f"mlx-worker serve: {problem}", file=sys.stderr, flush=True)
         return 2
     model = args.model
     if model is None:
@@ -122,14 +109,6 @@ def _serve_status(args: argparse.Namespace) -> int:
         )
     except WorkerError as exc:
         print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
-        return 2
-    if args.lora_modules and (args.world_size > 1 or args.group):
-        print(
-            "mlx-worker serve: --lora-modules: a worker group serves no LoRA adapters (its "
-            "weights are sharded; adapters are not): serve them from a single worker",
-            file=sys.stderr,
-            flush=True,
-        )
         return 2
     try:
         engine_options(args)
@@ -271,6 +250,29 @@ def _exit_after_engine_death(server: WorkerServer, seconds: float, group: bool) 
         os._exit(3)
 
     threading.Thread(target=watch, name="death-watch", daemon=True).start()
+
+
+def _flag_problem(args: argparse.Namespace) -> str:
+    """Why flags that parse cannot work together ("" when they can)."""
+    if args.group and not _launched():
+        return (
+            "--group is for the ranks mlx.launch starts (it sets MLX_RANK and MLX_HOSTFILE, "
+            "or its backend's variables, on each): give --world-size N to start a group"
+        )
+    if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
+        return "--hostfile and --backend start a worker group: give --world-size N (N >= 2)"
+    if len(args.lora_modules) > args.max_loras:
+        return (
+            f"--lora-modules names {len(args.lora_modules)} adapters but --max-loras is "
+            f"{args.max_loras}: the first would be evicted before any request; raise "
+            "--max-loras"
+        )
+    if args.lora_modules and (args.world_size > 1 or args.group):
+        return (
+            "--lora-modules: a worker group serves no LoRA adapters (its weights are "
+            "sharded; adapters are not): serve them from a single worker"
+        )
+    return ""
 
 
 def _launched() -> bool:

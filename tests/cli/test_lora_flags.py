@@ -18,6 +18,10 @@ SERVE = [sys.executable, "-m", "mlx_worker_svc", "serve", "--port", "0"]
     ("flags", "says"),
     [
         (["--lora-modules", "a=/x", "--world-size", "2"], "a worker group serves no LoRA"),
+        (
+            ["--lora-modules", "a=/x", "b=/y", "c=/z", "--max-loras", "2"],
+            "--lora-modules names 3 adapters but --max-loras is 2",
+        ),
     ],
 )
 def test_impossible_lora_flags_exit_2(tiny_dir: Path, flags: list[str], says: str) -> None:

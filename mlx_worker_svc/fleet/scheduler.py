@@ -322,9 +322,14 @@ class FleetScheduler:
                     raise LoadFailed(failed)
                 if time.monotonic() > deadline and not self.residency.may_load(model):
                     whose = f" of model {model!r}" if model else ""
-                    raise NoWorkers(f"no worker{whose} of the fleet is up")
+                    raise NoWorkers(f"no worker{whose} of the fleet is up{self._why_down()}")
                 await asyncio.sleep(0.05)
         return min(self._up(model), key=lambda link: link.load)
+
+    def _why_down(self) -> str:
+        """The causes the workers that are down last gave, for a NoWorkers message."""
+        causes = [f"{link.target}: {link.last_error}" for link in self.links if link.last_error]
+        return f" ({'; '.join(causes)})" if causes else ""
 
     # ------------------------------------------------------------ models
     def _place(self) -> None:
@@ -398,7 +403,10 @@ class FleetScheduler:
                 if too_long and not self.residency.may_load(r.model):
                     r.phase = Phase.DONE
                     whose = f" of model {r.model!r}" if r.model else ""
-                    r.outbox.put_nowait(NoWorkers(f"no worker{whose} of the fleet came up in time"))
+                    why = self._why_down()
+                    r.outbox.put_nowait(
+                        NoWorkers(f"no worker{whose} of the fleet came up in time{why}")
+                    )
                 else:
                     keep.append((since, r))
             self._pending = keep

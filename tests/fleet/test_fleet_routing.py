@@ -245,3 +245,25 @@ def test_a_worker_that_stays_down_is_logged_once(caplog: pytest.LogCaptureFixtur
     assert [r.levelname for r in tries[:2]] == ["WARNING", "DEBUG"]
     assert sum(r.levelname == "WARNING" for r in tries) == 1 and len(tries) > 5
     assert last_error and last_error in tries[0].getMessage()
+
+
+def test_no_worker_up_says_why_the_workers_are_down() -> None:
+    """NoWorkers names each worker that is down with the cause it last gave (the
+    `generate` command's whole answer when its one worker cannot serve)."""
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler, NoWorkers
+
+    async def main() -> str:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig(no_worker_timeout=0.5))
+        await fleet.start()
+        request = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling_params=greedy(4))
+        try:
+            async for _ in fleet.generate(request):
+                pass
+        except NoWorkers as exc:
+            return str(exc)
+        finally:
+            await fleet.stop()
+        return ""
+
+    message = asyncio.run(main())
+    assert message.startswith("no worker of the fleet is up (127.0.0.1:9: "), message

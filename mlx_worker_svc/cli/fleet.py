@@ -319,7 +319,13 @@ def add_commands(sub: Any) -> None:
             )
         add_kv_arguments(cmd, "the workers it brings up (DetermineMemory and InitCache)")
         cmd.add_argument("--queue", type=count(1), default=256, help="queue bound (default 256)")
-        cmd.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix")
+        cmd.add_argument(
+            "--routing",
+            choices=["prefix", "least-loaded"],
+            default="prefix",
+            help="where a request goes: the worker holding its longest prefix, or the least "
+            "loaded (default prefix)",
+        )
         add_lora_arguments(
             cmd, "the fleet loads (AddLora) on a worker when none holds one", fleet=True
         )
@@ -344,10 +350,22 @@ def add_commands(sub: Any) -> None:
                 "workers' model directory name; with --models, the names given there)",
             )
         else:
-            cmd.add_argument("prompt")
-            cmd.add_argument("--max-tokens", type=count(1), default=128)
-            cmd.add_argument("--temperature", type=non_negative, default=0.0)
-            cmd.add_argument("--raw", action="store_true", help="no chat template")
+            cmd.add_argument("prompt", help="the user's message (with --raw: the prompt text)")
+            cmd.add_argument(
+                "--max-tokens", type=count(1), default=128, help="tokens to generate (default 128)"
+            )
+            cmd.add_argument(
+                "--temperature",
+                type=non_negative,
+                default=0.0,
+                help="sampling temperature (default 0: greedy, unlike the Generate RPC's "
+                "default of 1)",
+            )
+            cmd.add_argument(
+                "--raw",
+                action="store_true",
+                help="send the prompt as text, without the chat template (default: a chat)",
+            )
             cmd.add_argument(
                 "--model-name",
                 default="",

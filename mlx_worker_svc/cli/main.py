@@ -100,10 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_max_loaded_models,
         default=1,
         metavar="N",
-        help="models the worker holds at once: 1, the only value (LoadModel replaces the "
-        "model; a fleet with --models swaps models between workers, docs/fleet.md)",
+        help="models the worker holds at once: 1, the only value and the default "
+        "(LoadModel replaces the model; a fleet with --models swaps models between "
+        "workers, docs/fleet.md)",
     )
-    serve.add_argument("--device", choices=[k.value for k in DeviceKind], default="auto")
+    serve.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default="auto",
+        help="InitDevice's device with --auto-init (default auto: the GPU when MLX has one)",
+    )
     serve.add_argument(
         "--max-model-len",
         type=count(0),

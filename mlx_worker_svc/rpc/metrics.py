@@ -201,7 +201,9 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics over HTTP on this port (0 = any free one; default: off)",
     )
     group.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (127.0.0.1)"
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of the metrics endpoint (default 127.0.0.1)",
     )
 
 

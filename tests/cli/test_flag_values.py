@@ -146,3 +146,22 @@ def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
     done = _run("fleet", *WORKER, "--port", "0", "--worker-ca", str(garbage))
     assert done.returncode == 2
     assert done.stderr.strip() == f"mlx-worker fleet: {garbage} is not a PEM file"
+
+
+def test_every_flag_with_a_default_says_it_in_its_help() -> None:
+    """`mlx-worker COMMAND --help` lists every flag with its default (README)."""
+    import argparse
+
+    from mlx_worker_svc.cli.main import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if not action.option_strings or isinstance(action, argparse._StoreTrueAction):
+                continue
+            if action.default in (None, False, [], argparse.SUPPRESS):
+                continue
+            if "default" not in (action.help or ""):
+                silent.append(f"{name} {action.option_strings[0]}")
+    assert silent == []

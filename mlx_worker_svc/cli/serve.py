@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from mlx_worker_svc.core.domain import DeviceKind
@@ -272,6 +273,9 @@ def _flag_problem(args: argparse.Namespace) -> str:
             "--lora-modules: a worker group serves no LoRA adapters (its weights are "
             "sharded; adapters are not): serve them from a single worker"
         )
+    for name, path in args.lora_modules:
+        if not Path(path).expanduser().exists():
+            return f"--lora-modules {name}={path}: no such adapter directory"
     return ""
 
 

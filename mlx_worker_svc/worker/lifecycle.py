@@ -18,7 +18,13 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 
 from mlx_worker_svc.core.domain import CacheConfig, DeviceKind, MemoryProfile
-from mlx_worker_svc.core.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from mlx_worker_svc.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    WorkerError,
+)
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
 from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WakeReport, WorkerState
 from mlx_worker_svc.engine import options as engine_options
@@ -109,8 +115,15 @@ class Lifecycle:
             core.require_idle("LoadModel")
             loaded = core.replica.load(spec)  # raises before anything changes
             options = core.replica.options  # and so do the start-up adapters
-            starting = [(name, path, False) for name, path in options.lora_modules]
-            load_adapters(loaded, starting, options.max_loras)
+            for name, path in options.lora_modules:
+                try:
+                    load_adapters(loaded, [(name, path, False)], options.max_loras)
+                except WorkerError as exc:
+                    raise FailedPrecondition(
+                        f"the worker's --lora-modules adapter {name!r} ({path}) does not "
+                        f"load on this model: {exc.message}; the worker stays as it was "
+                        "(serve this model from a worker started without that adapter)"
+                    ) from exc
             core.sleep_level = 0
             core.loaded, core.load_spec = loaded, spec
             core.model_info = loaded.info

@@ -32,12 +32,17 @@ def test_impossible_lora_flags_exit_2(tiny_dir: Path, flags: list[str], says: st
     assert len(lines) == 1 and lines[0].startswith("mlx-worker serve: ") and says in lines[0]
 
 
-def test_a_missing_adapter_fails_auto_init(tiny_dir: Path, tmp_path: Path) -> None:
+def test_a_missing_adapter_is_a_usage_error(tiny_dir: Path, tmp_path: Path) -> None:
+    """Found as the command line is read, with or without --auto-init: not at the first
+    LoadModel, whose caller could do nothing about it."""
     missing = tmp_path / "nowhere"
-    command = [*SERVE, "--model", str(tiny_dir), "--auto-init", "--lora-modules", f"a={missing}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 1
-    assert f"AddLora.path '{missing}' does not exist" in done.stdout + done.stderr
+    for auto in ([], ["--auto-init"]):
+        command = [*SERVE, "--model", str(tiny_dir), *auto, "--lora-modules", f"a={missing}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.strip() == (
+            f"mlx-worker serve: --lora-modules a={missing}: no such adapter directory"
+        )
 
 
 def test_lora_modules_are_name_path_pairs() -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 from lora_adapters import make_adapter
+from tiny_model import build_tiny_model
 
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.errors import FailedPrecondition
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.reports import LoadSpec, WorkerState
+from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.worker.adapters import AdapterCalls
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.lifecycle import Lifecycle
@@ -86,3 +88,27 @@ def test_an_adapter_whose_files_went_away_during_a_deep_sleep_is_dropped_at_wake
     assert [a.name for a in calls.list()[0]] == ["kept"]
     life.sleep(2)  # and the next deep sleep does not try it again
     assert life.wake_up().dropped_loras == ()
+
+
+def test_a_start_adapter_that_does_not_fit_a_model_keeps_the_worker_as_it_was(
+    tiny_dir: Path, tmp_path: Path, smollm_dir: Path
+) -> None:
+    """LoadModel of a model the --lora-modules adapters do not fit is FAILED_PRECONDITION
+    naming the flag and the adapter (not a client's AddLora), and changes nothing."""
+    adapter = make_adapter(tmp_path / "a", tiny_dir, seed=1)
+    wider = build_tiny_model(tmp_path / "wider", smollm_dir, overrides={"hidden_size": 96})
+    core = WorkerCore(options=EngineOptions(lora_modules=(("a", str(adapter)),)))
+    life = Lifecycle(core)
+    try:
+        life.init_device(DeviceArgs(kind=DeviceKind.CPU))
+        _, epoch = life.load_model(LoadSpec(model=str(tiny_dir)))
+        with pytest.raises(FailedPrecondition) as refused:
+            life.load_model(LoadSpec(model=str(wider)))
+        assert refused.value.message.startswith(
+            f"the worker's --lora-modules adapter 'a' ({adapter}) does not load on this "
+            "model: AddLora: "
+        )
+        assert core.epoch == epoch and core.load_spec == LoadSpec(model=str(tiny_dir))
+        assert [info.name for info in AdapterCalls(core).list()[0]] == ["a"]
+    finally:
+        life.close()

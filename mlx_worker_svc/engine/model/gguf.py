@@ -7,8 +7,11 @@ checks that the architecture is one we can run, renames the tensors to the
 ``generation_config.json`` and the tokenizer files (see ``gguf_tokenizer``). The
 output directory is assembled beside its final location and renamed into place
 at the end, so an interrupted conversion never leaves a half-written model. No
-weights are re-quantized: llama.cpp's Q/K row order is kept and declared with
-``rope_traditional`` instead.
+weights are re-quantized. llama.cpp's converter permutes the Q/K rows of each
+head for its interleaved RoPE; the rows are put back in the Hugging Face order
+(``_hf_rows``, packed weights, scales and biases alike), with the default
+RoPE, so the directory has the original checkpoint's layout and a LoRA adapter
+trained on that checkpoint (q_proj/k_proj included) applies to it unchanged.
 """
 
 from __future__ import annotations
@@ -168,8 +171,8 @@ def _model_config(meta: Mapping[str, Any], weights: Mapping[str, mx.array]) -> d
         "vocab_size": int(embed.shape[0]),
         "max_position_embeddings": _meta_int(meta, f"{arch}.context_length", 4096),
         "rope_theta": _meta_float(meta, f"{arch}.rope.freq_base", 10000.0),
-        # llama.cpp permutes Q/K rows for interleaved ("traditional") RoPE.
-        "rope_traditional": True,
+        # The Q/K rows are back in the checkpoint's order (_hf_rows): RoPE as in HF.
+        "rope_traditional": False,
         "tie_word_embeddings": "lm_head.weight" not in weights,
         "attention_bias": any(".self_attn." in k and k.endswith(".bias") for k in weights),
         "mlp_bias": any(".mlp." in k and k.endswith(".bias") for k in weights),
@@ -191,6 +194,22 @@ def _model_config(meta: Mapping[str, Any], weights: Mapping[str, mx.array]) -> d
     if quant is not None:
         config["quantization"] = quant
     return config
+
+
+def _hf_rows(weights: dict[str, mx.array], heads: int, kv_heads: int) -> None:
+    """Undoes llama.cpp's Q/K row permutation in place: within each head it interleaved
+    the two halves of the rows (for interleaved RoPE); this splits them again. Packed
+    rows, their scales and biases, and bias vectors move alike (a row is an output)."""
+    for name, array in weights.items():
+        if ".self_attn.q_proj." in name:
+            n = heads
+        elif ".self_attn.k_proj." in name:
+            n = kv_heads
+        else:
+            continue
+        shape = array.shape
+        halves = array.reshape(n, shape[0] // n // 2, 2, *shape[1:])
+        weights[name] = halves.swapaxes(1, 2).reshape(shape)
 
 
 def _replace_dir(staged: Path, out_dir: Path) -> None:
@@ -231,6 +250,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressFn | None 
         weights[_mlx_name(name)] = array
         report("tensors", (index + 1) / len(names))
     config = _model_config(meta, weights)
+    _hf_rows(weights, config["num_attention_heads"], config["num_key_value_heads"])
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(

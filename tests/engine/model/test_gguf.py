@@ -142,7 +142,13 @@ def test_synthetic_llama_converts_and_matches_reference(tmp_path: Path, tied: bo
     assert {"read", "tensors", "write", "tokenizer"} <= {s for s, _ in stages}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-mlx", "tiny.gguf"]
     config = json.loads((out / "config.json").read_text())
-    assert config["rope_traditional"] is True
+    # The checkpoint's own layout: Q/K rows as before llama.cpp permuted them (so an
+    # adapter trained on the checkpoint applies), and the default RoPE.
+    assert config["rope_traditional"] is False
+    converted = mx.load(str(out / "model.safetensors"))
+    assert isinstance(converted, dict)
+    for name, value in tree_flatten(reference.parameters()):
+        assert mx.array_equal(converted[name], value).item(), name
     assert config["tie_word_embeddings"] is tied
     assert config["eos_token_id"] == 2
     assert "quantization" not in config

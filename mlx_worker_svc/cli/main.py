@@ -59,9 +59,11 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         done = convert_gguf(Path(args.gguf), out, progress=progress)
-    except (WorkerError, OSError) as exc:
-        message = exc.message if isinstance(exc, WorkerError) else str(exc)
-        print(f"\nconvert-gguf: {message}", file=sys.stderr)
+    except WorkerError as exc:
+        print(f"\nconvert-gguf: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the file was read: writing the directory failed
+        print(f"\nconvert-gguf: cannot write --out {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(file=sys.stderr)
     print(done)

@@ -113,6 +113,8 @@ def test_convert_gguf_never_deletes_what_is_at_out(
     absent = tmp_path / "absent.gguf"
     assert main(["convert-gguf", str(absent), "--out", str(tmp_path / "new")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"GGUF file not found: {absent}")
+    assert main(["convert-gguf", str(full), "--out", str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{full} is a directory: give a GGUF file")
     # --out and --overwrite are the file's: without one they are refused, not ignored.
     for flags in (["--out", str(tmp_path / "here")], ["--overwrite"]):
         assert main(["convert-gguf", *flags]) == 2

@@ -83,6 +83,8 @@ def _meta_float(meta: Mapping[str, Any], key: str, default: float) -> float:
 
 
 def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    if path.is_dir():
+        raise InvalidArgument(f"{path} is a directory: give a GGUF file")
     if not path.is_file():
         raise NotFound(f"GGUF file not found: {path}")
     try:
@@ -95,7 +97,10 @@ def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     try:
         weights, meta = mx.load(str(path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as exc:
-        raise InvalidArgument(f"cannot read GGUF file {path}: {exc}") from exc
+        raise InvalidArgument(
+            f"cannot read GGUF file {path}: {exc} (MLX reads tensors of types F32, F16, "
+            "BF16, Q4_0, Q4_1 and Q8_0)"
+        ) from exc
     if not isinstance(weights, dict) or not isinstance(meta, dict):
         raise InvalidArgument(f"cannot read GGUF file {path}: unexpected content")
     return weights, meta

@@ -20,6 +20,7 @@ from mlx_lm.models import llama
 from tokenizers import pre_tokenizers
 
 from mlx_worker_svc.cli import envs
+from mlx_worker_svc.cli.main import main
 from mlx_worker_svc.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from mlx_worker_svc.engine.model import embedded
 from mlx_worker_svc.engine.model.gguf import convert_gguf
@@ -251,9 +252,28 @@ def test_missing_file_is_not_found(tmp_path: Path) -> None:
 def test_garbage_file_is_invalid(tmp_path: Path, content: bytes) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(content)
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument) as refused:
         convert_gguf(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    if content.startswith(b"GGUF"):  # read by MLX: its error, and what it reads
+        assert refused.value.message.endswith(
+            "(MLX reads tensors of types F32, F16, BF16, Q4_0, Q4_1 and Q8_0)"
+        )
+
+
+def test_an_out_that_cannot_be_written_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reference = _reference(tied=True)
+    gguf = tmp_path / "tiny.gguf"
+    _write_gguf(gguf, reference, _metadata())
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a directory would go")
+    out = blocker / "model"
+    assert main(["convert-gguf", str(gguf), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"convert-gguf: cannot write --out {out}: File exists"
+    )
 
 
 def _fake_pip(wheel_bytes: bytes | None, returncode: int = 0, stderr: bytes = b"") -> Any:

@@ -3,7 +3,8 @@
 `WorkerServer` registers the servicer, the standard `grpc.health.v1` service
 and server reflection in one place. SIGTERM and the Shutdown RPC share
 `shutdown()`: health turns NOT_SERVING, the worker stops taking new work,
-in-flight Generate streams get the grace period to finish, the server stops,
+in-flight Generate streams, and the requests schedulers are running (their
+steps still run), get the grace period to finish, the server stops,
 and the model and caches are freed. `ServerConfig.security` adds TLS, mutual
 TLS and the bearer-token check, and enforces the bind rule (security.py).
 `ServerConfig.limits` bounds the work admitted (limits.py); the thread pool and
@@ -235,7 +236,7 @@ class WorkerServer:
         deadline = time.monotonic() + grace
         try:
             if not abort:
-                self.worker.wait_generate_idle(grace)
+                self.worker.wait_idle(grace)
         except Exception:
             log.exception("drain: the worker could not drain cleanly")
         finally:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from mlx_worker_svc.core.domain import CacheConfig, DeviceKind, MemoryProfile
+from mlx_worker_svc.core.domain import CacheConfig, DeviceKind, MemoryProfile, Origin
 from mlx_worker_svc.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -377,10 +377,20 @@ class Lifecycle:
             if not core.lifecycle.busy:
                 done.result()
 
-    def wait_generate_idle(self, timeout: float) -> bool:
-        """Waits until no Generate stream is open; returns whether it got there."""
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no Generate stream is open and no scheduler's request is running
+        (one its scheduler has not finished, preempted or freed); returns whether it got
+        there. A draining worker still runs the steps of running requests (`_execute`),
+        so a scheduler finishes them within the grace period."""
         core = self.core
-        return core.streams.wait_empty(timeout)
+        deadline = time.monotonic() + timeout
+        if not core.streams.wait_empty(timeout):
+            return False
+        while _scheduled_running(core):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def close(self) -> None:
         """Aborts what is left, frees the model and caches, stops the engine.
@@ -412,3 +422,13 @@ class Lifecycle:
         # After an engine death the job above could not run: drop the arrays here.
         core.runner, core.loaded = None, None
         core.set_state(S.STOPPED)
+
+
+def _scheduled_running(core: WorkerCore) -> bool:
+    """Whether a scheduler's (Execute) request is running: read off the engine thread,
+    a snapshot of the requests' dict, which the engine thread replaces or changes."""
+    runner = core.runner
+    if runner is None:
+        return False
+    seqs = list(runner.state.seqs.items())
+    return any(key[0] is Origin.EXECUTE and not seq.preempted for key, seq in seqs)

@@ -199,8 +199,8 @@ class Worker:
     def begin_drain(self) -> None:
         self.states.begin_drain()
 
-    def wait_generate_idle(self, timeout: float) -> bool:
-        return self.states.wait_generate_idle(timeout)
+    def wait_idle(self, timeout: float) -> bool:
+        return self.states.wait_idle(timeout)
 
     def close(self) -> None:
         self.states.close()

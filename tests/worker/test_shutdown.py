@@ -151,3 +151,32 @@ def test_engine_death_ends_every_call_with_internal_and_turns_health_off(
     health = health_pb2_grpc.HealthStub(channel)
     service = health_pb2.HealthCheckRequest(service="mlx_worker.v1.WorkerService")
     assert health.Check(service).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_shutdown_gives_a_schedulers_running_requests_the_grace_period(tiny_dir: Path) -> None:
+    """A request a scheduler runs through Execute is in flight as a Generate stream is:
+    its steps still run while the worker drains, and the worker stops once it ends
+    (within the grace), not as soon as the Generate streams are done."""
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=30.0))
+    port = server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stub = pb_grpc.WorkerServiceStub(chan)
+        bring_up(stub, tiny_dir)
+        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+        new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
+        new.sampling_params.ignore_eos = True
+        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+        step.num_scheduled_tokens["r"] = 2
+        tokens = list(stub.Execute(step).outputs[0].sampled_token_ids)
+        assert stub.Shutdown(pb.ShutdownRequest(grace_seconds=30)).num_in_flight == 1
+        finish = pb.FINISH_REASON_UNSPECIFIED
+        while not finish:
+            cached = pb.CachedRequest(req_id="r", num_computed_tokens=1 + len(tokens))
+            step = pb.ExecuteRequest(worker_epoch=epoch, cached_requests=[cached])
+            step.num_scheduled_tokens["r"] = 1
+            [out] = stub.Execute(step).outputs
+            tokens += out.sampled_token_ids
+            finish = out.finish_reason
+        assert finish == pb.FINISH_REASON_LENGTH and len(tokens) == 40
+    assert server.wait(timeout=30)
+    assert server.worker.state.value == "STOPPED"

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_worker_svc.core.domain import StepPlan, StepResult
-from mlx_worker_svc.core.errors import Aborted, Internal, WorkerError
+from mlx_worker_svc.core.errors import Aborted, Internal, NotFound, WorkerError
+from mlx_worker_svc.core.log_format import clip
 
 log = logging.getLogger(__name__)
 Submit = Callable[[Callable[[], Any]], "Future[Any]"]
@@ -70,6 +71,9 @@ class StepStream:
         self._identify = identify
         self._created: dict[str, object] = {}  # req_id -> the request this stream made
         self._finished: OrderedDict[str, None] = OrderedDict()
+        # req_id -> the step that was to create it and failed: a live request under
+        # the id is not this stream's (another scheduler's), and never runs for it.
+        self._uncreated: OrderedDict[str, int] = OrderedDict()
         self._closed = False
         self._close_queued = False
 
@@ -101,9 +105,15 @@ class StepStream:
         plan, skipped = self._without_finished(plan)
         step = StreamedStep(plan.step_id, already_finished=skipped)
         try:
+            plan = self._without_uncreated(plan)
             step.result = self._execute(plan, received_ns)
         except WorkerError as exc:
             step.error = exc
+            for new in plan.new_requests:  # the step changed nothing: none was created
+                if self._created.get(new.req_id) is None:
+                    self._uncreated[new.req_id] = plan.step_id
+            while len(self._uncreated) > _REMEMBER_FINISHED:
+                self._uncreated.popitem(last=False)
             return step
         except Exception as exc:  # a bug: reported on this step, the stream goes on
             log.exception("an ExecuteStream step failed with an unexpected error")
@@ -139,6 +149,29 @@ class StepStream:
         )
         return plan, sorted(gone | (leaving - new))
 
+    def _without_uncreated(self, plan: StepPlan) -> StepPlan:
+        """Refuses (NOT_FOUND) a step that schedules a request an earlier failed step of
+        this stream was to create; drops such ids from finished_req_ids (the request
+        they meant does not exist, and the live one under the id is another's)."""
+        if not self._uncreated:
+            return plan
+        new = {r.req_id for r in plan.new_requests}
+        for cached in plan.cached_requests:
+            failed = self._uncreated.get(cached.req_id)
+            if failed is not None and cached.req_id not in new:
+                raise NotFound(
+                    f"cached_requests (req_id {clip(cached.req_id)!r}): step {failed} of "
+                    "this stream was to create it and failed, so this stream has no such "
+                    "request (a live one under the id is another scheduler's)"
+                )
+        gone = {r for r in plan.finished_req_ids if r in self._uncreated and r not in new}
+        for req_id in gone:
+            del self._uncreated[req_id]
+        if not gone:
+            return plan
+        kept = tuple(r for r in plan.finished_req_ids if r not in gone)
+        return replace(plan, finished_req_ids=kept)
+
     def _record(self, plan: StepPlan, result: StepResult) -> None:
         for req_id in plan.finished_req_ids:  # first: a new request may reuse the id
             self._created.pop(req_id, None)
@@ -147,6 +180,7 @@ class StepStream:
             if made is not None:
                 self._created[new.req_id] = made
             self._finished.pop(new.req_id, None)
+            self._uncreated.pop(new.req_id, None)
         for output in result.outputs:
             if output.finish_reason is not None:
                 self._created.pop(output.req_id, None)

@@ -305,6 +305,36 @@ def test_a_live_request_under_a_finished_id_is_scheduled(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """Another scheduler (unary Execute) holds "dup"; this stream's step that was to create
+    its own "dup" fails (already running), and the step sent ahead for it fails NOT_FOUND
+    instead of decoding the other scheduler's request; its finish of "dup" is left out.
+    The other scheduler's request keeps its counts."""
+    stub, epoch, _ = worker
+    prompt = [5, 6, 7]
+    theirs = stub.Execute(_starting("dup", prompt, epoch)).outputs[0]
+    assert theirs.num_computed_tokens == 3
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(_starting("dup", prompt, epoch, step_id=1))
+        stream.send(_decoding(2, epoch, {"dup": 3}))  # ahead: counts on step 1's token
+        stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, finished_req_ids=["dup"]))
+        with pytest.raises(StepFailed) as first:
+            raise_for_error(stream.receive())
+        assert first.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(StepFailed) as ahead:
+            raise_for_error(stream.receive())
+        assert ahead.value.code == grpc.StatusCode.NOT_FOUND
+        assert "step 1 of this stream was to create it and failed" in ahead.value.message
+        raise_for_error(stream.receive())  # the finish of a request it never had
+        stream.close()
+    [out] = stub.Execute(_decoding(4, epoch, {"dup": 3})).outputs  # theirs, untouched
+    assert (out.req_id, out.num_computed_tokens) == ("dup", 4)
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["dup"]))
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_a_finished_requests_mask_is_left_out_with_it(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:

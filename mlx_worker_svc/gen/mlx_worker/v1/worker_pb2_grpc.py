@@ -226,7 +226,10 @@ class WorkerServiceServicer:
         counted on the failed step's tokens (its num_computed_tokens includes
         them) fails with INVALID_ARGUMENT naming the request and both counts, and
         a later step naming a request the failed step would have created fails
-        with NOT_FOUND: nothing ever runs on a sequence the scheduler misjudged.
+        with NOT_FOUND, also when another scheduler's request lives under that id
+        (the create failed because the id was taken), and such an id in a later
+        finished_req_ids is left out: nothing ever runs on, or frees, a sequence
+        the scheduler misjudged.
         - When the stream ends (the client closes or cancels it, the connection
         drops), every request a step of this stream created and that is still
         live is freed, as a cancelled Generate's is; a request created since

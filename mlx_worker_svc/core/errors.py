@@ -15,7 +15,9 @@ import enum
 class Code(enum.Enum):
     """The status of an expected failure: gRPC's code names and numbers."""
 
+    CANCELLED = 1
     INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
     ALREADY_EXISTS = 6
     RESOURCE_EXHAUSTED = 8
@@ -34,6 +36,13 @@ class WorkerError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class CallerGone(WorkerError):
+    """The caller left (its deadline passed, it cancelled) before the work began: it did
+    not run. The caller never reads this; the server records the call as it ended."""
+
+    code = Code.CANCELLED
 
 
 class InvalidArgument(WorkerError):

@@ -35,13 +35,25 @@ if TYPE_CHECKING:
 
 
 def _final_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
-    """The status an RPC ends with: what abort() set, UNKNOWN for an escaped exception."""
+    """The status an RPC ends with, as its caller saw it: what abort() set, UNKNOWN for an
+    escaped exception, and DEADLINE_EXCEEDED or CANCELLED when the caller left first
+    (a handler that finished after the deadline still returned, but nobody got it)."""
     if isinstance(exc, GeneratorExit | asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
+        return _left(context)
     code = context.code()
-    if isinstance(code, grpc.StatusCode):
+    if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.CANCELLED:
         return code
+    active = getattr(context, "is_active", None)
+    if code is grpc.StatusCode.CANCELLED or (active is not None and not active()):
+        return _left(context)
     return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+
+
+def _left(context: Any) -> grpc.StatusCode:
+    """DEADLINE_EXCEEDED if the caller's deadline has passed, else CANCELLED."""
+    remaining = getattr(context, "time_remaining", lambda: None)()
+    late = remaining is not None and remaining <= 0
+    return grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
 
 
 @contextlib.contextmanager

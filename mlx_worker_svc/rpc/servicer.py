@@ -63,8 +63,15 @@ def _status(
 
 
 def _gave_up(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """Whether the caller left (deadline passed, cancelled): lifecycle calls stop waiting."""
-    return lambda: not context.is_active()
+    """Whether the caller left (deadline passed, cancelled): lifecycle calls stop waiting,
+    and a queued Execute step does not run. The deadline is read too: the server marks
+    the call inactive only once its own thread has seen the deadline pass."""
+
+    def gone() -> bool:
+        remaining = context.time_remaining()
+        return not context.is_active() or (remaining is not None and remaining <= 0)
+
+    return gone
 
 
 def _unary(fn: F) -> F:
@@ -167,7 +174,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.ExecuteRequest, context: grpc.ServicerContext
     ) -> pb.ExecuteResponse:
         received = time.perf_counter_ns()
-        result = self._worker.execute(convert.step_plan(request), received_ns=received)
+        plan = convert.step_plan(request)
+        result = self._worker.execute(plan, received_ns=received, gave_up=_gave_up(context))
         return convert.step_result(result)
 
     def ExecuteStream(

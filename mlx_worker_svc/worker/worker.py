@@ -29,7 +29,7 @@ from mlx_worker_svc.core.domain import (
     StepPlan,
     StepResult,
 )
-from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument
+from mlx_worker_svc.core.errors import CallerGone, FailedPrecondition, InvalidArgument
 from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.limits import AdmissionLimits
@@ -224,11 +224,23 @@ class Worker:
         return self.text.generate(spec)
 
     # ---------------------------------------------------------- stepping
-    def execute(self, plan: StepPlan, *, received_ns: int | None = None) -> StepResult:
-        """Runs one scheduler step; `received_ns` (perf_counter_ns) starts total_ns."""
+    def execute(
+        self, plan: StepPlan, *, received_ns: int | None = None, gave_up: GaveUp = None
+    ) -> StepResult:
+        """Runs one scheduler step; `received_ns` (perf_counter_ns) starts total_ns.
+
+        A step whose caller left (`gave_up`: its deadline passed, it cancelled) while it
+        waited for the engine thread does not run: the scheduler saw it fail.
+        """
         received = received_ns if received_ns is not None else time.perf_counter_ns()
         self._compile_grammars(plan)
-        return self.core.engine.call(lambda: self._execute(plan, received), bounded=True)
+
+        def job() -> StepResult:
+            if gave_up is not None and gave_up():
+                raise CallerGone(f"Execute step {plan.step_id}: the caller left before it ran")
+            return self._execute(plan, received)
+
+        return self.core.engine.call(job, bounded=True)
 
     def open_step_stream(self) -> StepStream:
         """The worker side of one ExecuteStream (step_stream.py)."""

@@ -285,3 +285,37 @@ def test_getinfo_reports_the_limits_and_the_fleet_keeps_within_them(
 
     counts, peak = asyncio.run(main())
     assert counts == [6] * 6 and peak <= LIMIT
+
+
+def test_an_execute_whose_caller_left_while_it_waited_does_not_run(tiny_dir: Path) -> None:
+    """A step queued behind busy engine work whose deadline passes never runs: the
+    scheduler saw it fail, so it must leave nothing behind (no request, no KV), and the
+    same step sent again starts cleanly. Counted as the caller saw it end."""
+    from driver import bring_up
+
+    with live_server() as (server, stub):
+        bring_up(stub, tiny_dir)
+        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+        new = pb.NewRequest(req_id="late", prompt_token_ids=[5, 6, 7], sampling_params=greedy(4))
+        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+        step.num_scheduled_tokens["late"] = 3
+        gate = threading.Event()
+        blocker = server.worker.core.engine.submit(gate.wait)  # the engine is busy
+        try:
+            with pytest.raises(grpc.RpcError) as late:
+                stub.Execute(step, timeout=0.3)
+            assert code_of(late.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            gate.set()
+        blocker.result(timeout=10)
+        health = stub.CheckHealth(pb.CheckHealthRequest())
+        assert (health.num_running_requests, health.kv.used_blocks) == (0, 0)
+        assert stub.Execute(step).outputs[0].req_id == "late"  # not "already running"
+        count = server.metrics.registry.get_sample_value
+        labels = {"service": "mlx_worker.v1.WorkerService", "method": "Execute"}
+        deadline = time.monotonic() + 10
+        while count("mlx_worker_rpcs_total", {**labels, "code": "DEADLINE_EXCEEDED"}) is None:
+            assert time.monotonic() < deadline, "the late Execute was never counted"
+            time.sleep(0.05)
+        assert count("mlx_worker_rpcs_total", {**labels, "code": "DEADLINE_EXCEEDED"}) == 1
+        assert count("mlx_worker_rpcs_total", {**labels, "code": "OK"}) == 1

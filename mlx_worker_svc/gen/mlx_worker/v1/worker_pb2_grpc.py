@@ -198,7 +198,12 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request, context):
-        """Runs one scheduler step.
+        """Runs one scheduler step. A step whose caller left (its deadline passed,
+        it cancelled) while it waited for the engine does not run. One whose
+        deadline passes while it runs has run: its new requests exist and hold
+        KV although the caller saw DEADLINE_EXCEEDED, so a scheduler that times a
+        step out treats it as maybe applied (it names the step's new requests in
+        finished_req_ids, or resends them as new after that).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

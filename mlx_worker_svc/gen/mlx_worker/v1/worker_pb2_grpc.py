@@ -306,8 +306,14 @@ class WorkerServiceServicer:
 
     def Generate(self, request, context):
         """Prompt or chat messages in, a stream of tokens and text out. The worker
-        schedules these requests itself, batched with everything else it runs.
-        FleetService.Generate shares these messages (fleet.proto).
+        schedules these requests itself, batched with everything else it runs,
+        within the KV budget a scheduler's requests leave: when the budget is
+        full and a Generate request cannot grow, the youngest Generate stream
+        ends with RESOURCE_EXHAUSTED ("the KV budget is full; the request could
+        not continue"), after the tokens it streamed; the worker does not preempt
+        and resume Generate requests (a scheduler, such as FleetService, does
+        that for Execute's). FleetService.Generate shares these messages
+        (fleet.proto).
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -59,7 +59,7 @@ def refuse_step(
     if exc.code != grpc.StatusCode.NOT_FOUND:
         queues.to_free.extend(request.finished_req_ids)
     # Read before the attempts go back: the worker named the step's ids.
-    one = _running_request(exc, started, queues) if exc.code == INVALID else None
+    named = _named_request(exc, started, queues) if exc.code == INVALID else None
     for r in started:
         queues.running.pop(r.worker_id, None)
         r.attempt -= 1
@@ -73,56 +73,45 @@ def refuse_step(
             newest = list(queues.running.values())[-1]
             _preempt(newest, queues)
         return
-    if one is not None:
-        # One request's grammar reached a limit of the worker's engine while it
-        # ran: it fails in its own terms and is freed there; the others go on.
-        r, prefix = one
-        for other in reversed(started):
-            if other is not r:
-                other.phase = Phase.QUEUED
-                queues.waiting.insert(0, other)
-        if r not in started:
-            queues.running.pop(r.worker_id, None)
-            queues.to_free.append(r.worker_id)
-        r.phase = Phase.DONE
-        r.outbox.put_nowait(
-            ClientError(exc.code, exc.details[len(prefix) :], exc.method, exc.attempts)
-        )
-        return
-    named = _NEW_REQUEST.match(exc.details)
-    if exc.code == INVALID and named and started:
-        # One new request's own field (a grammar that does not compile): fail
-        # only it, in its own terms; the others of the step start next time.
-        bad = started[min(int(named.group(1)), len(started) - 1)]
+    if named is not None:
+        # One request's own field (a grammar that does not compile, or that reached
+        # a limit of the worker's engine while it ran): fail only it, in its own
+        # terms; the step's others start or run again next time.
+        bad, detail = named
         for r in reversed(started):
             if r is not bad:
                 r.phase = Phase.QUEUED
                 queues.waiting.insert(0, r)
-        started = [bad]
-        exc = ClientError(exc.code, exc.details[named.end() :], exc.method, exc.attempts)
-    # The worker refused the request itself (or the only one left): fail it.
-    # A refused step started nothing: only requests running before it are
-    # on the worker, to be freed there.
-    victims = started or list(queues.running.values())
+        exc = ClientError(exc.code, detail, exc.method, exc.attempts)
+        victims = [bad]
+    else:
+        # The worker refused the request itself (or the only one left): fail it.
+        victims = started or list(queues.running.values())
+    # A refused step started nothing: only requests running before it are on the
+    # worker, to be freed there.
     for r in victims:
         queues.running.pop(r.worker_id, None)
-        if not started:
+        if r not in started:
             queues.to_free.append(r.worker_id)
         r.phase = Phase.DONE
         r.outbox.put_nowait(exc)
 
 
-def _running_request(
+def _named_request(
     exc: ClientError, started: list[FleetRequest], queues: Queues
 ) -> tuple[FleetRequest, str] | None:
-    """The request an error names as `req_id '<its worker id>': ...` (the worker's
-    form for a request that failed while it ran), with that prefix."""
+    """The one request an error is about, and the message in its own terms: a new one
+    the worker names by its place (`new_requests[i] (req_id ...).field: ...`), or one
+    named by its worker id (`req_id '<id>': ...`, a request that failed while it ran)."""
+    at = _NEW_REQUEST.match(exc.details)
+    if at is not None and started:
+        return started[min(int(at.group(1)), len(started) - 1)], exc.details[at.end() :]
     if not exc.details.startswith("req_id "):
         return None
     for r in [*started, *queues.running.values()]:
         prefix = f"req_id {clip(r.worker_id)!r}: "
         if exc.details.startswith(prefix):
-            return r, prefix
+            return r, exc.details[len(prefix) :]
     return None
 
 

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.core.metrics import RpcMetrics
 from mlx_worker_svc.rpc.security import is_loopback
+from mlx_worker_svc.rpc.status import deadline_passed
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ def _final_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
 
 def _left(context: Any) -> grpc.StatusCode:
     """DEADLINE_EXCEEDED if the caller's deadline has passed, else CANCELLED."""
-    remaining = getattr(context, "time_remaining", lambda: None)()
-    late = remaining is not None and remaining <= 0
+    late = deadline_passed(context)
     return grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
 
 

@@ -24,7 +24,7 @@ from mlx_worker_svc.core.profiling import ProfileSort
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert, text_convert
-from mlx_worker_svc.rpc.status import grpc_code
+from mlx_worker_svc.rpc.status import deadline_passed, grpc_code
 from mlx_worker_svc.rpc.step_reader import StepReader
 from mlx_worker_svc.worker.worker import Worker
 
@@ -64,14 +64,8 @@ def _status(
 
 def _gave_up(context: grpc.ServicerContext) -> Callable[[], bool]:
     """Whether the caller left (deadline passed, cancelled): lifecycle calls stop waiting,
-    and a queued Execute step does not run. The deadline is read too: the server marks
-    the call inactive only once its own thread has seen the deadline pass."""
-
-    def gone() -> bool:
-        remaining = context.time_remaining()
-        return not context.is_active() or (remaining is not None and remaining <= 0)
-
-    return gone
+    and a queued Execute step does not run."""
+    return lambda: not context.is_active() or deadline_passed(context)
 
 
 def _unary(fn: F) -> F:

@@ -107,9 +107,15 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     if endpoint.port:
         print(f"mlx-worker fleet metrics on {args.metrics_host}:{endpoint.port}", flush=True)
     stop = asyncio.Event()
+
+    def on_signal() -> None:  # the first drains; a second cuts the grace short
+        if stop.is_set():
+            fleet.hurry()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     await stop.wait()
     await fleet.drain(args.grace_seconds)  # health NOT_SERVING, new calls UNAVAILABLE
     await server.stop(grace=1.0)  # the last replies go out

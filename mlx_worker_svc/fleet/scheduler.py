@@ -91,6 +91,7 @@ class FleetScheduler:
         self._live: dict[str, FleetRequest] = {}
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self._cut = False  # drain(): the grace ran out; requests still admitting end
+        self._hurry = False  # hurry(): the grace period ends now
         self.metrics = FleetMetrics()
         self.residency = Residency(self.catalog, self.links, self.metrics)
         self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
@@ -119,6 +120,8 @@ class FleetScheduler:
         # Requests admitted before the drain and still being tokenized (or waiting
         # for a worker) count as live: they run too, or end ShutDown at the cut.
         while (self._live or self._admitting) and time.monotonic() < deadline:
+            if self._hurry:  # hurry(): a second signal
+                break
             await asyncio.sleep(0.05)
         self._cut = True
         for r in list(self._live.values()):
@@ -128,6 +131,12 @@ class FleetScheduler:
                 r.outbox.put_nowait(ShutDown())
         while (self._live or self._admitting) and time.monotonic() < deadline + 5:  # they end
             await asyncio.sleep(0.01)
+
+    def hurry(self) -> None:
+        """Ends the grace period of a drain under way at once (a second signal)."""
+        if self.draining and not self._hurry:
+            log.info("draining: the grace period is cut short; requests in flight end now")
+            self._hurry = True
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -98,11 +98,12 @@ class GatewayServer:
         log.info("gateway serving %s://%s:%d", scheme, self.host, self.port)
 
     def stop(self) -> None:
-        """Drains the fleet, then ends the server (a second call ends it at once)."""
+        """Drains the fleet, then ends the server; a second call cuts the drain's grace
+        period short (requests in flight end with an error in the API's shape)."""
         if self._draining is None:
             self._draining = asyncio.ensure_future(self._drain())
         else:
-            self._server.should_exit = True
+            self._fleet.hurry()
 
     async def _drain(self) -> None:
         await self._fleet.drain(self._grace)

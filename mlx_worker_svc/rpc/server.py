@@ -5,7 +5,8 @@ and server reflection in one place. SIGTERM and the Shutdown RPC share
 `shutdown()`: health turns NOT_SERVING, the worker stops taking new work,
 in-flight Generate streams, and the requests schedulers are running (their
 steps still run), get the grace period to finish, the server stops,
-and the model and caches are freed. `ServerConfig.security` adds TLS, mutual
+and the model and caches are freed. A second SIGTERM or SIGINT during the drain
+ends the grace period at once. `ServerConfig.security` adds TLS, mutual
 TLS and the bearer-token check, and enforces the bind rule (security.py).
 `ServerConfig.limits` bounds the work admitted (limits.py); the thread pool and
 message sizes follow from it. If the engine thread dies, health turns
@@ -147,6 +148,7 @@ class WorkerServer:
         )
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
+        self._cut = threading.Event()  # a second signal: the grace period ends now
         self._draining = False
         self.port = 0
         self.metrics_port = 0
@@ -232,24 +234,39 @@ class WorkerServer:
         self._health.enter_graceful_shutdown()
         threading.Thread(target=self._drain, args=(grace, abort), name="drain", daemon=True).start()
 
+    def cut_drain(self) -> None:
+        """Ends the grace period of a drain under way at once (a second signal)."""
+        if self._draining and not self._cut.is_set():
+            log.info("draining: the grace period is cut short; work in flight ends now")
+            self._cut.set()
+
     def _drain(self, grace: float, abort: bool) -> None:
         deadline = time.monotonic() + grace
         try:
-            if not abort:
-                self.worker.wait_idle(grace)
+            # In slices, so that cut_drain() ends the wait within one.
+            while not abort and not self._cut.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.worker.wait_idle(min(left, 0.1)):
+                    break
         except Exception:
             log.exception("drain: the worker could not drain cleanly")
         finally:
             self.worker.close()
-            self._server.stop(max(deadline - time.monotonic(), 0.0)).wait()
+            left = 0.0 if self._cut.is_set() else deadline - time.monotonic()
+            self._server.stop(max(left, 0.0)).wait()
             self._metrics_endpoint.close()
             self._stopped.set()
             log.info("stopped")
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT start the same drain as the Shutdown RPC."""
+        """SIGTERM and SIGINT start the same drain as the Shutdown RPC; a second one
+        during the drain cuts its grace period short (`cut_drain`)."""
 
         def handle(signum: int, _frame: object) -> None:
+            if self._draining:
+                log.info("signal %d again", signum)
+                self.cut_drain()
+                return
             log.info("signal %d: shutting down", signum)
             self.shutdown()
 

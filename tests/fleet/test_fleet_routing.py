@@ -9,7 +9,9 @@ being tokenized, while every admitted request completes.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 from driver import code_of, details_of, greedy
 from processes import (
     Fleet,
+    Proc,
     WorkerPool,
     by_target,
     distinct_prompts,
@@ -267,3 +270,36 @@ def test_no_worker_up_says_why_the_workers_are_down() -> None:
 
     message = asyncio.run(main())
     assert message.startswith("no worker of the fleet is up (127.0.0.1:9: "), message
+
+
+def test_a_second_sigterm_cuts_the_fleets_drain_short() -> None:
+    """A second SIGTERM ends the fleet's grace period at once: the request still in
+    flight ends ABORTED and the process exits 0, not after --grace-seconds."""
+    fleet = Fleet(
+        Proc(["fleet", "--worker", "127.0.0.1:9", "--port", "0", "--grace-seconds", "120"]),
+        ["127.0.0.1:9"],  # nothing listens there: the request waits for a worker
+    )
+    errors: list[grpc.RpcError] = []
+
+    def ask() -> None:
+        try:
+            fleet.generate(pb.GenerateRequest(prompt="hi", sampling_params=greedy(4)))
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=ask)
+    try:
+        caller.start()
+        fleet.wait(lambda s: s.num_queued == 1, "request waiting")
+        fleet.proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert fleet.proc.proc.poll() is None  # the first signal waits for the request
+        started = time.monotonic()
+        fleet.proc.proc.send_signal(signal.SIGTERM)
+        caller.join(30)
+        assert [e.code() for e in errors] == [grpc.StatusCode.ABORTED]
+        assert fleet.proc.proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 20  # not the 120 s grace, nor the 30 s wait
+    finally:
+        fleet.channel.close()
+        fleet.proc.reap()

@@ -474,3 +474,34 @@ def test_sigterm_drains_the_gateway_and_ends_what_is_left_in_the_apis_shape(
             assert "Traceback" not in gw.proc.output
         finally:
             gw.close()
+
+
+def test_a_second_stop_cuts_the_gateways_drain_short() -> None:
+    """The second SIGTERM (`GatewayServer.stop` again) ends the grace period at once:
+    the request in flight gets its error in the API's shape and the server ends, not
+    after --grace-seconds."""
+    from mlx_worker_svc.fleet import FleetConfig
+    from mlx_worker_svc.gateway import GatewayConfig, GatewayServer
+
+    async def run() -> tuple[int, str, float]:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig())  # the request waits for it
+        server = GatewayServer(fleet, "127.0.0.1", 0, GatewayConfig(), grace=120.0)
+        await server.start()
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+            body = {"prompt": PROMPT, "max_tokens": 2}
+            answer = asyncio.create_task(http.post("/v1/completions", json=body, timeout=60))
+            while not fleet.status().num_queued:
+                await asyncio.sleep(0.02)
+            server.stop()
+            await asyncio.sleep(1.0)
+            assert not answer.done()  # the first stop waits for the request
+            started = loop.time()
+            server.stop()
+            response = await asyncio.wait_for(answer, 30)
+            await asyncio.wait_for(server.wait(), 30)
+        return response.status_code, response.json()["error"]["message"], loop.time() - started
+
+    status, message, took = asyncio.run(run())
+    assert status == 503 and "the fleet shut down before the request finished" in message
+    assert took < 20  # not the 120 s grace, nor the 30 s wait for a worker

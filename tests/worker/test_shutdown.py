@@ -180,3 +180,26 @@ def test_shutdown_gives_a_schedulers_running_requests_the_grace_period(tiny_dir:
         assert finish == pb.FINISH_REASON_LENGTH and len(tokens) == 40
     assert server.wait(timeout=30)
     assert server.worker.state.value == "STOPPED"
+
+
+def test_a_second_sigterm_cuts_the_grace_period_short(
+    start_worker: Callable[[float], ServeProcess],
+) -> None:
+    """An operator's second SIGTERM (or Ctrl-C) ends the drain at once: the process
+    exits 0 without waiting out the grace period for a request no one will finish."""
+    worker = start_worker(120.0)
+    chan = worker.channel()
+    stub = pb_grpc.WorkerServiceStub(chan)
+    epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
+    step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+    step.num_scheduled_tokens["r"] = 2
+    stub.Execute(step)  # running, and its scheduler never comes back
+    os.kill(worker.proc.pid, signal.SIGTERM)
+    _wait_not_serving(health_pb2_grpc.HealthStub(chan))
+    time.sleep(1.0)
+    assert worker.proc.poll() is None  # the first signal waits for the request
+    started = time.monotonic()
+    os.kill(worker.proc.pid, signal.SIGTERM)
+    assert worker.exit_code() == 0
+    assert time.monotonic() - started < 30  # not the 120 s grace

@@ -58,6 +58,12 @@ def fleet_lora_module(text: str) -> tuple[str, str, str]:
     return values
 
 
+def named_twice(flag: str, names: list[str]) -> str:
+    """Why a list of names given to `flag` cannot work ("" when none is given twice)."""
+    twice = sorted({name for name in names if names.count(name) > 1})
+    return f"{flag} names {', '.join(twice)} more than once" if twice else ""
+
+
 def add_lora_arguments(parser: argparse.ArgumentParser, who: str, *, fleet: bool = False) -> None:
     """`--lora-modules NAME=PATH ...` (vLLM's flag); `who` says where they load. The
     fleet's also take vLLM's JSON form, which names the adapter's base model."""

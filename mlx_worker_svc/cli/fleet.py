@@ -30,16 +30,24 @@ def _fleet_config(args: argparse.Namespace) -> Any:
     Raises SecurityError for bad --worker-* options, ValueError for a model named
     twice, InvalidArgument for bad --kv-* ones.
     """
-    from mlx_worker_svc.cli.engine_flags import kv_format
+    from mlx_worker_svc.cli.engine_flags import kv_format, named_twice
     from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
 
-    names = [name for name, _ in args.models or []]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"--models names {', '.join(twice)} more than once")
+    adapters = [name for name, _, _ in args.lora_modules]
+    models_named = [name for name, _ in args.models or []]
+    for flag, names in (("--models", models_named), ("--lora-modules", adapters)):
+        if problem := named_twice(flag, names):
+            raise ValueError(problem)
     models = dict(args.models or [])
+    # The gateway's model ids are both models' names and adapters'.
+    clash = sorted({*models, getattr(args, "served_model_name", None)} & set(adapters))
+    if clash:
+        raise ValueError(
+            f"--lora-modules {clash[0]}: a model of the fleet has that name too; name the "
+            "adapter otherwise"
+        )
     for name, _, base in args.lora_modules:
         if base and models and base not in models:
             raise ValueError(

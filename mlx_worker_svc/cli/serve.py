@@ -255,6 +255,8 @@ def _exit_after_engine_death(server: WorkerServer, seconds: float, group: bool) 
 
 def _flag_problem(args: argparse.Namespace) -> str:
     """Why flags that parse cannot work together ("" when they can)."""
+    from mlx_worker_svc.cli.engine_flags import named_twice
+
     if args.group and not _launched():
         return (
             "--group is for the ranks mlx.launch starts (it sets MLX_RANK and MLX_HOSTFILE, "
@@ -262,6 +264,8 @@ def _flag_problem(args: argparse.Namespace) -> str:
         )
     if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
         return "--hostfile and --backend start a worker group: give --world-size N (N >= 2)"
+    if problem := named_twice("--lora-modules", [name for name, _ in args.lora_modules]):
+        return problem
     if len(args.lora_modules) > args.max_loras:
         return (
             f"--lora-modules names {len(args.lora_modules)} adapters but --max-loras is "

@@ -71,3 +71,46 @@ def test_a_fleet_of_several_models_needs_each_adapters_base_model(tmp_path: Path
     for bad in ('{"name": "ad"}', '{"name": "ad", "path": "/x", "base": "b"}', "{nope"):
         with pytest.raises(SystemExit):
             parse_args(["fleet", "--worker", "h:1", "--lora-modules", bad])
+
+
+@pytest.mark.parametrize(
+    ("command", "specs", "says"),
+    [
+        ("serve", ["x=/a", "x=/b"], "mlx-worker serve: --lora-modules names x more than once"),
+        ("fleet", ["x=/a", "x=/b"], "mlx-worker fleet: --lora-modules names x more than once"),
+        ("gateway", ["x=/a", "x=/b"], "mlx-worker gateway: --lora-modules names x more than once"),
+        (
+            "fleet",
+            ['{"name": "b", "path": "/x", "base_model_name": "a"}'],
+            "mlx-worker fleet: --lora-modules b: a model of the fleet has that name too",
+        ),
+        (
+            "gateway",
+            ['{"name": "b", "path": "/x", "base_model_name": "a"}'],
+            "mlx-worker gateway: --lora-modules b: a model of the fleet has that name too",
+        ),
+    ],
+)
+def test_an_adapter_name_given_twice_or_taken_by_a_model_exits_2(
+    tiny_dir: Path, tmp_path: Path, command: str, specs: list[str], says: str
+) -> None:
+    """Served twice (the last path silently won) or shadowing a model's id (the gateway's
+    model ids are both): refused as the command line is read."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    specs = [
+        s.replace("=/a", f"={tmp_path / 'a'}").replace("=/b", f"={tmp_path / 'b'}") for s in specs
+    ]
+    argv = [sys.executable, "-m", "mlx_worker_svc", command, "--port", "0"]
+    if command == "serve":
+        argv += ["--model", str(tiny_dir)]
+    else:
+        argv += ["--worker", "127.0.0.1:1"]
+        if "base_model_name" in specs[0]:
+            argv += ["--models", "a=/m/a", "b=/m/b"]
+    done = subprocess.run(
+        [*argv, "--lora-modules", *specs], capture_output=True, text=True, timeout=120, check=False
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(says), lines[0]

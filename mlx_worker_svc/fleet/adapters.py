@@ -2,14 +2,21 @@
 
 A request naming an adapter (`GenerateRequest.lora_name`) runs on a worker
 of its model that holds that adapter (`WorkerLink.adapters`, read with
-ListLoras when the worker comes up and kept as the fleet loads more). When
-none does and the fleet knows the adapter's path (`fleet --lora-modules
-NAME=PATH`, `FleetConfig.lora_modules`), `ensure` loads it with AddLora on the
-least loaded worker of the model (one load per worker and adapter at a time,
-shared by the requests that wait for it); an adapter neither held nor
-configured is NOT_FOUND naming lora_name. A worker's AddLora refusal (a
-missing path: NOT_FOUND, a mismatch: INVALID_ARGUMENT) reaches the request as
-the worker gave it.
+ListLoras when the worker comes up and kept as the fleet loads more). An
+adapter runs on one model: the `base_model_name` it was configured with, else
+the model of the first worker seen holding it (`learn`), else the fleet's only
+model; a request naming another model is INVALID_ARGUMENT naming lora_name
+(`check`). When no worker holds it and the fleet knows the adapter's path
+(`fleet --lora-modules NAME=PATH`, `FleetConfig.lora_modules`), `ensure` loads
+it with AddLora on the least loaded worker of the model (one load per worker
+at a time, shared by the requests that wait for it). On a worker whose
+adapter slots (its --max-loras) are full the fleet first removes one that no
+request of that worker needs (one it can load again first); when every slot is needed the
+load waits (the requests stay queued and the scheduler tries again), so a
+load never evicts an adapter requests were routed to. An adapter neither held
+nor configured is NOT_FOUND naming lora_name; one the worker refuses to load
+fails its requests with UNAVAILABLE naming the adapter, its path and the
+worker (`AdapterLoadFailed`): a flag of the fleet's, not the caller's mistake.
 """
 
 from __future__ import annotations
@@ -18,9 +25,13 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-from mlx_worker_svc.core.errors import NotFound
-from mlx_worker_svc.fleet.errors import FleetError
+import grpc
+
+from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.core.errors import InvalidArgument, NotFound
+from mlx_worker_svc.fleet.errors import FleetError, LoadFailed
 from mlx_worker_svc.fleet.link import WorkerLink
+from mlx_worker_svc.fleet.step_outcome import worker_lost
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,6 +48,26 @@ class AdapterNotFound(FleetError, NotFound):
         )
 
 
+class AdapterOfAnotherModel(FleetError, InvalidArgument):
+    """GenerateRequest.lora_name names an adapter of another model than the request's."""
+
+    def __init__(self, name: str, base: str, model: str) -> None:
+        super().__init__(
+            f"lora_name: adapter {name!r} is an adapter of model {base!r}, not of {model!r} "
+            f"(the request's model): name model {base!r}, or none"
+        )
+
+
+class AdapterLoadFailed(LoadFailed):
+    """A worker refused to load a configured adapter (its path or its shapes)."""
+
+    def __init__(self, name: str, path: str, target: str, exc: ClientError) -> None:
+        super().__init__(
+            f"lora_name: adapter {name!r} (fleet --lora-modules, {path}) does not load on "
+            f"worker {target}: {exc.code.name}: {exc.details}"
+        )
+
+
 class AdapterPlacement:
     """The configured adapters (name -> path) and the loads under way."""
 
@@ -46,7 +77,22 @@ class AdapterPlacement:
         self.configured = dict(configured or {})
         self.bases = dict(bases or {})  # adapter -> its model, where configured
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # (worker, adapter)
+        self._locks: dict[str, asyncio.Lock] = {}  # per worker: one load at a time
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
+
+    def learn(self, link: WorkerLink) -> None:
+        """Takes the model of a worker that came up as the base of the adapters it is
+        the first seen holding (a worker's own --lora-modules stay with the model they
+        came with, whatever model the worker holds later)."""
+        if link.model_name:
+            for name in link.adapters:
+                self.bases.setdefault(name, link.model_name)
+
+    def check(self, name: str, model: str) -> None:
+        """Raises AdapterOfAnotherModel when adapter `name` runs on another model."""
+        base = self.bases.get(name, "")
+        if name and base and base != model:
+            raise AdapterOfAnotherModel(name, base, model)
 
     def known(self, links: list[WorkerLink]) -> list[str]:
         """Every adapter a worker holds or the fleet may load, by name."""
@@ -73,27 +119,73 @@ class AdapterPlacement:
             task.add_done_callback(lambda _task: self._loads.pop(key, None))
         await asyncio.shield(task)
 
-    @staticmethod
-    async def _load(link: WorkerLink, name: str, path: str) -> None:
-        log.info("loading adapter %s on %s", name, link.target)
-        added = await link.client.add_lora(pb.AddLoraRequest(name=name, path=path))
-        link.adapters.discard(added.evicted)  # under the worker's --max-loras
-        link.adapters.add(name)
-        if added.kv.num_blocks:  # the budget the adapters left (AddLoraResponse.kv)
-            link.num_blocks = added.kv.num_blocks
+    async def _load(self, link: WorkerLink, name: str, path: str) -> None:
+        async with self._locks.setdefault(link.target, asyncio.Lock()):
+            listing = await link.client.list_loras(pb.ListLorasRequest())
+            link.adapters = set(listing.names)  # what it holds now (RemoveLora from outside)
+            if name in link.adapters or not await self._make_room(link, listing):
+                return
+            log.info("loading adapter %s on %s", name, link.target)
+            try:
+                added = await link.client.add_lora(pb.AddLoraRequest(name=name, path=path))
+            except ClientError as exc:
+                if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room yet: it waits
+                    log.debug("adapter %s waits for room on %s: %s", name, link.target, exc)
+                    return
+                if worker_lost(exc):
+                    raise
+                raise AdapterLoadFailed(name, path, link.target, exc) from exc
+            link.adapters.discard(added.evicted)
+            link.adapters.add(name)
+            if added.kv.num_blocks:  # the budget the adapters left (AddLoraResponse.kv)
+                link.num_blocks = added.kv.num_blocks
+
+    async def _make_room(self, link: WorkerLink, listing: pb.ListLorasResponse) -> bool:
+        """Frees an adapter slot on a worker whose --max-loras are all taken: removes an
+        adapter no request routed there needs, neither pinned nor in use (one the fleet
+        can load again first); False when there is none (the load waits)."""
+        if not listing.max_loras or len(listing.adapters) < listing.max_loras:
+            return True
+        needed = {r.lora_name for r in [*link.waiting, *link.running.values()]}
+        spare = sorted(
+            (a.name not in self.configured, a.name)
+            for a in listing.adapters
+            if a.name not in needed and not a.pinned and not a.num_requests
+        )
+        if not spare:
+            log.debug("no adapter slot free on %s: every one is needed", link.target)
+            return False
+        _, name = spare[0]
+        link.adapters.discard(name)  # no request is routed to it from now
+        try:
+            await link.client.remove_lora(pb.RemoveLoraRequest(name=name))
+        except ClientError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:  # in use after all: wait
+                link.adapters.add(name)
+                return False
+        log.info("removed adapter %s from %s to make room", name, link.target)
+        return True
 
     def place(
-        self, up: list[WorkerLink], name: str, on_loaded: Callable[[WorkerLink], None]
+        self,
+        up: list[WorkerLink],
+        name: str,
+        on_loaded: Callable[[WorkerLink], None],
+        on_failed: Callable[[str, Exception], None],
     ) -> None:
-        """For a request that no worker of `up` can run now (its holder was lost): loads
-        the adapter in the background when the fleet has its path, then `on_loaded(link)`."""
+        """For requests that no worker of `up` can run now (their holder was lost, or
+        had no room): loads the adapter in the background when the fleet has its path,
+        then `on_loaded(link)`; a load the worker refuses: `on_failed(name, error)`."""
         if not name or not up or name not in self.configured:
             return
 
         async def load() -> None:
             try:
                 await self.ensure(up, name)
-            except Exception as exc:  # the request waits; the watchdog fails it in time
+            except AdapterLoadFailed as exc:
+                on_failed(name, exc)
+                return
+            except Exception as exc:  # the worker went away: the requests wait
                 log.warning("adapter %s could not be loaded: %s", name, exc)
                 return
             for link in self.holders(up, name):
@@ -103,12 +195,12 @@ class AdapterPlacement:
         task.add_done_callback(self._background.discard)
 
     def parents(self, links: list[WorkerLink], models: list[str]) -> dict[str, str]:
-        """Adapter -> the model it runs on: the configured base, else its holders'
-        model, else the fleet's only one ("": not known)."""
+        """Adapter -> the model it runs on: its base (configured or learned), else its
+        holders' model, else the fleet's only one ("": not known). A name that is also
+        a model's is the model's."""
         only = models[0] if len(models) == 1 else ""
         out = {name: self.bases.get(name, only) for name in self.configured}
         for link in links:
             for name in link.adapters:
-                out.setdefault(name, link.model_name)
-                out[name] = out[name] or link.model_name
-        return out
+                out[name] = out.get(name) or self.bases.get(name) or link.model_name
+        return {name: base for name, base in out.items() if name not in models}

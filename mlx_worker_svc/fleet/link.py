@@ -38,8 +38,10 @@ from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.step_outcome import (
     Queues,
     apply_outputs,
+    lost_adapter,
     refuse_step,
     undo_step,
+    without_adapter,
     worker_lost,
 )
 from mlx_worker_svc.fleet.step_plan import KVRoom, decode_steps, plan_step
@@ -312,6 +314,9 @@ class WorkerLink:
         self, views: dict[str, tuple[int, int]]
     ) -> tuple[pb.ExecuteRequest, list[FleetRequest]]:
         """The next step (step_plan.py); `views` (from `views_of`) gains the requests it starts."""
+        gone = without_adapter(self.waiting, self.adapters)
+        if gone:  # evicted or removed since they were routed here: routed again
+            self._on_lost(gone)
         request = pb.ExecuteRequest(step_id=self._step_id, worker_epoch=self.epoch)
         self._step_id += 1
         request.finished_req_ids.extend(self.to_free)
@@ -401,8 +406,13 @@ class WorkerLink:
     def _step_failed(
         self, exc: ClientError, request: pb.ExecuteRequest, started: list[FleetRequest]
     ) -> None:
+        gone = lost_adapter(exc, started)
         if worker_lost(exc):
             self._lose_everything(f"{exc.code.name}: {exc.details}")
+        elif gone is not None:  # its requests go back (`_plan`); the others run again
+            log.info("worker %s no longer holds adapter %s", self.target, gone)
+            self.adapters.discard(gone)
+            undo_step(request, started, self._queues)
         else:
             refuse_step(exc, request, started, self._queues)
 

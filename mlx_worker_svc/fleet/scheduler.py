@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -230,7 +230,10 @@ class FleetScheduler:
         params = request.sampling_params
         try:
             ask = check_forms(request)
-            model = await self._resolve(request.model)
+            # An adapter's model is the request's when it names none.
+            lora = request.lora_name
+            model = await self._resolve(request.model or self.adapters.bases.get(lora, ""))
+            self.adapters.check(lora, model)
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed
                 link = await self._some_link(model, want=False)
@@ -350,11 +353,18 @@ class FleetScheduler:
         why = self.residency.on_failed(link, model, exc)
         if why is None:
             return  # placed again on another worker
+        self._fail_pending(lambda r: r.model == model, LoadFailed(why))
+
+    def _adapter_failed(self, name: str, exc: Exception) -> None:
+        """A worker refused to load a configured adapter: the requests waiting for it fail."""
+        self._fail_pending(lambda r: r.lora_name == name, exc)
+
+    def _fail_pending(self, which: Callable[[FleetRequest], bool], exc: Exception) -> None:
         keep = []
         for since, r in self._pending:
-            if r.model == model:
+            if which(r):
                 r.phase = Phase.DONE
-                r.outbox.put_nowait(LoadFailed(why))
+                r.outbox.put_nowait(exc)
             else:
                 keep.append((since, r))
         self._pending = keep
@@ -366,7 +376,7 @@ class FleetScheduler:
             entry = (time.monotonic(), r)
             self._pending.insert(0, entry) if front else self._pending.append(entry)
             self._place()
-            self.adapters.place(self._up(r.model), r.lora_name, self._on_up)
+            self.adapters.place(self._up(r.model), r.lora_name, self._on_up, self._adapter_failed)
             return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
@@ -378,6 +388,7 @@ class FleetScheduler:
     def _on_up(self, link: WorkerLink) -> None:
         self._any_up.set()
         self.residency.on_up(link)
+        self.adapters.learn(link)
         waiting, self._pending = self._pending, []
         for since, r in waiting:
             if r.model in ("", link.model_name) and r.lora_name in {"", *link.adapters}:
@@ -407,9 +418,15 @@ class FleetScheduler:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             keep = []
+            room: set[tuple[str, str]] = set()  # (model, adapter) waiting for a slot
             for since, r in self._pending:
                 too_long = now - since > self.config.no_worker_timeout
-                if too_long and not self.residency.may_load(r.model):
+                # One waiting for a worker of its model to have room for its adapter
+                # waits as long as its caller does; the load is tried again below.
+                for_room = r.lora_name in self.adapters.configured and bool(self._up(r.model))
+                if for_room:
+                    room.add((r.model, r.lora_name))
+                if too_long and not for_room and not self.residency.may_load(r.model):
                     r.phase = Phase.DONE
                     whose = f" of model {r.model!r}" if r.model else ""
                     why = self._why_down()
@@ -420,6 +437,8 @@ class FleetScheduler:
                     keep.append((since, r))
             self._pending = keep
             self._place()
+            for model, name in room:
+                self.adapters.place(self._up(model), name, self._on_up, self._adapter_failed)
 
     # ------------------------------------------------------------ stream
     def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:

@@ -97,6 +97,26 @@ def refuse_step(
         r.outbox.put_nowait(exc)
 
 
+def lost_adapter(exc: ClientError, started: list[FleetRequest]) -> str | None:
+    """The adapter a refused step's new request named and the worker no longer holds
+    (NOT_FOUND `new_requests[i].lora_name`: evicted, or removed from outside), if that
+    is why it refused the step; the step changed nothing there."""
+    at = _NEW_REQUEST.match(exc.details)
+    if exc.code != grpc.StatusCode.NOT_FOUND or at is None or not started:
+        return None
+    if not exc.details[at.end() :].startswith("lora_name:"):
+        return None
+    return started[min(int(at.group(1)), len(started) - 1)].lora_name or None
+
+
+def without_adapter(waiting: list[FleetRequest], held: set[str]) -> list[FleetRequest]:
+    """Takes out of `waiting` the requests whose adapter the worker no longer holds."""
+    gone = [r for r in waiting if r.lora_name and r.lora_name not in held]
+    for r in gone:
+        waiting.remove(r)
+    return gone
+
+
 def _named_request(
     exc: ClientError, started: list[FleetRequest], queues: Queues
 ) -> tuple[FleetRequest, str] | None:

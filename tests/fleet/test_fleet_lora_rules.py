@@ -1,0 +1,197 @@
+"""The fleet's rules for adapters: each runs on its own model, a load never evicts an
+adapter requests were routed to, and a worker that refuses or loses one fails no
+other request.
+
+Two tiny random llamas (a, b) with an adapter each; a worker started on `a` with
+its own adapter (`serve --lora-modules`), a bare one the fleet gives `b`; a
+worker of `--max-loras 1` that the fleet must share between two adapters
+requested at once. Every answer is checked against mlx-lm's tokens for that
+model and adapter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import mlx.core as mx
+import pytest
+from driver import code_of, details_of
+from lora_adapters import make_adapter
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from processes import Fleet, Proc, distinct_prompts, run_streams, token_request, tokens_of
+from tiny_model import build_tiny_model
+
+from mlx_worker_svc.fleet.adapters import AdapterPlacement
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora-rules")
+    a = build_tiny_model(root / "a", smollm_dir, seed=3)
+    b = build_tiny_model(root / "b", smollm_dir, seed=4)
+    return {
+        "a": a,
+        "b": b,
+        "own": make_adapter(root / "own", a, seed=31),  # a's worker's own
+        "ad": make_adapter(root / "ad", b, seed=32),  # b's, given to the fleet
+        "x": make_adapter(root / "x", a, seed=33),
+        "y": make_adapter(root / "y", a, seed=34),
+    }
+
+
+def reference(model: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    loaded, _ = load(str(model), adapter_path=str(adapter) if adapter else None)
+    return [
+        [int(t) for t, _ in generate_step(mx.array(p), loaded, max_tokens=TOKENS)] for p in prompts
+    ]
+
+
+def worker(*flags: str) -> tuple[Proc, str]:
+    proc = Proc(["serve", "--port", "0", "--grace-seconds", "1", *flags])
+    port = proc.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+    if "--auto-init" in flags:
+        proc.wait_for(r"^ready:")
+    return proc, f"127.0.0.1:{port}"
+
+
+def fleet(targets: list[str], *options: str) -> Fleet:
+    args = [arg for target in targets for arg in ("--worker", target)]
+    started = Fleet(Proc(["fleet", *args, "--port", "0", *options]), targets)
+    started.wait(lambda s: all(w.up for w in s.workers), "every worker up", timeout=120)
+    return started
+
+
+def ask(prompt: list[int], model: str, lora: str) -> pb.GenerateRequest:
+    request = token_request(prompt, TOKENS)
+    request.model, request.lora_name = model, lora
+    return request
+
+
+@pytest.fixture(scope="module")
+def two_models(tree: dict[str, Path]) -> Iterator[Fleet]:
+    """Worker 1 holds a with its own adapter `own`; worker 2 is given b by the fleet."""
+    procs = [
+        worker("--model", str(tree["a"]), "--auto-init", "--lora-modules", f"own={tree['own']}"),
+        worker(),
+    ]
+    spec = json.dumps({"name": "ad", "path": str(tree["ad"]), "base_model_name": "b"})
+    models = ["--models", f"a={tree['a']}", f"b={tree['b']}"]
+    started = None
+    try:
+        started = fleet([t for _, t in procs], *models, "--lora-modules", spec)
+        yield started
+    finally:
+        if started is not None:
+            started.channel.close()
+            started.proc.reap()
+        for proc, _ in procs:
+            proc.reap()
+
+
+@pytest.mark.parametrize(("model", "lora", "base"), [("a", "ad", "b"), ("b", "own", "a")])
+def test_an_adapter_of_another_model_is_refused_naming_lora_name(
+    two_models: Fleet, model: str, lora: str, base: str
+) -> None:
+    """`ad` was given with base_model_name b; `own` came with the worker of a: neither
+    runs on the other model (the answer would be that model's with another's adapter)."""
+    [prompt] = distinct_prompts(1, 10, seed=5)
+    with pytest.raises(grpc.RpcError) as info:
+        two_models.generate(ask(prompt, model, lora))
+    assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert details_of(info.value).startswith(
+        f"lora_name: adapter {lora!r} is an adapter of model {base!r}, not of {model!r}"
+    )
+
+
+def test_a_request_naming_no_model_runs_on_its_adapters(
+    two_models: Fleet, tree: dict[str, Path]
+) -> None:
+    prompts = distinct_prompts(2, 10, seed=6)
+    for lora, model in (("ad", "b"), ("own", "a")):
+        want = reference(tree[model], tree[lora], prompts)
+        assert [tokens_of(two_models.generate(ask(p, "", lora))) for p in prompts] == want
+
+
+def test_a_workers_own_adapter_keeps_the_model_it_came_with() -> None:
+    """Learned from the first worker seen holding it: the same worker holding another
+    model later (the fleet swapped it) does not move the adapter to that model."""
+    placement = AdapterPlacement()
+    link = SimpleNamespace(model_name="b", adapters={"own"})
+    placement.learn(link)  # type: ignore[arg-type]
+    link.model_name = "a"  # swapped; the worker's --lora-modules loaded `own` again
+    placement.learn(link)  # type: ignore[arg-type]
+    assert placement.parents([link], ["a", "b"]) == {"own": "b"}  # type: ignore[list-item]
+    with pytest.raises(Exception, match="adapter 'own' is an adapter of model 'b'"):
+        placement.check("own", "a")
+
+
+@pytest.fixture(scope="module")
+def one_slot(tree: dict[str, Path]) -> Iterator[tuple[Fleet, str]]:
+    """One worker of --max-loras 1; the fleet knows two adapters' paths."""
+    proc, target = worker("--model", str(tree["a"]), "--auto-init", "--max-loras", "1")
+    started = None
+    try:
+        specs = [f"x={tree['x']}", f"y={tree['y']}", f"gone={tree['b']}"]
+        started = fleet([target], "--lora-modules", *specs)
+        yield started, target
+    finally:
+        if started is not None:
+            started.channel.close()
+            started.proc.reap()
+        proc.reap()
+
+
+def test_two_adapters_asked_at_once_share_one_slot_without_failing_anyone(
+    one_slot: tuple[Fleet, str], tree: dict[str, Path]
+) -> None:
+    """Requests for x, y and the base model at once, on a worker that holds one adapter:
+    a load waits while its slot is needed (no request routed to x loses it to y), and
+    every answer is its adapter's."""
+    fleet_, _ = one_slot
+    prompts = distinct_prompts(18, 10, seed=7)
+    loras = ["x", "y", ""] * 6
+    want = {
+        lora: reference(tree["a"], tree[lora] if lora else None, prompts[i::3])
+        for i, lora in enumerate(["x", "y", ""])
+    }
+    requests = [ask(p, "", lora) for p, lora in zip(prompts, loras, strict=True)]
+    streams = run_streams(fleet_.stub, requests)
+    assert [(s.error and details_of(s.error)) for s in streams] == [None] * 18
+    for i, lora in enumerate(["x", "y", ""]):
+        assert [s.tokens for s in streams[i::3]] == want[lora], lora
+
+
+def test_an_adapter_removed_behind_the_fleets_back_is_loaded_again(
+    one_slot: tuple[Fleet, str], tree: dict[str, Path]
+) -> None:
+    fleet_, target = one_slot
+    prompts = distinct_prompts(2, 10, seed=8)
+    [first, second] = reference(tree["a"], tree["x"], prompts)
+    assert tokens_of(fleet_.generate(ask(prompts[0], "", "x"))) == first
+    with grpc.insecure_channel(target) as channel:
+        pb_grpc.WorkerServiceStub(channel).RemoveLora(pb.RemoveLoraRequest(name="x"))
+    assert tokens_of(fleet_.generate(ask(prompts[1], "", "x"))) == second
+
+
+def test_an_adapter_the_worker_refuses_fails_as_the_fleets_not_the_callers(
+    one_slot: tuple[Fleet, str],
+) -> None:
+    """`gone` points at a model directory, not an adapter: the worker refuses to load
+    it, and the caller is told it is the fleet's adapter that failed, on which worker."""
+    fleet_, target = one_slot
+    [prompt] = distinct_prompts(1, 10, seed=9)
+    with pytest.raises(grpc.RpcError) as info:
+        fleet_.generate(ask(prompt, "", "gone"))
+    assert code_of(info.value) == grpc.StatusCode.UNAVAILABLE
+    assert details_of(info.value).startswith("lora_name: adapter 'gone' (fleet --lora-modules, ")
+    assert f"does not load on worker {target}: INVALID_ARGUMENT: " in details_of(info.value)
+    assert tokens_of(fleet_.generate(ask(prompt, "", "")))  # the worker serves on

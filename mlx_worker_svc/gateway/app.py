@@ -136,7 +136,7 @@ class Gateway:
         waits for a worker and answers NOT_FOUND (404) itself.
         """
         names = self.model_names()
-        if asked is None:
+        if not asked:  # unset, null or "": as vLLM, the only model
             if len(names) > 1:
                 raise invalid("model", f"the gateway serves {len(names)} models: {names}")
             return (names[0] if names else "unknown"), ""

@@ -181,9 +181,11 @@ def test_the_gateway_lists_every_model_and_routes_by_name(
             missing = http.post("/v1/completions", json=body)
             assert missing.status_code == 404
             assert missing.json()["error"]["code"] == "model_not_found"
-            unnamed = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2})
-            assert unnamed.status_code == 400
-            assert unnamed.json()["error"]["param"] == "model"
+            for unset in ({}, {"model": None}, {"model": ""}):  # not a 404 for ""
+                body = {"prompt": "Once", "max_tokens": 2, **unset}
+                unnamed = http.post("/v1/completions", json=body)
+                assert unnamed.status_code == 400
+                assert unnamed.json()["error"]["param"] == "model"
             # Anthropic's Messages API resolves its model the same way.
             chat = {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
             assert http.post("/v1/messages", json=chat | {"model": "b"}).json()["model"] == "b"

@@ -75,7 +75,9 @@ class StepReader:
                 try:
                     plan = convert.step_plan(request.step)
                 except WorkerError as exc:
-                    self._outcomes.put(StreamedStep(request.step.step_id, error=exc))
+                    step = request.step
+                    new_ids = [new.req_id for new in step.new_requests]
+                    self._outcomes.put(self._stream.refuse(step.step_id, new_ids, exc))
                     continue
                 self._outcomes.put(self._stream.submit(plan, received))
         except Exception:  # the call ended under the reader (cancelled, dropped)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -86,10 +86,22 @@ class StepStream:
         try:
             self._prepare(plan)
         except WorkerError as exc:
-            done: Future[StreamedStep] = Future()
-            done.set_result(StreamedStep(plan.step_id, error=exc))
-            return done
+            return self.refuse(plan.step_id, [new.req_id for new in plan.new_requests], exc)
         future: Future[StreamedStep] = self._submit(lambda: self._run(plan, received_ns))
+        return future
+
+    def refuse(
+        self, step_id: int, new_ids: Sequence[str], error: WorkerError
+    ) -> Future[StreamedStep]:
+        """A step refused before it could run (its message did not convert, a grammar
+        did not compile): its error comes in order with the others', and the requests
+        it was to create count as not created, as for a step that failed running."""
+
+        def refused() -> StreamedStep:
+            self._not_created(step_id, new_ids)
+            return StreamedStep(step_id, error=error)
+
+        future: Future[StreamedStep] = self._submit(refused)
         return future
 
     def close(self) -> None:
@@ -108,12 +120,8 @@ class StepStream:
             plan = self._without_uncreated(plan)
             step.result = self._execute(plan, received_ns)
         except WorkerError as exc:
-            step.error = exc
-            for new in plan.new_requests:  # the step changed nothing: none was created
-                if self._created.get(new.req_id) is None:
-                    self._uncreated[new.req_id] = plan.step_id
-            while len(self._uncreated) > _REMEMBER_FINISHED:
-                self._uncreated.popitem(last=False)
+            step.error = exc  # the step changed nothing: none was created
+            self._not_created(plan.step_id, [new.req_id for new in plan.new_requests])
             return step
         except Exception as exc:  # a bug: reported on this step, the stream goes on
             log.exception("an ExecuteStream step failed with an unexpected error")
@@ -121,6 +129,13 @@ class StepStream:
             return step
         self._record(plan, step.result)
         return step
+
+    def _not_created(self, step_id: int, new_ids: Sequence[str]) -> None:
+        for req_id in new_ids:
+            if self._created.get(req_id) is None:  # not a live one of this stream's
+                self._uncreated[req_id] = step_id
+        while len(self._uncreated) > _REMEMBER_FINISHED:
+            self._uncreated.popitem(last=False)
 
     def _without_finished(self, plan: StepPlan) -> tuple[StepPlan, list[str]]:
         """Leaves out the requests an earlier step of the stream finished."""

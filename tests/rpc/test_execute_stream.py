@@ -335,6 +335,44 @@ def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pb.SamplingParams(temperature=-1.0),  # refused as the step's message converts
+        pb.SamplingParams(structured_outputs=pb.StructuredOutputs(regex="(")),  # as it compiles
+    ],
+)
+def test_a_request_refused_for_its_sampling_params_counts_as_never_created(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int], bad: pb.SamplingParams
+) -> None:
+    """Refused before it could run, a step's new request is remembered as one it failed
+    to create, as when the step fails running: a later step scheduling it is NOT_FOUND
+    naming the failed step, and a later step's finish of it is left out (that step
+    decodes its others)."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(_starting("b", [8, 9, 10], epoch, step_id=1))
+        starting = _starting("a", [5, 6, 7], epoch, step_id=2)
+        starting.new_requests[0].sampling_params.CopyFrom(bad)
+        stream.send(starting)
+        stream.send(_decoding(3, epoch, {"a": 3}))  # ahead: counts on step 2
+        leaving = _decoding(4, epoch, {"b": 3})
+        leaving.finished_req_ids.append("a")  # the scheduler drops it, decodes b
+        stream.send(leaving)
+        raise_for_error(stream.receive())
+        with pytest.raises(StepFailed) as refused:
+            raise_for_error(stream.receive())
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(StepFailed) as ahead:
+            raise_for_error(stream.receive())
+        assert ahead.value.code == grpc.StatusCode.NOT_FOUND
+        assert "step 2 of this stream was to create it and failed" in ahead.value.message
+        [out] = raise_for_error(stream.receive()).outputs
+        assert (out.req_id, out.num_computed_tokens) == ("b", 4)
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_a_finished_requests_mask_is_left_out_with_it(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:

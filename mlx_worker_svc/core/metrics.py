@@ -113,7 +113,12 @@ class ServerMetrics(Collector):
 
 
 class RpcMetrics:
-    """`<prefix>_rpcs_total{service, method, code}`: every RPC by its final status code."""
+    """`<prefix>_rpcs_total{service, method, code}`: every RPC by its final status code.
+
+    The servers' interceptors (rpc/metrics.py) name a method no service of the
+    process defines "/unknown/unknown": a caller without credentials cannot grow
+    the label set.
+    """
 
     def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
         self._total = Counter(

@@ -5,8 +5,8 @@ in tests); `/metrics` renders it followed by the embedded fleet's registry
 (`mlx_fleet_*`: requests by outcome, queue, workers up, their KV blocks).
 `MetricsMiddleware` counts every HTTP request by route, method and status,
 and times it to its last byte (a stream included). Route labels are the
-gateway's route templates, anything else "other", so a scanner cannot grow
-the label set.
+gateway's route templates, anything else "other", and method labels HTTP's
+methods, anything else "other", so a scanner cannot grow the label set.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
+)
 
 
 class GatewayMetrics:
@@ -97,5 +102,6 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.duration.labels(route).observe(time.monotonic() - start)

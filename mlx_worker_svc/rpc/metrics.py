@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -22,6 +23,7 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 import grpc.aio
+from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, start_http_server
 
 from mlx_worker_svc.core.flag_values import port as port_value
@@ -92,6 +94,19 @@ def rebuild_handler(
     return handler
 
 
+@functools.lru_cache(maxsize=256)
+def _label(method: str) -> str:
+    """The method path as counted: "/unknown/unknown" for one no loaded proto defines
+    (a call the token check or UNIMPLEMENTED refuses), so that callers without
+    credentials cannot grow the label set."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    try:
+        found = descriptor_pool.Default().FindServiceByName(service)
+    except KeyError:
+        return "/unknown/unknown"
+    return method if name in found.methods_by_name else "/unknown/unknown"
+
+
 class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Counts the RPCs of a synchronous `grpc.server`; put it first, so refusals count too."""
 
@@ -106,7 +121,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        rpcs, method = self._rpcs, handler_call_details.method
+        rpcs, method = self._rpcs, _label(handler_call_details.method)
 
         def wrap(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             def unary(request: Any, context: Any) -> Any:
@@ -136,7 +151,7 @@ class AsyncRpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[ty
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        rpcs, method = self._rpcs, handler_call_details.method
+        rpcs, method = self._rpcs, _label(handler_call_details.method)
 
         def wrap(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             if inspect.isasyncgenfunction(behavior):

@@ -70,6 +70,14 @@ def test_models_health_and_metrics(gateway: Gateway, client: openai.OpenAI) -> N
     )
     unknown = gateway.http.get("/v2/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+    for made_up in ("ZZ1", "ZZ2"):  # made-up HTTP methods count as one "other" series
+        assert gateway.http.request(made_up, "/health").status_code == 401
+    assert (
+        gateway.metric(
+            'mlx_gateway_http_requests_total{method="other",route="/health",status="401"}'
+        )
+        == 2
+    )
 
 
 def test_chat_is_the_workers_greedy_answer_streamed_or_not(

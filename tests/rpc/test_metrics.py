@@ -264,9 +264,20 @@ def test_refused_calls_are_counted_and_the_endpoint_closes_on_shutdown() -> None
         ):
             pb_grpc.WorkerServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=10)
         assert code_of(refused.value) == grpc.StatusCode.UNAUTHENTICATED
+        # Made-up methods, refused alike, count as one "unknown" series: a caller without
+        # the token cannot grow the label set.
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for i in range(20):
+                made_up = channel.unary_unary(f"/junk.Service{i}/Method{'x' * 500}", None, None)
+                with pytest.raises(grpc.RpcError) as junk:
+                    made_up(b"", timeout=10)
+                assert code_of(junk.value) == grpc.StatusCode.UNAUTHENTICATED
         scrape = Scrape(server.metrics_port)
         labels = {"service": "mlx_worker.v1.WorkerService", "method": "GetInfo"}
         assert scrape("mlx_worker_rpcs_total", **labels, code="UNAUTHENTICATED") == 1
+        unknown = {"service": "unknown", "method": "unknown"}
+        assert scrape("mlx_worker_rpcs_total", **unknown, code="UNAUTHENTICATED") == 20
+        assert "junk" not in scrape.text
         assert scrape("mlx_worker_state", state="NEW") == 1
         assert scrape("mlx_worker_kv_blocks_total") == 0
     finally:

@@ -3,7 +3,8 @@
 `drive_up` makes the calls a worker still needs (InitDevice, LoadModel of the
 link's model, DetermineMemory at the worker's device-sized default, InitCache
 at its suggested budget, WarmUp), each with the link's lifecycle deadline, and
-returns the worker's GetInfo once it is READY or SERVING. Asked to `swap` in
+returns the worker's GetInfo once it is READY or SERVING; one asleep is woken
+(WakeUp). Asked to `swap` in
 another model, it first puts the worker to sleep at level 2 (its KV and
 weights freed) and loads that model in place of its own. It is called only for
 a worker that is not bringing itself up (CheckHealth.bringing_up), so it never
@@ -46,6 +47,11 @@ async def drive_up(
         if asleep or info.state in FINAL:  # its weights go first
             await client.sleep(pb.SleepRequest(level=2), timeout=timeout)
         await client.load_model(pb.LoadModelRequest(model=swap), timeout=timeout)
+        info = await client.get_info()
+    if info.state == pb.WORKER_STATE_SLEEPING:
+        # Asleep: a swap cut short (its fleet stopped mid-load), or put to sleep by
+        # another scheduler; it wakes with what it had.
+        await client.wake_up(pb.WakeUpRequest(), timeout=timeout)
         info = await client.get_info()
     if info.state not in FINAL:
         if info.state == pb.WORKER_STATE_NEW:

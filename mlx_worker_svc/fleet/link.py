@@ -73,6 +73,7 @@ class WorkerLink:
         self.client = AsyncWorkerClient(target, config.client)
         self._prober = Prober(target, config)
         self.up = False
+        self.reached = False  # its first bring-up ended (up, down or starting)
         self.epoch = 0
         self.model = ""
         self.model_name = ""  # the catalog's name for it
@@ -188,6 +189,7 @@ class WorkerLink:
         while not self._closed:
             if not self.up:
                 outcome = await self._bring_up()
+                self.reached = True
                 if outcome == "up":
                     backoff = self.config.retry_backoff
                     self._on_up(self)

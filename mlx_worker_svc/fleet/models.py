@@ -68,6 +68,8 @@ class Holder(Protocol):
     def idle(self) -> bool: ...
     @property
     def last_used(self) -> float: ...
+    @property
+    def reached(self) -> bool: ...
 
 
 H = TypeVar("H", bound=Holder)
@@ -78,9 +80,13 @@ def plan_loads(
 ) -> list[tuple[H, str]]:
     """The loads to start now: (worker, model name), for `wanted` models in order.
 
-    `wanted` are the models requests wait for (each once, oldest first).
+    `wanted` are the models requests wait for (each once, oldest first). None
+    before every worker was reached once: one not heard from yet may hold a
+    model wanted (a fleet just started must not swap another worker's away).
     """
     links = list(links)
+    if not all(link.reached for link in links):
+        return []
     wanted = list(dict.fromkeys(wanted))
     held = {link.loading or link.model_name for link in links if link.up or link.loading}
     spare = sorted(

@@ -303,3 +303,22 @@ def test_a_second_sigterm_cuts_the_fleets_drain_short() -> None:
     finally:
         fleet.channel.close()
         fleet.proc.reap()
+
+
+def test_a_worker_found_asleep_is_woken_and_serves(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """Asleep (a load on demand cut short by a fleet that stopped, or another client's
+    Sleep), a worker is woken with WakeUp, not left "not usable" for good."""
+    target = pool.targets[0]
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        stub.Sleep(pb.SleepRequest(level=2), timeout=60)
+        assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_SLEEPING
+        fleet = start_fleet([target])  # waits for the worker up
+        [prompt] = distinct_prompts(1, 8, seed=43)
+        assert len(tokens_of(fleet.generate(token_request(prompt, 4)))) == 4
+        assert stub.CheckHealth(pb.CheckHealthRequest()).state in (
+            pb.WORKER_STATE_READY,
+            pb.WORKER_STATE_SERVING,
+        )

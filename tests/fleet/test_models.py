@@ -16,6 +16,7 @@ class Link:
     up: bool = True
     idle: bool = True
     loading: str = ""
+    reached: bool = True
 
 
 CATALOG = ModelCatalog({"a": "/m/a", "b": "/m/b/", "c": "org/c"})
@@ -54,3 +55,14 @@ def test_no_load_evicts_a_wanted_model_or_repeats_one() -> None:
     assert plan_loads([down, b], ["c"], CATALOG) == [(b, "c")]  # its worker is gone
     assert plan_loads([a, b], ["unknown"], CATALOG) == []  # not configured: never loaded
     assert plan_loads([Link("a", idle=False)], ["c"], CATALOG) == []  # waits for an idle one
+
+
+def test_no_load_before_every_worker_was_reached() -> None:
+    """A worker not heard from yet may hold the model wanted: a fleet just started
+    does not swap another worker's model away meanwhile."""
+    idle, unheard = Link("tool"), Link("", up=False, reached=False)
+    assert plan_loads([idle, unheard], ["t"], ModelCatalog({"tool": "/m/tool", "t": "/m/t"})) == []
+    unheard.reached = True  # down, or up with another model: now a load may start
+    assert plan_loads([idle, unheard], ["t"], ModelCatalog({"tool": "/m/tool", "t": "/m/t"})) == [
+        (idle, "t")
+    ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.flag_values import count, fraction, port, seconds, within
@@ -70,6 +71,14 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (`mlx-worker serve: error: argument --port: ...`), as
+    every other refusal of the command line; --help has the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlx_worker_svc.core.limits import (
         DEFAULT_MAX_QUEUED_STEPS,
@@ -78,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         MAX_LIMIT,
     )
 
-    parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
     add_logging_arguments(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
 

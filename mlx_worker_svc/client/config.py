@@ -7,6 +7,7 @@ these settings drive; both names are exported from there too.
 from __future__ import annotations
 
 import random
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,9 @@ def channel_credentials(
     `ca_file`: the CA bundle that signed the server's certificate (None: the
     system's roots); `cert_file` and `key_file` (both or neither): the client
     certificate and key a mutual-TLS server requires. Raises OSError for a file
-    that cannot be read, ValueError for a certificate without its key or a file
-    that is not PEM (gRPC would only fail each handshake later).
+    that cannot be read, ValueError for a certificate without its key, a file
+    that is not PEM, a CA file without a certificate, or a certificate and key
+    that do not go together (gRPC would only fail each handshake later).
     """
     if (cert_file is None) != (key_file is None):
         raise ValueError("a client certificate needs its key, and a key its certificate")
@@ -94,8 +96,28 @@ def channel_credentials(
             raise ValueError(f"{path} is not a PEM file")
         return data
 
-    return grpc.ssl_channel_credentials(
+    credentials = grpc.ssl_channel_credentials(
         root_certificates=read(ca_file),
         private_key=read(key_file),
         certificate_chain=read(cert_file),
     )
+    _check_pair(ca_file, cert_file, key_file)
+    return credentials
+
+
+def _check_pair(ca_file: str | None, cert_file: str | None, key_file: str | None) -> None:
+    """What gRPC checks only at each handshake, checked once with the ssl module."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except ssl.SSLError as exc:
+            raise ValueError(f"the CA file {ca_file} holds no certificate ({exc.reason})") from exc
+    if cert_file is not None and key_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"the client certificate {cert_file} and key {key_file} are not a "
+                f"certificate and its key ({exc.reason or 'the certificate does not read'})"
+            ) from exc

@@ -81,6 +81,21 @@ def test_config_validation(pki: Pki, tmp_path: Path) -> None:
     server.worker.close()
     with pytest.raises(ValueError, match="needs its key"):
         channel_credentials(pki.ca, cert_file=pki.client_cert)
+    # PEM files of the wrong kind, which gRPC refuses only at each handshake.
+    for ca, cert, key, says in (
+        (pki.server_key, None, None, f"the CA file {pki.server_key} holds no certificate"),
+        (pki.ca, pki.client_key, pki.client_cert, "are not a certificate and its key"),
+        (pki.ca, pki.client_cert, pki.server_key, "(KEY_VALUES_MISMATCH)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            channel_credentials(ca, cert, key)
+    channel_credentials(pki.ca, pki.client_cert, pki.client_key)
+    done = _cli("fleet", "--worker", "127.0.0.1:1", "--port", "0", "--worker-ca", pki.server_key)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"mlx-worker fleet: the CA file {pki.server_key} holds no certificate "
+        "(NO_CERTIFICATE_OR_CRL_FOUND)"
+    )
 
 
 # ------------------------------------------------------------ the CLI

@@ -33,7 +33,7 @@ from mlx_worker_svc.fleet.bring_up import drive_up, held_adapters
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.pipeline import Pipeline, views_of
-from mlx_worker_svc.fleet.probe import Prober
+from mlx_worker_svc.fleet.probe import Prober, hint
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.step_outcome import (
     Queues,
@@ -233,9 +233,9 @@ class WorkerLink:
         except (ClientError, RuntimeError) as exc:
             # A worker that stays down fails the same way at every try: WARNING
             # once, DEBUG while the cause stays the same (Status has it meanwhile).
-            same = self.last_error == str(exc)
-            self.last_error = str(exc)
-            (log.debug if same else log.warning)("worker %s not usable: %s", self.target, exc)
+            why = f"{exc}{hint(exc, self.config)}"
+            same, self.last_error = self.last_error == why, why
+            (log.debug if same else log.warning)("worker %s not usable: %s", self.target, why)
             if self.loading:
                 name, self.loading = self.loading, ""
                 # Back to the model it had (it may be asleep without weights).

@@ -49,3 +49,23 @@ class Prober:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def hint(exc: Exception, config: LinkConfig) -> str:
+    """What an operator may do about a worker that cannot be reached ("" when nothing
+    more is known): the flags behind a refused token or a TLS mismatch."""
+    if not isinstance(exc, ClientError):
+        return ""
+    if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+        sent = (
+            "the fleet sends the first token of --worker-token-file (or $MLX_WORKER_CLIENT_TOKEN)"
+            if config.client.token
+            else "the fleet sends no token: give --worker-token-file or $MLX_WORKER_CLIENT_TOKEN"
+        )
+        return f" ({sent})"
+    plaintext = exc.code is grpc.StatusCode.UNAVAILABLE and config.client.credentials is None
+    if plaintext and ("Socket closed" in exc.details or "handshake" in exc.details.lower()):
+        return " (does the worker serve TLS? then give --worker-ca)"
+    if "CERTIFICATE_VERIFY_FAILED" in exc.details:
+        return " (--worker-ca must hold the CA that signed the worker's certificate)"
+    return ""

@@ -101,6 +101,9 @@ async def _fleet_scenario(pki: Pki, target: str) -> None:
             await asyncio.sleep(0.05)
         assert "no --model" in fleet.links[0].last_error  # past TLS, the token and InitDevice
         assert "UNAUTHENTICATED" in wrong.links[0].last_error
+        assert wrong.links[0].last_error.endswith(  # what the operator may change
+            "(the fleet sends the first token of --worker-token-file (or $MLX_WORKER_CLIENT_TOKEN))"
+        )
     finally:
         await server.stop(0)
         await fleet.stop()
@@ -110,3 +113,30 @@ async def _fleet_scenario(pki: Pki, target: str) -> None:
 async def _drain(call: Any) -> None:
     async for _ in call:
         pass
+
+
+def test_a_worker_that_cannot_be_reached_names_the_flag_to_look_at() -> None:
+    """The causes an operator sees in Status and the log end with the flag behind them."""
+    import grpc
+
+    from mlx_worker_svc.client.worker import ClientConfig, ClientError
+    from mlx_worker_svc.fleet import LinkConfig
+    from mlx_worker_svc.fleet.probe import hint
+
+    plain = LinkConfig()
+    refused = ClientError(
+        grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token", "CheckHealth"
+    )
+    assert hint(refused, plain) == (
+        " (the fleet sends no token: give --worker-token-file or $MLX_WORKER_CLIENT_TOKEN)"
+    )
+    closed = ClientError(
+        grpc.StatusCode.UNAVAILABLE, "ipv4:127.0.0.1:1: Socket closed", "CheckHealth"
+    )
+    assert hint(closed, plain) == " (does the worker serve TLS? then give --worker-ca)"
+    tls = LinkConfig(client=ClientConfig(credentials=grpc.ssl_channel_credentials()))
+    assert hint(closed, tls) == ""
+    unknown = ClientError(
+        grpc.StatusCode.UNAVAILABLE, "CERTIFICATE_VERIFY_FAILED: unable to get", "CheckHealth"
+    )
+    assert hint(unknown, tls).startswith(" (--worker-ca must hold the CA")

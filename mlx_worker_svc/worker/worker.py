@@ -282,7 +282,7 @@ class Worker:
         runner = core.need_runner("Execute")
         if plan.worker_epoch != core.epoch:
             why = f"since that epoch the worker {core.epoch_change}"
-            if float(plan.worker_epoch) == float(core.epoch):
+            if plan.worker_epoch == int(float(core.epoch)):  # exactly what a double keeps
                 why = (
                     "the worker's own rounded to a double, as a JavaScript Number rounds it: "
                     "send uint64s as strings (JSON) or 64-bit integers"

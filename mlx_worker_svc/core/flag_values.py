@@ -104,5 +104,16 @@ def target(text: str) -> str:
     host, sep, number = text.rpartition(":")
     if not (sep and host and number.isdigit()):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an IPv6 address goes in brackets, as in [{host}]:{number}"
+        )
     port(number)
     return text
+
+
+def bind_address(host: str, port: int) -> str:
+    """HOST:PORT for a gRPC server to bind, an IPv6 literal ("::1") put in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.core.flag_values import bind_address
 from mlx_worker_svc.fleet.errors import FleetError
 from mlx_worker_svc.fleet.scheduler import FleetScheduler
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
@@ -101,7 +102,7 @@ async def serve_fleet(
     enable_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
     )
-    address = f"{host}:{port}"
+    address = bind_address(host, port)
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mlx_worker_svc.core.flag_values import bind_address
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
 from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.core.reports import WorkerState
@@ -179,7 +180,7 @@ class WorkerServer:
         token (unless insecure), `security.SecurityError` for unreadable PEM
         files and OSError when the address cannot be bound.
         """
-        address = f"{self.config.host}:{self.config.port}"
+        address = bind_address(self.config.host, self.config.port)
         security = self.config.security
         check_bind(self.config.host, security)
         credentials = server_credentials(security)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mlx_worker_svc.cli.main import main, parse_args
+from mlx_worker_svc.core.flag_values import bind_address
 
 WORKER = ["--worker", "127.0.0.1:9"]
 
@@ -49,6 +50,7 @@ WORKER = ["--worker", "127.0.0.1:9"]
         (["fleet", *WORKER, "--port", "70000"], "--port: must be a port"),
         (["gateway", *WORKER, "--port", "70000"], "--port: must be a port"),
         (["fleet", "--worker", "127.0.0.1:99999"], "--worker: must be a port, 0 to 65535"),
+        (["fleet", "--worker", "::1:50051"], "an IPv6 address goes in brackets, as in [::1]:50051"),
         (["fleet", "--worker", "localhost"], "--worker: expected HOST:PORT, got 'localhost'"),
         (["fleet", *WORKER, "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
         (["fleet", *WORKER, "--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must"),
@@ -74,6 +76,10 @@ def test_values_in_range_parse_as_before() -> None:
     assert parse_args(["serve", "--log-level", "warn"]).log_level == "WARN"  # logging's alias
     args = parse_args(["fleet", "--worker", "[::1]:50051", "--port", "65535"])
     assert (args.worker, args.port) == (["[::1]:50051"], 65535)
+    # --host takes an IPv6 literal as is; the server binds it in brackets.
+    assert parse_args(["serve", "--host", "::1"]).host == "::1"
+    assert bind_address("::1", 50051) == "[::1]:50051"
+    assert bind_address("[::1]", 1) == "[::1]:1" and bind_address("0.0.0.0", 1) == "0.0.0.0:1"
 
 
 def test_a_config_file_value_is_checked_as_the_flag_and_named_by_its_section(

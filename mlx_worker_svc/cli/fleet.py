@@ -21,6 +21,7 @@ from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.flag_values import count, non_negative, seconds, target, within
 from mlx_worker_svc.core.flag_values import port as port_value
+from mlx_worker_svc.core.signals import Signals
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
@@ -115,9 +116,10 @@ async def _run_fleet(args: argparse.Namespace) -> int:
     if endpoint.port:
         print(f"mlx-worker fleet metrics on {args.metrics_host}:{endpoint.port}", flush=True)
     stop = asyncio.Event()
+    signals = Signals()
 
     def on_signal() -> None:  # the first drains; a second cuts the grace short
-        if stop.is_set():
+        if signals.arrived() == "again":
             fleet.hurry()
         stop.set()
 
@@ -162,9 +164,15 @@ async def _run_gateway(args: argparse.Namespace) -> int:
         print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
+    signals = Signals()
+
+    def on_signal() -> None:  # the first drains; a second cuts the grace short
+        if signals.arrived() != "same":
+            server.stop()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, server.stop)
+        loop.add_signal_handler(signum, on_signal)
     await server.wait()
     return 0
 

@@ -36,6 +36,7 @@ from mlx_worker_svc.core.flag_values import bind_address
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
 from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.core.reports import WorkerState
+from mlx_worker_svc.core.signals import Signals
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -263,8 +264,13 @@ class WorkerServer:
         """SIGTERM and SIGINT start the same drain as the Shutdown RPC; a second one
         during the drain cuts its grace period short (`cut_drain`)."""
 
+        signals = Signals()
+
         def handle(signum: int, _frame: object) -> None:
-            if self._draining:
+            seen = signals.arrived()
+            if seen == "same":  # one signal delivered twice
+                return
+            if self._draining and seen == "again":
                 log.info("signal %d again", signum)
                 self.cut_drain()
                 return

@@ -71,7 +71,7 @@ def server_security_from_args(args: argparse.Namespace) -> SecurityConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
-        tokens=load_tokens(args.token_file, env_var=args.token_env),
+        tokens=load_tokens(args.token_file, env_var=args.token_env, flag=args.token_flag),
         allow_health_without_token=args.allow_health_without_token,
         insecure=args.insecure,
     )
@@ -116,7 +116,9 @@ def worker_client_from_args(
             ) from exc
         except ValueError as exc:
             raise SecurityError(str(exc)) from exc
-    tokens = load_tokens(args.worker_token_file, env_var=MLX_WORKER_CLIENT_TOKEN)
+    tokens = load_tokens(
+        args.worker_token_file, env_var=MLX_WORKER_CLIENT_TOKEN, flag="--worker-token-file"
+    )
     token = tokens[0] if tokens else None
     remote = [w for w in args.worker if not is_loopback(w.rpartition(":")[0])]
     if token and credentials is None and remote:

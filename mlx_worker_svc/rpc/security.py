@@ -170,11 +170,13 @@ def load_tokens(
     *,
     env_var: str | None = None,
     environ: Mapping[str, str] | None = None,
+    flag: str = "the token file",
 ) -> tuple[str, ...]:
     """Tokens from `path` (one a line; blank lines and `#` comments ignored) and `env_var`.
 
     A file that holds no token is an error (it would silently turn the check
     off); an unset or empty variable adds nothing. Duplicates are dropped.
+    `flag` names the file in errors (the command's flag).
     """
     tokens: list[str] = []
     if path is not None:
@@ -182,11 +184,11 @@ def load_tokens(
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise SecurityError(f"cannot read the token file {path}: {reason}") from exc
+            raise SecurityError(f"cannot read {flag} {path}: {reason}") from exc
         lines = [line.strip() for line in text.splitlines()]
         found = [line for line in lines if line and not line.startswith("#")]
         if not found:
-            raise SecurityError(f"the token file {path} holds no token")
+            raise SecurityError(f"{flag} {path} holds no token")
         tokens += found
     if env_var is not None:
         value = (os.environ if environ is None else environ).get(env_var, "").strip()

@@ -195,3 +195,18 @@ def test_cli_token_from_the_environment_and_the_probe_flag(tmp_path: Path) -> No
     finally:
         assert serve.stop() == 0, "".join(serve.lines)
     assert "tokens travel in clear" in "".join(serve.lines)
+
+
+def test_a_token_file_that_cannot_work_is_named_by_its_flag(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_text("# nothing yet\n")
+    worker = ["--worker", "127.0.0.1:1", "--port", "0"]
+    for command, flag, path, says in (
+        ("gateway", "--api-key-file", tmp_path / "empty", "holds no token"),
+        ("fleet", "--worker-token-file", tmp_path / "missing", "cannot read"),
+        ("serve", "--token-file", tmp_path / "empty", "holds no token"),
+    ):
+        args = ["--port", "0"] if command == "serve" else worker
+        done = _cli(command, *args, flag, str(path))
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert f"{flag} {path}" in line and says in line, line

@@ -148,21 +148,31 @@ def check_bind(
 ) -> None:
     """Raises `UnsafeBind` for a non-loopback host without TLS or a token, unless insecure.
 
-    `token_hint` names the flag that gives tokens, for the message.
+    `token_hint` names the flag that gives tokens, for the message. A warning
+    is logged once a process, though the command line and the server both check.
     """
     if is_loopback(host):
         return
     if config.tls or config.tokens:
         if not config.tls:
-            log.warning("listening on %s with a token but no TLS: tokens travel in clear", host)
+            _warn_once(f"listening on {host} with a token but no TLS: tokens travel in clear")
         return
     if config.insecure:
-        log.warning("listening on %s without TLS or a token (--insecure)", host)
+        _warn_once(f"listening on {host} without TLS or a token (--insecure)")
         return
     raise UnsafeBind(
         f"refusing to listen on {host} without TLS or a token: give --tls-cert and "
         f"--tls-key, or {token_hint}, or pass --insecure"
     )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def load_tokens(

@@ -215,7 +215,12 @@ class ModelRunner:
     # ------------------------------------------------------------- mutation
     def _new_sequence(self, new: NewSequence) -> Sequence:
         params, prompt = new.params, new.prompt
-        sampler = RequestSampler(params, eos_ids=self.eos_ids, vocab_size=self.limits.vocab_size)
+        sampler = RequestSampler(
+            params,
+            eos_ids=self.eos_ids,
+            vocab_size=self.limits.vocab_size,
+            sampled_before=new.generated,
+        )
         limit = self.limits.max_context
         seq = Sequence.start(
             new.key, prompt, params, sampler, max_context=limit, adapter=new.adapter

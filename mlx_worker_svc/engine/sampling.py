@@ -28,10 +28,24 @@ from mlx_worker_svc.core.domain import SamplingParams, TokenLogprobs
 class RequestSampler:
     """Turns one request's logits row into its next token."""
 
-    def __init__(self, params: SamplingParams, *, eos_ids: frozenset[int], vocab_size: int):
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+        sampled_before: int = 0,
+    ):
+        """`sampled_before`: tokens a continued request sampled elsewhere
+        (NewRequest.num_generated_tokens); a seeded key goes on from there."""
         self.params = params
         self.vocab_size = vocab_size
         self._key = mx.random.key(params.seed) if params.seed is not None else None
+        if self._key is not None and not params.greedy:
+            for n in range(sampled_before):  # one split a token, as `choose` takes
+                self._key = mx.random.split(self._key)[0]
+                if n % 256 == 255:
+                    mx.eval(self._key)
         self.stops = params.stop_ids(eos_ids)
         self._min_tokens_mask = (
             mx.array(sorted(self.stops), dtype=mx.uint32)

@@ -83,6 +83,40 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_stub: 
     assert _tokens(_run(tiny_stub, [PROMPTS[0]], [other_seed])[0]) != alone
 
 
+def _continued(
+    stub: Stub, prompt: list[int], before: list[int], params: pb.SamplingParams
+) -> list[int]:
+    """What a request continued elsewhere samples: prompt + its tokens so far, the
+    latter named as output (NewRequest.num_generated_tokens), as the fleet fails over."""
+    epoch, whole = _epoch(stub), prompt + before
+    new = pb.NewRequest(req_id="cont", prompt_token_ids=whole, num_generated_tokens=len(before))
+    new.sampling_params.CopyFrom(params)
+    step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+    step.num_scheduled_tokens["cont"] = len(whole)
+    out = stub.Execute(step).outputs[0]
+    tokens = list(out.sampled_token_ids)
+    while not out.finish_reason:
+        cached = pb.CachedRequest(req_id="cont", num_computed_tokens=len(whole) + len(tokens) - 1)
+        step = pb.ExecuteRequest(worker_epoch=epoch, cached_requests=[cached])
+        step.num_scheduled_tokens["cont"] = 1
+        out = stub.Execute(step).outputs[0]
+        tokens += out.sampled_token_ids
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["cont"]))
+    return tokens
+
+
+def test_a_seeded_request_continued_elsewhere_goes_on_with_its_seed(tiny_stub: Stub) -> None:
+    """The same seed gives the same tokens also when the request is continued from its
+    output so far (a failover): the key goes on from the tokens sampled before."""
+    seeded = pb.SamplingParams(temperature=1.0, seed=77, max_tokens=24, ignore_eos=True)
+    alone = _tokens(_run(tiny_stub, [PROMPTS[1]], [seeded])[0])
+    for cut in (1, 9):
+        rest = pb.SamplingParams()
+        rest.CopyFrom(seeded)
+        rest.max_tokens = 24 - cut
+        assert _continued(tiny_stub, PROMPTS[1], alone[:cut], rest) == alone[cut:], cut
+
+
 def test_every_step_logprobs_match_a_single_sequence_reference(
     tiny_stub: Stub, model: object
 ) -> None:

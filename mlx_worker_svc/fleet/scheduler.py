@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -49,6 +50,7 @@ from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.residency import Residency
 from mlx_worker_svc.fleet.routing import Router
+from mlx_worker_svc.fleet.step_outcome import worker_lost
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -241,7 +243,7 @@ class FleetScheduler:
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
                     check_size(ask, link.max_message)
-                    prompt = list((await link.client.tokenize(ask)).token_ids)
+                    prompt = list((await self._text_call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
                 check_fits(prompt, params, reserve_max_tokens, **fits)
                 r = FleetRequest(
@@ -309,15 +311,42 @@ class FleetScheduler:
 
     async def tokenize(self, request: pb.TokenizeRequest, model: str = "") -> pb.TokenizeResponse:
         """Tokenize on the least-loaded worker of `model` that is up ("": the only model)."""
-        link = await self._some_link(await self._resolve(model))
-        return await link.client.tokenize(request)
+        answer: pb.TokenizeResponse = await self._text_call(
+            await self._resolve(model), "tokenize", request, want=True
+        )
+        return answer
 
     async def detokenize(
         self, request: pb.DetokenizeRequest, model: str = ""
     ) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker of `model` that is up ("": the only model)."""
-        link = await self._some_link(await self._resolve(model))
-        return await link.client.detokenize(request)
+        answer: pb.DetokenizeResponse = await self._text_call(
+            await self._resolve(model), "detokenize", request, want=True
+        )
+        return answer
+
+    async def _text_call(self, model: str, method: str, request: Any, want: bool = False) -> Any:
+        """Tokenize or Detokenize on the least-loaded worker of `model` that is up. A
+        worker that turns out not to serve (draining, asleep, gone, or no answer within
+        the hang budget) is passed over for the next; when every one failed so,
+        NoWorkers (UNAVAILABLE) with the last cause."""
+        budget = max(self.config.link.detection_seconds, 10.0)
+        tried: set[WorkerLink] = set()
+        last: ClientError | None = None
+        while True:
+            await self._some_link(model, want=want)
+            fresh = [link for link in self._up(model) if link not in tried]
+            if not fresh:
+                raise NoWorkers(f"no worker of the fleet could answer: {last}")
+            link = min(fresh, key=lambda candidate: candidate.load)
+            try:
+                return await getattr(link.client, method)(request, timeout=budget)
+            except ClientError as exc:
+                if not worker_lost(exc):
+                    raise
+                log.info("%s on %s failed (%s): trying another worker", method, link.target, exc)
+                tried.add(link)
+                last = exc
 
     async def _some_link(self, model: str, *, want: bool = True) -> WorkerLink:
         """The least-loaded worker up with `model`; waits for one (loading it on demand,

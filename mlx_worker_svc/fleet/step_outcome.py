@@ -42,8 +42,10 @@ class Queues:
 
 
 def worker_lost(exc: ClientError) -> bool:
-    """The worker is down, or answers for another epoch (it restarted)."""
-    stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in exc.details
+    """The worker is down, answers for another epoch (it restarted), or is in a state
+    that takes no requests (put to sleep by another client: "the worker is SLEEPING")."""
+    refused = exc.code == grpc.StatusCode.FAILED_PRECONDITION
+    stale = refused and ("epoch" in exc.details or "the worker is " in exc.details)
     return exc.code in WORKER_DOWN or stale
 
 

@@ -167,3 +167,40 @@ def test_killing_a_worker_mid_generation_loses_no_request(
     assert all(w.up for w in status.workers if w.target != victim)
     assert status.num_finished == count
     assert sum(w.num_finished for w in status.workers) == count
+
+
+def test_a_worker_another_client_puts_to_sleep_loses_no_request(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """A Sleep from outside aborts the worker's requests: they continue on the other
+    worker token for token, new ones (text prompts, tokenized on a worker) pass the
+    sleeping worker over, and the fleet wakes it and takes it back."""
+    count, max_tokens = 4, 96
+    prompts = distinct_prompts(count, 8, seed=12)
+    expected = reference_tokens(
+        pool.model, prompts, max_tokens, greedy(max_tokens, ignore_eos=True)
+    )
+    fleet = start_fleet(pool.targets[:2], "--routing", "least-loaded")
+    victim = pool.targets[0]
+    streams = [Stream(fleet.stub, token_request(p, max_tokens)) for p in prompts]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first_token.wait(timeout=120), "a stream produced no token"
+    assert fleet.worker(victim).num_running > 0
+    with grpc.insecure_channel(victim) as channel:
+        pb_grpc.WorkerServiceStub(channel).Sleep(pb.SleepRequest(level=1), timeout=60)
+    texts = [
+        Stream(fleet.stub, pb.GenerateRequest(prompt=f"Count to {i}", sampling_params=greedy(4)))
+        for i in range(4)
+    ]
+    for stream in texts:
+        stream.start()
+    for stream in [*streams, *texts]:
+        stream.join(timeout=STREAM_TIMEOUT + 30)
+        assert not stream.is_alive(), "a Generate stream never ended"
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.error is None, stream.error
+        assert stream.tokens == want
+    assert [(s.error, len(s.tokens)) for s in texts] == [(None, 4)] * 4
+    fleet.wait(lambda s: by_target(s)[victim].up, "the slept worker woken and back", 90)

@@ -322,3 +322,48 @@ def test_a_worker_found_asleep_is_woken_and_serves(
             pb.WORKER_STATE_READY,
             pb.WORKER_STATE_SERVING,
         )
+
+
+def test_a_text_call_passes_over_a_worker_that_does_not_serve() -> None:
+    """Tokenize (a text prompt's admission, /v1/messages) on a worker that turns out to
+    be asleep, draining or gone goes to the next worker up; when none answers, the
+    caller gets NoWorkers (UNAVAILABLE) with the cause, not the worker's own refusal."""
+    from mlx_worker_svc.client.worker import ClientError
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+    from mlx_worker_svc.fleet.errors import NoWorkers
+
+    asleep = ClientError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "the worker is SLEEPING at level 1: call WakeUp first",
+        "Tokenize",
+    )
+    draining = ClientError(
+        grpc.StatusCode.UNAVAILABLE, "Tokenize: the worker is DRAINING", "Tokenize"
+    )
+
+    class Client:
+        def __init__(self, error: ClientError | None) -> None:
+            self.error, self.calls = error, 0
+
+        async def tokenize(self, request: pb.TokenizeRequest, timeout: float) -> Any:
+            self.calls += 1
+            if self.error is not None:
+                raise self.error
+            return pb.TokenizeResponse(token_ids=[1, 2])
+
+    async def main() -> tuple[list[int], list[int], str]:
+        fleet = FleetScheduler(["127.0.0.1:9", "127.0.0.1:10"], FleetConfig())  # not started
+        first, second = fleet.links
+        for link, error in ((first, asleep), (second, None)):
+            link.up, link.model_name = True, "m"
+            link.client = Client(error)  # type: ignore[assignment]
+        answer = await fleet.tokenize(pb.TokenizeRequest(text="hi"), "m")
+        second.client = Client(draining)  # type: ignore[assignment]
+        with pytest.raises(NoWorkers) as none:
+            await fleet.tokenize(pb.TokenizeRequest(text="hi"), "m")
+        calls = [link.client.calls for link in fleet.links]  # type: ignore[attr-defined]
+        return list(answer.token_ids), calls, str(none.value)
+
+    tokens, calls, message = asyncio.run(main())
+    assert tokens == [1, 2] and calls == [2, 1]
+    assert message.startswith("no worker of the fleet could answer: ") and "DRAINING" in message

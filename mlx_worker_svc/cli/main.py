@@ -76,7 +76,7 @@ class _Parser(argparse.ArgumentParser):
     every other refusal of the command line; --help has the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

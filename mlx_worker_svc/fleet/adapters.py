@@ -76,6 +76,10 @@ class AdapterPlacement:
     ) -> None:
         self.configured = dict(configured or {})
         self.bases = dict(bases or {})  # adapter -> its model, where configured
+        # A worker's own adapters (ListLoras) the fleet removed to make room: their
+        # paths, to load them again.
+        self.seen: dict[str, str] = {}
+        self._waits_logged: set[tuple[str, str]] = set()  # (worker, adapter): pinned full
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # (worker, adapter)
         self._locks: dict[str, asyncio.Lock] = {}  # per worker: one load at a time
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
@@ -97,7 +101,11 @@ class AdapterPlacement:
     def known(self, links: list[WorkerLink]) -> list[str]:
         """Every adapter a worker holds or the fleet may load, by name."""
         held = {name for link in links for name in link.adapters}
-        return sorted(held | set(self.configured))
+        return sorted(held | set(self.configured) | set(self.seen))
+
+    def path_of(self, name: str) -> str | None:
+        """Where the fleet may load adapter `name` from: configured, or seen on a worker."""
+        return self.configured.get(name) or self.seen.get(name)
 
     @staticmethod
     def holders(up: list[WorkerLink], name: str) -> list[WorkerLink]:
@@ -108,7 +116,7 @@ class AdapterPlacement:
         """Makes some worker of `up` hold adapter `name` (loading it there if need be)."""
         if not name or not up or self.holders(up, name):
             return
-        path = self.configured.get(name)
+        path = self.path_of(name)
         if path is None:
             raise AdapterNotFound(name, self.known(up))
         link = min(up, key=lambda candidate: candidate.load)
@@ -123,7 +131,7 @@ class AdapterPlacement:
         async with self._locks.setdefault(link.target, asyncio.Lock()):
             listing = await link.client.list_loras(pb.ListLorasRequest())
             link.adapters = set(listing.names)  # what it holds now (RemoveLora from outside)
-            if name in link.adapters or not await self._make_room(link, listing):
+            if name in link.adapters or not await self._make_room(link, listing, name):
                 return
             log.info("loading adapter %s on %s", name, link.target)
             try:
@@ -140,7 +148,9 @@ class AdapterPlacement:
             if added.kv.num_blocks:  # the budget the adapters left (AddLoraResponse.kv)
                 link.num_blocks = added.kv.num_blocks
 
-    async def _make_room(self, link: WorkerLink, listing: pb.ListLorasResponse) -> bool:
+    async def _make_room(
+        self, link: WorkerLink, listing: pb.ListLorasResponse, wanted: str
+    ) -> bool:
         """Frees an adapter slot on a worker whose --max-loras are all taken: removes an
         adapter no request routed there needs, neither pinned nor in use (one the fleet
         can load again first); False when there is none (the load waits)."""
@@ -153,9 +163,21 @@ class AdapterPlacement:
             if a.name not in needed and not a.pinned and not a.num_requests
         )
         if not spare:
+            pinned = all(a.pinned for a in listing.adapters)
+            if pinned and (link.target, wanted) not in self._waits_logged:
+                self._waits_logged.add((link.target, wanted))
+                log.warning(
+                    "adapter %s waits: every --max-loras slot of %s holds a pinned adapter "
+                    "(PinLora unpin=true frees one)",
+                    wanted,
+                    link.target,
+                )
             log.debug("no adapter slot free on %s: every one is needed", link.target)
             return False
+        self._waits_logged.discard((link.target, wanted))
         _, name = spare[0]
+        path = next(a.path for a in listing.adapters if a.name == name)
+        self.seen.setdefault(name, path)  # a worker's own: loaded again when asked for
         link.adapters.discard(name)  # no request is routed to it from now
         try:
             await link.client.remove_lora(pb.RemoveLoraRequest(name=name))
@@ -176,7 +198,7 @@ class AdapterPlacement:
         """For requests that no worker of `up` can run now (their holder was lost, or
         had no room): loads the adapter in the background when the fleet has its path,
         then `on_loaded(link)`; a load the worker refuses: `on_failed(name, error)`."""
-        if not name or not up or name not in self.configured:
+        if not name or not up or self.path_of(name) is None:
             return
 
         async def load() -> None:

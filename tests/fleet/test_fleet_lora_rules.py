@@ -195,3 +195,44 @@ def test_an_adapter_the_worker_refuses_fails_as_the_fleets_not_the_callers(
     assert details_of(info.value).startswith("lora_name: adapter 'gone' (fleet --lora-modules, ")
     assert f"does not load on worker {target}: INVALID_ARGUMENT: " in details_of(info.value)
     assert tokens_of(fleet_.generate(ask(prompt, "", "")))  # the worker serves on
+
+
+def test_an_adapter_no_one_has_is_not_found_without_a_model(two_models: Fleet) -> None:
+    """Not "name a model": the adapter is what is missing."""
+    [prompt] = distinct_prompts(1, 10, seed=10)
+    with pytest.raises(grpc.RpcError) as info:
+        two_models.generate(ask(prompt, "", "nope"))
+    assert code_of(info.value) == grpc.StatusCode.NOT_FOUND
+    assert "lora_name: no worker of the fleet holds adapter 'nope'" in details_of(info.value)
+
+
+def test_a_workers_own_adapter_removed_for_room_is_loaded_again(tree: dict[str, Path]) -> None:
+    """The worker's own `w` (serve --lora-modules) makes room for the fleet's `x` on its
+    one slot; asked for later, `w` comes back from the path the worker reported. A slot
+    pinned by another client makes a load wait, and the fleet says why."""
+    proc, target = worker(
+        "--model", str(tree["a"]), "--auto-init", "--max-loras", "1",
+        "--lora-modules", f"w={tree['own']}",
+    )  # fmt: skip
+    started = None
+    try:
+        started = fleet([target], "--lora-modules", f"x={tree['x']}")
+        prompts = distinct_prompts(3, 10, seed=11)
+        [want_x] = reference(tree["a"], tree["x"], prompts[:1])
+        [want_w] = reference(tree["a"], tree["own"], prompts[1:2])
+        assert tokens_of(started.generate(ask(prompts[0], "", "x"))) == want_x
+        assert tokens_of(started.generate(ask(prompts[1], "", "w"))) == want_w
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            stub.PinLora(pb.PinLoraRequest(name="w"))
+            with pytest.raises(grpc.RpcError) as waited:
+                started.stub.Generate(ask(prompts[2], "", "x"), timeout=5).next()
+            assert code_of(waited.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "adapter x waits: every --max-loras slot of" in started.proc.output
+            stub.PinLora(pb.PinLoraRequest(name="w", unpin=True))
+        assert tokens_of(started.generate(ask(prompts[0], "", "x"))) == want_x
+    finally:
+        if started is not None:
+            started.channel.close()
+            started.proc.reap()
+        proc.reap()

@@ -35,6 +35,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
     from mlx_worker_svc.cli.security_flags import worker_client_from_args
     from mlx_worker_svc.client.worker import ClientConfig
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
+    from mlx_worker_svc.fleet.models import model_dir_name
 
     adapters = [name for name, _, _ in args.lora_modules]
     models_named = [name for name, _ in args.models or []]
@@ -43,7 +44,8 @@ def _fleet_config(args: argparse.Namespace) -> Any:
             raise ValueError(problem)
     models = dict(args.models or [])
     # The gateway's model ids are both models' names and adapters'.
-    clash = sorted({*models, getattr(args, "served_model_name", None)} & set(adapters))
+    own = model_dir_name(args.model) if args.model else None  # --model's name
+    clash = sorted({*models, getattr(args, "served_model_name", None), own} & set(adapters))
     if clash:
         raise ValueError(
             f"--lora-modules {clash[0]}: a model of the fleet has that name too; name the "

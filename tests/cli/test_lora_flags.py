@@ -89,6 +89,11 @@ def test_a_fleet_of_several_models_needs_each_adapters_base_model(tmp_path: Path
             ['{"name": "b", "path": "/x", "base_model_name": "a"}'],
             "mlx-worker gateway: --lora-modules b: a model of the fleet has that name too",
         ),
+        (
+            "gateway",
+            ["m=/a", "--model", "/models/m"],
+            "mlx-worker gateway: --lora-modules m: a model of the fleet has that name too",
+        ),
     ],
 )
 def test_an_adapter_name_given_twice_or_taken_by_a_model_exits_2(

@@ -38,10 +38,9 @@ class ShuttingDown(FleetError, Unavailable):
 class ShutDown(FleetError, Aborted):
     """The fleet stopped before the request finished (its grace period ran out)."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            "the fleet shut down before the request finished (its --grace-seconds ran out)"
-        )
+    def __init__(self, *, cut: bool = False) -> None:
+        why = "a second stop signal cut the drain short" if cut else "its --grace-seconds ran out"
+        super().__init__(f"the fleet shut down before the request finished ({why})")
 
 
 class BadRequest(FleetError, InvalidArgument):

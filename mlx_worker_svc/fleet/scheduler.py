@@ -130,7 +130,7 @@ class FleetScheduler:
             if r.phase is not Phase.DONE:
                 self._cancel(r)
                 r.phase = Phase.DONE
-                r.outbox.put_nowait(ShutDown())
+                r.outbox.put_nowait(ShutDown(cut=self._hurry))
         while (self._live or self._admitting) and time.monotonic() < deadline + 5:  # they end
             await asyncio.sleep(0.01)
 
@@ -272,7 +272,7 @@ class FleetScheduler:
         finally:
             self._admitting -= 1
         if self._cut:
-            raise ShutDown()
+            raise ShutDown(cut=self._hurry)
         self._claim_id(r)
         self.metrics.prompt_tokens.inc(len(prompt))
         extra = {"req_id": clip(r.request_id), "model": model, "prompt_tokens": len(prompt)}
@@ -364,7 +364,7 @@ class FleetScheduler:
         with self.residency.wanting(model) if want else contextlib.nullcontext():
             while not self._up(model):
                 if self._cut:
-                    raise ShutDown()
+                    raise ShutDown(cut=self._hurry)
                 self._place()
                 failed = self.residency.failed_since(model, began)
                 if failed is not None:

@@ -504,4 +504,5 @@ def test_a_second_stop_cuts_the_gateways_drain_short() -> None:
 
     status, message, took = asyncio.run(run())
     assert status == 503 and "the fleet shut down before the request finished" in message
+    assert "(a second stop signal cut the drain short)" in message
     assert took < 20  # not the 120 s grace, nor the 30 s wait for a worker

@@ -305,6 +305,18 @@ def test_a_live_request_under_a_finished_id_is_scheduled(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def _failed_to_create(stream: ExecuteStreamCall, step: int) -> None:
+    """Step `step`, which was to create a request, fails INVALID_ARGUMENT; the next, sent
+    ahead for that request, NOT_FOUND naming the failed step."""
+    with pytest.raises(StepFailed) as refused:
+        raise_for_error(stream.receive())
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(StepFailed) as ahead:
+        raise_for_error(stream.receive())
+    assert ahead.value.code == grpc.StatusCode.NOT_FOUND
+    assert f"step {step} of this stream was to create it and failed" in ahead.value.message
+
+
 def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:
@@ -320,13 +332,7 @@ def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
         stream.send(_starting("dup", prompt, epoch, step_id=1))
         stream.send(_decoding(2, epoch, {"dup": 3}))  # ahead: counts on step 1's token
         stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, finished_req_ids=["dup"]))
-        with pytest.raises(StepFailed) as first:
-            raise_for_error(stream.receive())
-        assert first.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(StepFailed) as ahead:
-            raise_for_error(stream.receive())
-        assert ahead.value.code == grpc.StatusCode.NOT_FOUND
-        assert "step 1 of this stream was to create it and failed" in ahead.value.message
+        _failed_to_create(stream, 1)
         raise_for_error(stream.receive())  # the finish of a request it never had
         stream.close()
     [out] = stub.Execute(_decoding(4, epoch, {"dup": 3})).outputs  # theirs, untouched
@@ -360,13 +366,7 @@ def test_a_request_refused_for_its_sampling_params_counts_as_never_created(
         leaving.finished_req_ids.append("a")  # the scheduler drops it, decodes b
         stream.send(leaving)
         raise_for_error(stream.receive())
-        with pytest.raises(StepFailed) as refused:
-            raise_for_error(stream.receive())
-        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(StepFailed) as ahead:
-            raise_for_error(stream.receive())
-        assert ahead.value.code == grpc.StatusCode.NOT_FOUND
-        assert "step 2 of this stream was to create it and failed" in ahead.value.message
+        _failed_to_create(stream, 2)
         [out] = raise_for_error(stream.receive()).outputs
         assert (out.req_id, out.num_computed_tokens) == ("b", 4)
         stream.close()

@@ -25,7 +25,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 
@@ -50,7 +49,7 @@ from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.residency import Residency
 from mlx_worker_svc.fleet.routing import Router
-from mlx_worker_svc.fleet.step_outcome import worker_lost
+from mlx_worker_svc.fleet.text_calls import TextCalls
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -98,6 +97,11 @@ class FleetScheduler:
         self.residency = Residency(self.catalog, self.links, self.metrics)
         self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
         self._up = self.residency.up
+        self.text = TextCalls(
+            lambda model, want: self._some_link(model, want=want),
+            self._up,
+            self.config.link.detection_seconds,
+        )
 
     # --------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -251,7 +255,7 @@ class FleetScheduler:
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
                     check_size(ask, link.max_message)
-                    prompt = list((await self._text_call(model, "tokenize", ask)).token_ids)
+                    prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
                 check_fits(prompt, params, reserve_max_tokens, **fits)
                 r = FleetRequest(
@@ -319,7 +323,7 @@ class FleetScheduler:
 
     async def tokenize(self, request: pb.TokenizeRequest, model: str = "") -> pb.TokenizeResponse:
         """Tokenize on the least-loaded worker of `model` that is up ("": the only model)."""
-        answer: pb.TokenizeResponse = await self._text_call(
+        answer: pb.TokenizeResponse = await self.text.call(
             await self._resolve(model), "tokenize", request, want=True
         )
         return answer
@@ -328,33 +332,10 @@ class FleetScheduler:
         self, request: pb.DetokenizeRequest, model: str = ""
     ) -> pb.DetokenizeResponse:
         """Detokenize on the least-loaded worker of `model` that is up ("": the only model)."""
-        answer: pb.DetokenizeResponse = await self._text_call(
+        answer: pb.DetokenizeResponse = await self.text.call(
             await self._resolve(model), "detokenize", request, want=True
         )
         return answer
-
-    async def _text_call(self, model: str, method: str, request: Any, want: bool = False) -> Any:
-        """Tokenize or Detokenize on the least-loaded worker of `model` that is up. A
-        worker that turns out not to serve (draining, asleep, gone, or no answer within
-        the hang budget) is passed over for the next; when every one failed so,
-        NoWorkers (UNAVAILABLE) with the last cause."""
-        budget = max(self.config.link.detection_seconds, 10.0)
-        tried: set[WorkerLink] = set()
-        last: ClientError | None = None
-        while True:
-            await self._some_link(model, want=want)
-            fresh = [link for link in self._up(model) if link not in tried]
-            if not fresh:
-                raise NoWorkers(f"no worker of the fleet could answer: {last}")
-            link = min(fresh, key=lambda candidate: candidate.load)
-            try:
-                return await getattr(link.client, method)(request, timeout=budget)
-            except ClientError as exc:
-                if not worker_lost(exc):
-                    raise
-                log.info("%s on %s failed (%s): trying another worker", method, link.target, exc)
-                tried.add(link)
-                last = exc
 
     async def _some_link(self, model: str, *, want: bool = True) -> WorkerLink:
         """The least-loaded worker up with `model`; waits for one (loading it on demand,

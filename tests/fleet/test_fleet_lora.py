@@ -228,9 +228,10 @@ def test_the_gateway_serves_adapters_as_models(
 def test_an_adapter_the_worker_evicts_is_no_longer_routed_there(
     fleet_model: Path, adapters: dict[str, Path]
 ) -> None:
-    """A worker of --max-loras 1 evicts its adapter for the one the fleet loads: the fleet
-    drops the evicted one from the worker's list (AddLoraResponse.evicted) and takes the KV
-    budget the load left (AddLoraResponse.kv)."""
+    """A worker of --max-loras 1 gives up its own adapter for the one the fleet loads: the
+    fleet drops it from the worker's list and takes the KV budget the load left
+    (AddLoraResponse.kv); asked for again, the worker's own comes back from the path the
+    worker reported, in place of the fleet's."""
     flags = [
         "--max-loras",
         "1",
@@ -260,11 +261,12 @@ def test_an_adapter_the_worker_evicts_is_no_longer_routed_there(
             with grpc.insecure_channel(target) as channel:
                 health = pb_grpc.WorkerServiceStub(channel).CheckHealth(pb.CheckHealthRequest())
             assert status.kv.num_blocks == health.kv.num_blocks
-            request.lora_name = "held"  # evicted, and the fleet has no path for it
-            with pytest.raises(grpc.RpcError) as info:
-                fleet.generate(request)
-            assert code_of(info.value) == grpc.StatusCode.NOT_FOUND
-            assert "no worker of the fleet holds adapter 'held'" in details_of(info.value)
+            request.lora_name = "held"  # removed for room; its path is the worker's
+            assert (
+                tokens_of(fleet.generate(request))
+                == reference(fleet_model, adapters["held"], [prompt])[0]
+            )
+            assert list(fleet.worker(target).lora_adapters) == ["held"]
         finally:
             next(started, None)  # the fleet stops
     finally:

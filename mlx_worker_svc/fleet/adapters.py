@@ -92,6 +92,16 @@ class AdapterPlacement:
             for name in link.adapters:
                 self.bases.setdefault(name, link.model_name)
 
+    def model_of(self, name: str, links: list[WorkerLink]) -> str:
+        """The model a request naming adapter `name` and no model runs on: its base
+        ("" when not known). AdapterNotFound for an adapter no worker holds and the
+        fleet may not load, once every worker was reached (one not heard from yet
+        may report it)."""
+        known = self.known(links)
+        if name and name not in known and all(link.reached for link in links):
+            raise AdapterNotFound(name, known)
+        return self.bases.get(name, "")
+
     def check(self, name: str, model: str) -> None:
         """Raises AdapterOfAnotherModel when adapter `name` runs on another model."""
         base = self.bases.get(name, "")

@@ -31,7 +31,7 @@ import grpc
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.fleet.adapters import AdapterNotFound, AdapterPlacement
+from mlx_worker_svc.fleet.adapters import AdapterPlacement
 from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_size
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
@@ -236,17 +236,8 @@ class FleetScheduler:
         params = request.sampling_params
         try:
             ask = check_forms(request)
-            # An adapter's model is the request's when it names none.
-            lora = request.lora_name
-            reached = all(link.reached for link in self.links)
-            if (
-                lora
-                and not request.model
-                and reached
-                and lora not in self.adapters.known(self.links)
-            ):
-                raise AdapterNotFound(lora, self.adapters.known(self.links))
-            model = await self._resolve(request.model or self.adapters.bases.get(lora, ""))
+            lora = request.lora_name  # its model is the request's when that names none
+            model = await self._resolve(request.model or self.adapters.model_of(lora, self.links))
             self.adapters.check(lora, model)
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed
@@ -441,7 +432,7 @@ class FleetScheduler:
                 too_long = now - since > self.config.no_worker_timeout
                 # One waiting for a worker of its model to have room for its adapter
                 # waits as long as its caller does; the load is tried again below.
-                loadable = bool(r.lora_name) and self.adapters.path_of(r.lora_name) is not None
+                loadable = self.adapters.path_of(r.lora_name) is not None  # never for ""
                 for_room = loadable and bool(self._up(r.model))
                 if for_room:
                     room.add((r.model, r.lora_name))

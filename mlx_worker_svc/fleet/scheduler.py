@@ -12,8 +12,9 @@ Workers may serve different models: a request names one
 (`GenerateRequest.model`, resolved against `ModelCatalog`, fleet/models.py)
 and is tokenized, routed, given prefix affinity and failed over among the
 workers of that model only. A configured model that no worker holds is loaded
-on demand (`models.plan_loads`): its requests wait in the queue meanwhile; one
-naming a LoRA adapter runs on a worker that holds it (fleet/adapters.py).
+on demand (`models.plan_loads`): its requests wait in the queue meanwhile
+(fleet/pending.py, which also fails those no worker will come for); one naming
+a LoRA adapter runs on a worker that holds it (fleet/adapters.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -46,6 +47,7 @@ from mlx_worker_svc.fleet.errors import (
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.models import ModelCatalog
+from mlx_worker_svc.fleet.pending import PendingRequests
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.residency import Residency
 from mlx_worker_svc.fleet.routing import Router
@@ -64,26 +66,36 @@ class FleetScheduler:
             raise ValueError("a fleet needs at least one worker")
         self.config = config or FleetConfig()
         self.catalog = ModelCatalog(self.config.models)
-        self.links = [
+        self.metrics = FleetMetrics()
+        self.links: list[WorkerLink] = []  # filled below, once `pending` exists
+        self.residency = Residency(self.catalog, self.links, self.metrics)
+        self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
+        self._up = self.residency.up
+        self.pending = PendingRequests(
+            self.residency,
+            self.adapters,
+            timeout=self.config.no_worker_timeout,
+            on_up=self._on_up,
+            why_down=self._why_down,
+        )
+        self.links.extend(
             WorkerLink(
                 t,
                 self.config.link,
                 on_lost=self._failover,
                 on_up=self._on_up,
                 emit=self._emit,
-                on_load_failed=self._load_failed,
+                on_load_failed=self.pending.load_failed,
                 catalog=self.catalog,
                 initial=self.catalog.initial(i),
             )
             for i, t in enumerate(dict.fromkeys(targets))
-        ]
-        self._pending: list[tuple[float, FleetRequest]] = []
+        )
         self._suffixes = itertools.count(1)
         self._where: dict[FleetRequest, WorkerLink] = {}
         busy = self.config.link.max_num_seqs  # a full batch: prefix affinity yields past it
         self._router = Router(self.config.routing, self.config.affinity_tokens, busy)
         self._tasks: list[asyncio.Task[None]] = []
-        self._any_up = asyncio.Event()
         self.num_finished = 0
         self.num_rejected = 0
         self.draining = False  # drain(): no new request is taken
@@ -93,10 +105,6 @@ class FleetScheduler:
         self._admitting = 0  # admitted requests whose prompt is being tokenized
         self._cut = False  # drain(): the grace ran out; requests still admitting end
         self._hurry = False  # hurry(): the grace period ends now
-        self.metrics = FleetMetrics()
-        self.residency = Residency(self.catalog, self.links, self.metrics)
-        self.adapters = AdapterPlacement(self.config.lora_modules, self.config.lora_bases)
-        self._up = self.residency.up
         self.text = TextCalls(
             lambda model, want: self._some_link(model, want=want),
             self._up,
@@ -107,7 +115,7 @@ class FleetScheduler:
     async def start(self) -> None:
         self.metrics.watch(self.status, asyncio.get_running_loop())
         self._tasks = [asyncio.create_task(link.run(), name=link.target) for link in self.links]
-        self._tasks.append(asyncio.create_task(self._watchdog(), name="fleet-watchdog"))
+        self._tasks.append(asyncio.create_task(self.pending.watch(), name="fleet-watchdog"))
 
     async def wait_ready(self, count: int = 1, timeout: float = 120.0) -> None:
         """Waits until `count` workers are up (raises TimeoutError)."""
@@ -162,8 +170,7 @@ class FleetScheduler:
             num_finished=self.num_finished,
             num_rejected=self.num_rejected,
             models=[
-                self.residency.status(name, sum(r.model == name for _, r in self._pending))
-                for name in self.models()
+                self.residency.status(name, self.pending.count(name)) for name in self.models()
             ],
         )
 
@@ -173,7 +180,7 @@ class FleetScheduler:
 
     def _queued(self) -> int:
         waiting = sum(len(link.waiting) for link in self.links)
-        return self._admitting + len(self._pending) + waiting
+        return self._admitting + len(self.pending) + waiting
 
     # ---------------------------------------------------------- generate
     async def generate(
@@ -337,7 +344,7 @@ class FleetScheduler:
             while not self._up(model):
                 if self._cut:
                     raise ShutDown(cut=self._hurry)
-                self._place()
+                self.pending.place()
                 failed = self.residency.failed_since(model, began)
                 if failed is not None:
                     raise LoadFailed(failed)
@@ -352,40 +359,11 @@ class FleetScheduler:
         causes = [f"{link.target}: {link.last_error}" for link in self.links if link.last_error]
         return f" ({'; '.join(causes)})" if causes else ""
 
-    # ------------------------------------------------------------ models
-    def _place(self) -> None:
-        """Starts the loads the residency policy asks for (fleet/models.py)."""
-        self.residency.place(r.model for _, r in self._pending)
-
-    def _load_failed(self, link: WorkerLink, model: str, exc: Exception) -> None:
-        """A load on demand failed: its requests fail, unless the worker only went away."""
-        why = self.residency.on_failed(link, model, exc)
-        if why is None:
-            return  # placed again on another worker
-        self._fail_pending(lambda r: r.model == model, LoadFailed(why))
-
-    def _adapter_failed(self, name: str, exc: Exception) -> None:
-        """A worker refused to load a configured adapter: the requests waiting for it fail."""
-        self._fail_pending(lambda r: r.lora_name == name, exc)
-
-    def _fail_pending(self, which: Callable[[FleetRequest], bool], exc: Exception) -> None:
-        keep = []
-        for since, r in self._pending:
-            if which(r):
-                r.phase = Phase.DONE
-                r.outbox.put_nowait(exc)
-            else:
-                keep.append((since, r))
-        self._pending = keep
-
     # ----------------------------------------------------------- routing
     def _route(self, r: FleetRequest, *, front: bool = False) -> None:
         up = self.adapters.holders(self._up(r.model), r.lora_name)
         if not up:
-            entry = (time.monotonic(), r)
-            self._pending.insert(0, entry) if front else self._pending.append(entry)
-            self._place()
-            self.adapters.place(self._up(r.model), r.lora_name, self._on_up, self._adapter_failed)
+            self.pending.put(r, front=front)
             return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
@@ -395,16 +373,14 @@ class FleetScheduler:
         link.assign(r, front=front)
 
     def _on_up(self, link: WorkerLink) -> None:
-        self._any_up.set()
         self.residency.on_up(link)
         self.adapters.learn(link)
-        waiting, self._pending = self._pending, []
-        for since, r in waiting:
-            if r.model in ("", link.model_name) and r.lora_name in {"", *link.adapters}:
-                self._route(r)
-            else:
-                self._pending.append((since, r))
-        self._place()
+        adapters = {"", *link.adapters}
+        for r in self.pending.take(
+            lambda r: r.model in ("", link.model_name) and r.lora_name in adapters
+        ):
+            self._route(r)
+        self.pending.place()
 
     def _failover(self, lost: list[FleetRequest]) -> None:
         for r in reversed(lost):
@@ -419,36 +395,7 @@ class FleetScheduler:
         link = self._where.get(r)
         if link is not None:
             link.cancel(r)
-        self._pending = [(t, p) for t, p in self._pending if p is not r]
-
-    async def _watchdog(self) -> None:
-        """Fails requests that waited too long for a worker; starts loads waited for."""
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            keep = []
-            room: set[tuple[str, str]] = set()  # (model, adapter) waiting for a slot
-            for since, r in self._pending:
-                too_long = now - since > self.config.no_worker_timeout
-                # One waiting for a worker of its model to have room for its adapter
-                # waits as long as its caller does; the load is tried again below.
-                loadable = self.adapters.path_of(r.lora_name) is not None  # never for ""
-                for_room = loadable and bool(self._up(r.model))
-                if for_room:
-                    room.add((r.model, r.lora_name))
-                if too_long and not for_room and not self.residency.may_load(r.model):
-                    r.phase = Phase.DONE
-                    whose = f" of model {r.model!r}" if r.model else ""
-                    why = self._why_down()
-                    r.outbox.put_nowait(
-                        NoWorkers(f"no worker{whose} of the fleet came up in time{why}")
-                    )
-                else:
-                    keep.append((since, r))
-            self._pending = keep
-            self._place()
-            for model, name in room:
-                self.adapters.place(self._up(model), name, self._on_up, self._adapter_failed)
+        self.pending.drop(r)
 
     # ------------------------------------------------------------ stream
     def _emit(self, link: WorkerLink, r: FleetRequest) -> bool:
@@ -462,7 +409,7 @@ class FleetScheduler:
             if stopped:  # the fleet ends it (the worker's finishes count there)
                 link.stats.num_finished += 1
             self.num_finished += 1
-            self._place()  # its worker may be idle now
+            self.pending.place()  # its worker may be idle now
             self._ended(
                 r.request_id,
                 r.model,

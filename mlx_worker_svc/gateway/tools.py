@@ -13,10 +13,13 @@ tool fields of earlier messages: an assistant's `tool_calls` (their JSON
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
+
+from jsonschema import Draft202012Validator, SchemaError, validators
 
 from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import invalid
@@ -157,6 +160,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list):
         raise invalid("tools", "expected an array of tools")
     out = []
+    names: dict[str, str] = {}
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -166,16 +170,22 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(function, dict):
             raise invalid(f"{where}.function", "expected an object")
         only_keys(function, ("name", "description", "parameters", "strict"), f"{where}.function")
-        check_function(function, f"{where}.function", "parameters")
+        check_function(function, f"{where}.function", "parameters", names)
         out.append(function)
     return tuple(out)
 
 
-def check_function(function: dict[str, Any], where: str, schema_field: str) -> None:
-    """Refuses a tool whose name or parameter schema (at `schema_field`) is not usable."""
+def check_function(
+    function: dict[str, Any], where: str, schema_field: str, names: dict[str, str]
+) -> None:
+    """Refuses a tool whose name (unique: `names`, those seen, and where) or parameter
+    schema (at `schema_field`) is not usable, whether or not the answer must call it."""
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise invalid(f"{where}.name", "expected a string of a-z, A-Z, 0-9, _ and -, at most 64")
+    if name in names:
+        raise invalid(f"{where}.name", f"tool names must be unique: {names[name]} is {name!r}")
+    names[name] = where
     parameters = function.get(schema_field)
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid(f"{where}.{schema_field}", "expected a JSON Schema object")
@@ -188,6 +198,28 @@ def check_function(function: dict[str, Any], where: str, schema_field: str) -> N
             f"a tool's arguments are a JSON object: the schema's type must be 'object', "
             f"got {json.dumps(kind)}",
         )
+    if parameters:
+        problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+        if problem is not None:
+            path, message = problem
+            raise invalid(".".join([f"{where}.{schema_field}", *path]), message)
+
+
+@functools.lru_cache(maxsize=1024)  # agents send the same tools with every call
+def _schema_problem(schema_json: str) -> tuple[tuple[str, ...], str] | None:
+    """Where and why a tool's schema is not JSON Schema (its `$schema`'s draft, else
+    2020-12, as Anthropic's API checks it); None when it is."""
+    schema = json.loads(schema_json)
+    if not isinstance(schema.get("$schema", ""), str):
+        return ("$schema",), "expected a string (the URI of a JSON Schema draft)"
+    validator = validators.validator_for(schema, default=Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except SchemaError as exc:
+        return tuple(
+            str(part) for part in exc.absolute_path
+        ), f"not valid JSON Schema: {exc.message}"
+    return None
 
 
 def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:

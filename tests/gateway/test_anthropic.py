@@ -442,6 +442,44 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         ({"system": [{"type": "text", "text": "s", "b": 1}]}, "system[0].b'"),
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "b": 1}]}, "tools[0].b'"),
         ({"tool_choice": {"type": "auto", "b": 1}}, "tool_choice.b'"),
+        # As Anthropic's API: tool names are unique, and every tool's schema is JSON Schema
+        # whether or not tool_choice makes the answer call it.
+        (
+            {"tools": [TOOLS[0], {**TOOLS[1], "name": "get_weather"}]},
+            "tools[1].name': tool names must be unique: tools[0] is 'get_weather'",
+        ),
+        (
+            {"tools": [{"name": "f", "input_schema": {"type": "object", "required": "a"}}]},
+            "tools[0].input_schema.required': not valid JSON Schema",
+        ),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object", "properties": 5}}],
+                "tool_choice": {"type": "none"},
+            },
+            "tools[0].input_schema.properties': not valid JSON Schema",
+        ),
+        # ...and the tool_use ids of one message are unique.
+        (
+            {
+                "tools": TOOLS,
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}},
+                            {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}},
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}],
+                    },
+                ],
+            },
+            "messages[1].content[1].id': `tool_use` ids must be unique: 't1' is repeated",
+        ),
         # A grammar cannot continue a prefill it does not know.
         (
             {

@@ -430,6 +430,37 @@ def test_a_tool_whose_arguments_are_no_object_is_a_400(gateway: Gateway, schema:
 
 
 @pytest.mark.parametrize(
+    ("tools", "param"),
+    [
+        # Not JSON Schema, whatever tool_choice says (the chat template shows it as it is).
+        ([{"type": "object", "properties": {"a": {"type": "nonsense"}}}], ".properties.a.type"),
+        ([{"type": "object", "properties": 5}], ".properties"),
+        ([{"type": "object", "required": "a"}], ".required"),
+        (
+            [{"type": "object", "properties": {"z": {"type": "string", "pattern": "("}}}],
+            ".properties.z.pattern",
+        ),
+        ([{"type": "object", "$schema": 5}], ".$schema"),
+        # Two tools of one name: which one a call meant would be a guess.
+        ([{"type": "object"}, {"type": "object"}], "tools[1].function.name"),
+    ],
+)
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_a_tool_that_is_not_usable_is_a_400_whether_or_not_it_is_called(
+    gateway: Gateway, tools: list[Any], param: str, choice: str | None
+) -> None:
+    offered = [
+        {"type": "function", "function": {"name": "f", "parameters": schema}} for schema in tools
+    ]
+    body = {"model": "model", "messages": ASK, "tools": offered, "max_tokens": 4}
+    response = gateway.http.post("/v1/chat/completions", json=body | {"tool_choice": choice})
+    error = response.json()["error"]
+    assert response.status_code == 400, response.text
+    where = param if param.startswith("tools") else f"tools[0].function.parameters{param}"
+    assert error["param"] == where, error
+
+
+@pytest.mark.parametrize(
     ("message", "param"),
     [
         ({"role": "tool", "content": "12:00"}, "messages[1].tool_call_id"),

@@ -338,6 +338,8 @@ def _tool_use(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[
         raise invalid(f"{where}.name", "expected a non-empty string")
     if not isinstance(arguments, dict):
         raise invalid(f"{where}.input", "expected an object")
+    if call_id in names:
+        raise invalid(f"{where}.id", f"`tool_use` ids must be unique: {call_id!r} is repeated")
     names[call_id] = name
     # OpenAI's shape, the arguments parsed, as chat templates read them (ChatMessage).
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -376,6 +378,7 @@ def _prefill(turn: dict[str, Any], where: str) -> str:
 
 def _tools(value: Any, choice: Any) -> ToolRequest:
     tools: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     if value is not None and not isinstance(value, list):
         raise invalid("tools", "expected an array of tools")
     for i, tool in enumerate(value or []):
@@ -388,7 +391,7 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         strict = tool.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid(f"{where}.strict", "expected a boolean")
-        check_function(tool, where, "input_schema")
+        check_function(tool, where, "input_schema", names)
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid(f"{where}.input_schema", "Field required (a JSON Schema object)")

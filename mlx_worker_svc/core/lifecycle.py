@@ -59,13 +59,17 @@ class DeviceArgs:
                 changed.append(f"{name} {shown[0]} (initialised with {shown[1]})")
         return ", ".join(changed)
 
-    def check(self, world_size: int, backend: str) -> None:
-        """Raises unless these args describe the worker as started."""
+    def check_rank(self) -> None:
+        """Raises InvalidArgument unless the ranks are 0 (a mistake in any state)."""
         if self.rank or self.local_rank:
             raise InvalidArgument(
                 f"InitDevice.rank is {self.rank} and local_rank {self.local_rank}: only rank 0 "
                 "of a worker group serves gRPC (the other ranks follow it), so both must be 0"
             )
+
+    def check(self, world_size: int, backend: str) -> None:
+        """Raises unless these args describe the worker as started."""
+        self.check_rank()
         if self.world_size not in (0, world_size):
             if world_size == 1:
                 raise FailedPrecondition(

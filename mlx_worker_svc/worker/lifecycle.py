@@ -30,6 +30,7 @@ from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, SleepReport, WakeR
 from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
+from mlx_worker_svc.engine.memory.device import auto_kind
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.worker.adapters import fit_budget, load_adapters, reload_adapters
 from mlx_worker_svc.worker.core import WorkerCore
@@ -75,19 +76,19 @@ class Lifecycle:
     # --------------------------------------------------------- lifecycle
     def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
         core = self.core
+        channel = core.replica.channel
+        args.check_rank()  # in any state, before anything
+        wanted = replace(args, world_size=args.world_size or channel.size)
 
         def job() -> DeviceInfo:
             core.require("InitDevice", S.NEW)
-            channel = core.replica.channel
-            wanted = replace(args, world_size=args.world_size or channel.size)
             device = core.replica.device
             if device is not None:
-                if wanted.kind is DeviceKind.AUTO:  # the default, filled in
-                    wanted = replace(wanted, kind=device.kind)
-                if core.device_args is not None and wanted != core.device_args:
+                asked = _kind_filled_in(wanted, device.kind)
+                if core.device_args is not None and asked != core.device_args:
                     raise FailedPrecondition(
                         "InitDevice: the device is already initialised, and this call asks "
-                        f"for {wanted.differences(core.device_args)}; repeat the first "
+                        f"for {asked.differences(core.device_args)}; repeat the first "
                         "call's arguments, or restart the worker to change them"
                     )
                 return device
@@ -97,7 +98,11 @@ class Lifecycle:
             core.set_state(S.DEVICE_READY)
             return device
 
-        return core.lifecycle.run("InitDevice", asdict(args), job, gave_up=gave_up)
+        # The defaults filled in (the group's size, the kind AUTO picks or picked): a
+        # repeat spelling them out is the same call, in progress as well as done.
+        held = core.replica.device
+        key = asdict(_kind_filled_in(wanted, held.kind if held is not None else auto_kind()))
+        return core.lifecycle.run("InitDevice", key, job, gave_up=gave_up)
 
     def load_model(
         self, spec: LoadSpec, *, gave_up: GaveUp = None
@@ -133,7 +138,10 @@ class Lifecycle:
             core.set_state(S.MODEL_LOADED)
             return loaded, core.epoch
 
-        return core.lifecycle.run("LoadModel", asdict(spec), job, gave_up=gave_up)
+        # A path written another way (or a revision, not read for a local directory)
+        # is the same call, in progress as well as done.
+        key = asdict(loader.canonical(spec))
+        return core.lifecycle.run("LoadModel", key, job, gave_up=gave_up)
 
     def determine_memory(
         self,
@@ -241,10 +249,12 @@ class Lifecycle:
                 core.set_state(S.READY)
             return config
 
+        # The defaults filled in: a repeat spelling them out is the same call.
+        profiled = core.memory
         args = {
             "num_blocks": num_blocks,
-            "block_size": block_size,
-            "enable_prefix_caching": prefix_caching,
+            "block_size": block_size or (profiled.block_size if profiled else 0),
+            "enable_prefix_caching": prefix_caching is not False,
             "memory_limit_bytes": memory_limit_bytes,
             "kv_bits": kv.bits,
             "kv_group_size": kv.group_size,
@@ -432,3 +442,8 @@ def _scheduled_running(core: WorkerCore) -> bool:
         return False
     seqs = list(runner.state.seqs.items())
     return any(key[0] is Origin.EXECUTE and not seq.preempted for key, seq in seqs)
+
+
+def _kind_filled_in(args: DeviceArgs, picked: DeviceKind) -> DeviceArgs:
+    """`args` with the kind AUTO stands for (`picked`) in its place."""
+    return replace(args, kind=picked) if args.kind is DeviceKind.AUTO else args

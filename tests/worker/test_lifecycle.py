@@ -219,9 +219,12 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
     device = stub.InitDevice(pb.InitDeviceRequest(world_size=1)).device
     assert (device.world_size, device.backend, list(device.ranks)) == (1, "", [])
     stub.InitDevice(pb.InitDeviceRequest())  # 0 and 1 both mean "one process"
-    code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=3)))
+    code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(world_size=2)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "asks for rank 3 (initialised with 0)" in message
+    assert "asks for world_size 2 (initialised with 1)" in message
+    # A rank past 0 is the caller's mistake in any state (worker.proto's InitDeviceRequest).
+    code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=3)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "only rank 0" in message
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from processes import Proc
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.lifecycle import PROFILE_TOKENS, default_profile_tokens
 from mlx_worker_svc.engine.group.replica import Replica
+from mlx_worker_svc.engine.memory.device import auto_kind
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import WorkerServer
@@ -38,11 +39,11 @@ class Held:
         self.go = threading.Event()
         original = getattr(Replica, name)
 
-        def held(replica: Replica, **options: Any) -> Any:
-            self.calls.append(options)
+        def held(replica: Replica, *args: Any, **options: Any) -> Any:
+            self.calls.append({"args": args, **options})
             self.started.set()
             assert self.go.wait(timeout=60), "the test never let the call go"
-            return original(replica, **options)
+            return original(replica, *args, **options)
 
         monkeypatch.setattr(Replica, name, held)
 
@@ -85,6 +86,74 @@ def test_a_repeated_call_joins_the_one_in_progress(
     assert profile.calls[0]["max_num_batched_tokens"] == 32
     assert answers[0] == answers[1] == answers[2]
     assert answers[0].state == pb.WORKER_STATE_MEMORY_PROFILED
+
+
+def _all_join(held: Held, first: Callable[[], Any], *repeats: Callable[[], Any]) -> list[Any]:
+    """Runs `first`, held on `held`, and `repeats` meanwhile: each must join its one run."""
+    with ThreadPoolExecutor(1 + len(repeats)) as pool:
+        running = pool.submit(first)
+        assert held.started.wait(timeout=30)
+        joined = [pool.submit(repeat) for repeat in repeats]
+        time.sleep(0.3)
+        assert not [j.exception() for j in joined if j.done()], "a repeat did not join"
+        held.go.set()
+        answers = [running.result(timeout=60)] + [j.result(timeout=60) for j in joined]
+    assert len(held.calls) == 1, held.calls
+    return answers
+
+
+def test_a_repeat_spelling_out_a_default_joins_the_call_in_progress(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """The proto's rule for every lifecycle call: the same arguments once defaults are
+    filled in (a path written another way, a revision a local directory does not read)."""
+    with live_server() as (_, stub):
+        init = Held(monkeypatch, "init_device")
+        picked = pb.DEVICE_KIND_GPU if auto_kind() is DeviceKind.GPU else pb.DEVICE_KIND_CPU
+        devices = _all_join(
+            init,
+            lambda: stub.InitDevice(pb.InitDeviceRequest()),
+            lambda: stub.InitDevice(pb.InitDeviceRequest(device=picked, world_size=1)),
+        )
+        assert devices[0] == devices[1]
+        load = Held(monkeypatch, "load")
+        models = _all_join(
+            load,
+            lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir))),
+            lambda: stub.LoadModel(pb.LoadModelRequest(model=f"{tiny_dir}/./")),
+            lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), revision="main")),
+        )
+        assert len({m.worker_epoch for m in models}) == 1
+        # Done as well as in progress: no reload, the same epoch.
+        again = stub.LoadModel(pb.LoadModelRequest(model=f"{tiny_dir}/", revision="v2"))
+        assert again.worker_epoch == models[0].worker_epoch
+        assert len(load.calls) == 1
+        block_size = stub.DetermineMemory(_profile()).block_size
+        runner = Held(monkeypatch, "new_runner")
+        caches = _all_join(
+            runner,
+            lambda: stub.InitCache(pb.InitCacheRequest(num_blocks=8)),
+            lambda: stub.InitCache(
+                pb.InitCacheRequest(num_blocks=8, block_size=block_size, enable_prefix_caching=True)
+            ),
+        )
+        assert caches[0] == caches[1]
+        assert caches[0].state == pb.WORKER_STATE_READY
+
+
+def test_an_init_device_asking_for_another_rank_is_invalid_in_any_state(
+    loaded: tuple[WorkerServer, pb_grpc.WorkerServiceStub],
+) -> None:
+    _, stub = loaded
+    for request, rank in (
+        (pb.InitDeviceRequest(rank=1), 1),
+        (pb.InitDeviceRequest(local_rank=1), 0),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.InitDevice(request)
+        assert code_of(refused.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"InitDevice.rank is {rank}" in details_of(refused.value)
+    assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_MODEL_LOADED
 
 
 def test_other_lifecycle_calls_meanwhile_are_refused_naming_the_call_in_progress(

@@ -49,6 +49,11 @@ def cuda_gpu_count() -> int:
     return int(mx.device_count(mx.gpu))
 
 
+def auto_kind() -> DeviceKind:
+    """The kind InitDevice picks when asked for none: the GPU where MLX has one."""
+    return DeviceKind.GPU if mx.is_available(mx.gpu) else DeviceKind.CPU
+
+
 def init_device(
     kind: DeviceKind, *, rank: int = 0, local_rank: int = 0, world_size: int = 1
 ) -> DeviceInfo:
@@ -59,9 +64,7 @@ def init_device(
             "InitDevice asked for a GPU but MLX has no GPU backend on this machine "
             "(install mlx with Metal on macOS or mlx[cuda13] on Linux, or ask for CPU)"
         )
-    chosen = kind
-    if kind is DeviceKind.AUTO:
-        chosen = DeviceKind.GPU if gpu_available else DeviceKind.CPU
+    chosen = auto_kind() if kind is DeviceKind.AUTO else kind
     mx.set_default_device(mx.gpu if chosen is DeviceKind.GPU else mx.cpu)
     try:
         info = dict(mx.device_info())

@@ -61,12 +61,17 @@ def local_path(model: str) -> str:
 
 
 def same_load(spec: LoadSpec, held: LoadSpec | None) -> bool:
-    """Whether `spec` asks for the model held: the same arguments, its path written
-    either way ("m", "./m/", its absolute path)."""
-    if held is None:
-        return False
-    paths = replace(spec, model=local_path(spec.model))
-    return spec == held or paths == replace(held, model=local_path(held.model))
+    """Whether `spec` asks for the model held: the same arguments once `canonical`."""
+    return held is not None and (spec == held or canonical(spec) == canonical(held))
+
+
+def canonical(spec: LoadSpec) -> LoadSpec:
+    """`spec` with a local path written one way ("m", "./m/" and its absolute path
+    are one) and, for a local directory, no revision (it has none to read)."""
+    model = local_path(spec.model)
+    if os.path.isabs(model) and os.path.exists(model):
+        return replace(spec, model=model, revision="")
+    return replace(spec, model=model)
 
 
 def _resolve(spec: LoadSpec) -> str:

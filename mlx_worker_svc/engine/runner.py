@@ -277,20 +277,26 @@ class ModelRunner:
         seq.num_computed = 0
         seq.preempted, seq.kv_lost = True, False
 
-    def _prefix_capacity(self) -> int:
+    def _prefix_capacity(self, leaving: RequestKey | None = None) -> int:
         """Blocks the prefix cache may hold now without crowding out requests.
 
         During a step, the requests' blocks at the end of the step are
-        reserved, so an insertion never takes room a later forward needs.
+        reserved, so an insertion never takes room a later forward needs. A
+        request `leaving` (finished or preempted) gives its blocks back first:
+        its own KV may fill them.
         """
-        requests = max(self.state.request_blocks(), self.state.reserved)
-        return max(self.state.budget.num_blocks - requests, 0)
+        state = self.state
+        if leaving is not None:
+            state.reserved.pop(leaving, None)
+        requests = max(state.request_blocks(leaving=leaving), sum(state.reserved.values()))
+        return max(state.budget.num_blocks - requests, 0)
 
     def _release_kv(self, seq: Sequence, keep: bool) -> None:
         """Drops a request's KV, giving its whole blocks to the prefix cache if `keep`."""
         state = self.state
         keep = keep and state.prefix is not None and not seq.kv_lost
-        keep = keep and seq.num_computed >= state.budget.block_size and self._prefix_capacity() > 0
+        capacity = self._prefix_capacity(leaving=seq.key)
+        keep = keep and seq.num_computed >= state.budget.block_size and capacity > 0
         cache = seq.cache
         if seq.key in state.batch:
             if keep:
@@ -299,14 +305,17 @@ class ModelRunner:
                 state.batch.remove({seq.key})
         seq.cache = None
         if keep and cache is not None and state.prefix is not None:
-            state.prefix.insert(seq.tokens, cache, self._prefix_capacity(), state.root(seq.adapter))
+            state.prefix.insert(seq.tokens, cache, capacity, state.root(seq.adapter))
 
     def _fit_prefix(self, work: Work) -> None:
         """Evicts prefix blocks so the requests of `work` have their blocks."""
         if self.state.prefix is None:
             return
-        self.state.reserved = self.state.budget.used(self.admission.projected(work).values())
-        excess = self.state.reserved + len(self.state.prefix) - self.state.budget.num_blocks
+        blocks_for = self.state.budget.blocks_for
+        projected = self.admission.projected(work)
+        self.state.reserved = {key: blocks_for(tokens) for key, tokens in projected.items()}
+        excess = sum(self.state.reserved.values()) + len(self.state.prefix)
+        excess -= self.state.budget.num_blocks
         if excess > 0:
             self.state.prefix.evict(excess)
 
@@ -325,7 +334,7 @@ class ModelRunner:
             raise
         finally:
             self.state.step = None
-            self.state.reserved = 0
+            self.state.reserved = {}
 
     def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()

@@ -6,7 +6,7 @@ can be built and driven on its own. It holds data only; the rules live in
 those parts. Invariants: a request's KV is in exactly one place (its
 `Sequence.cache`, a row of `batch`, or nowhere while preempted or lost); a
 key is in `recently_finished` only once freed; `step` is set exactly while
-a step runs, and `reserved` is non-zero only then. Readers on other threads
+a step runs, and `reserved` is non-empty only then. Readers on other threads
 (CheckHealth, metrics) copy `seqs` before iterating it.
 """
 
@@ -39,7 +39,9 @@ class EngineState:
     batch: DecodeBatch[RequestKey] = field(default_factory=DecodeBatch)  # decoding rows
     # Requests freed lately, so that naming one in finished_req_ids is no error.
     recently_finished: OrderedDict[RequestKey, None] = field(default_factory=OrderedDict)
-    reserved: int = 0  # request blocks the running step ends with
+    # The blocks each request holds at the end of the running step (a request
+    # leaving it mid-step gives its share back).
+    reserved: dict[RequestKey, int] = field(default_factory=dict)
     step: StepMarks | None = None  # set while a step runs
     adapters: AdapterSet | None = None  # the model's LoRA adapters (None: a bare state)
 
@@ -47,9 +49,12 @@ class EngineState:
         """The prefix-cache root of a request's adapter (0: the base model)."""
         return self.adapters.root(adapter) if adapter and self.adapters is not None else 0
 
-    def request_blocks(self) -> int:
-        """Blocks the requests' KV takes now (preempted requests hold none)."""
+    def request_blocks(self, *, leaving: RequestKey | None = None) -> int:
+        """Blocks the requests' KV takes now (preempted requests hold none), but for
+        the request `leaving` (being freed or preempted)."""
         # A copy first (one C call, so atomic under the GIL): CheckHealth and the
         # metrics endpoint read this from their own threads while steps run.
         seqs = list(self.seqs.values())
-        return self.budget.used(s.num_computed for s in seqs if not s.preempted)
+        return self.budget.used(
+            s.num_computed for s in seqs if not s.preempted and s.key != leaving
+        )

@@ -204,7 +204,7 @@ def test_a_failed_run_leaves_every_request_as_it_was(loaded: loader.LoadedModel)
         runner.run(runner.plan(plan))
     assert list(runner.state.seqs) == [(Origin.EXECUTE, "a")]
     assert seq.tokens == tokens and seq.num_computed == 4
-    assert runner.state.step is None and runner.state.reserved == 0
+    assert runner.state.step is None and runner.state.reserved == {}
 
 
 def test_a_prefix_cache_hit_skips_the_cached_blocks(

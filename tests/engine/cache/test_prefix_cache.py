@@ -212,14 +212,14 @@ def test_requests_evict_the_prefix_cache_when_they_need_the_room(
     stub: Stub, tiny_dir: Path
 ) -> None:
     epoch = _up(stub, tiny_dir, prefix=True, num_blocks=16)
-    fills = [[700 + i * 50 + j for j in range(80)] for i in range(3)]
+    fills = [[700 + i * 150 + j for j in range(112)] for i in range(3)]
     for i, prompt in enumerate(fills):
         _one(stub, epoch, f"fill{i}", prompt, max_tokens=2)
     kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
-    assert kv.used_blocks == 0 and 10 <= kv.prefix_cache_blocks <= 16
+    assert kv.used_blocks == 0 and 7 <= kv.prefix_cache_blocks <= 16
     # Least recently used first: the newest prompt is still cached (all but its last
-    # token: 4 whole blocks and 15 tokens of the 5th), the oldest is not.
-    assert _one(stub, epoch, "again2", fills[2], max_tokens=1)[1] == 79
+    # token: 6 whole blocks and 15 tokens of the 7th), the oldest is not.
+    assert _one(stub, epoch, "again2", fills[2], max_tokens=1)[1] == 111
     assert _one(stub, epoch, "again0", fills[0], max_tokens=1)[1] == 0
     big = [900 + j for j in range(200)]
     tokens, cached, _ = _one(stub, epoch, "big", big, max_tokens=4)
@@ -229,3 +229,44 @@ def test_requests_evict_the_prefix_cache_when_they_need_the_room(
     with pytest.raises(grpc.RpcError) as info:
         _one(stub, epoch, "too-big", [900 + j for j in range(300)], max_tokens=1)
     assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_request_leaving_a_full_budget_keeps_its_blocks_in_the_cache(
+    stub: Stub, tiny_dir: Path
+) -> None:
+    """Finished or preempted, a request's whole blocks go to the prefix cache even when
+    it held most of the budget: its own blocks are free once it leaves."""
+    epoch = _up(stub, tiny_dir, prefix=True, num_blocks=8)
+    prompt = [300 + j for j in range(80)]  # 5 blocks of 16 in a budget of 8
+    reference, _, _ = _one(stub, epoch, "first", prompt, max_tokens=4)
+    kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
+    assert (kv.used_blocks, kv.prefix_cache_blocks) == (0, 5)  # 83 tokens computed
+    # Its own 5 blocks and 3 of the 5 cached ones fill the budget of 8: 48 tokens hit.
+    assert _one(stub, epoch, "again", prompt, max_tokens=4)[:2] == (reference, 48)
+    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+    first = stub.Execute(
+        pb.ExecuteRequest(
+            step_id=1,
+            worker_epoch=epoch,
+            new_requests=[
+                pb.NewRequest(req_id="p", prompt_token_ids=prompt, sampling_params=greedy(4))
+            ],
+            num_scheduled_tokens={"p": len(prompt)},
+        )
+    ).outputs[0]
+    stub.Execute(pb.ExecuteRequest(step_id=2, worker_epoch=epoch, preempted_req_ids=["p"]))
+    kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
+    assert (kv.used_blocks, kv.prefix_cache_blocks) == (0, 5)
+    resumed = stub.Execute(
+        pb.ExecuteRequest(
+            step_id=3,
+            worker_epoch=epoch,
+            cached_requests=[
+                pb.CachedRequest(req_id="p", num_computed_tokens=0, resumed_from_preemption=True)
+            ],
+            num_scheduled_tokens={"p": len(prompt) + 1},
+        )
+    ).outputs[0]
+    # Its 6 blocks (81 tokens) leave room for 2 of the 5 cached: a hit copies them.
+    assert resumed.num_cached_prompt_tokens == 32
+    assert [*first.sampled_token_ids, *resumed.sampled_token_ids] == reference[:2]

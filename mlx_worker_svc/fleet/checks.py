@@ -3,7 +3,9 @@
 `check_forms` refuses what no worker could run (`BadRequest`); `check_fits`
 refuses what a worker of the request's model would refuse mid-step: a token id
 out of its vocabulary (`OutOfVocabulary`) or a prompt past its context
-(`ContextTooLong`).
+(`ContextTooLong`). `check_size` and `check_message` refuse a prompt's text or
+a request (its structured-output spec, say) larger than a worker takes in one
+gRPC message, which would otherwise break the step that carries it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,44 @@ def check_size(ask: pb.TokenizeRequest, max_message: int) -> None:
             f"message ({max_message} bytes, sized to its context): longer than any prompt "
             "it serves"
         )
+
+
+# Room in a step's message beside one new request: its id, scheduled count, the step's own fields.
+STEP_BYTES = 1024
+
+
+def new_request_bytes(request: pb.NewRequest) -> int:
+    """What `request` adds to an ExecuteRequest (its entry and its scheduled count)."""
+    return request.ByteSize() + 2 * len(request.req_id) + 32
+
+
+def check_message(prompt: list[int], params: pb.SamplingParams, max_message: int) -> None:
+    """Raises BadRequest for a request that alone is more than a worker takes in one
+    message (0: unknown), naming its largest part."""
+    size = new_request_bytes(pb.NewRequest(prompt_token_ids=prompt, sampling_params=params))
+    if max_message and size + STEP_BYTES > max_message:
+        raise too_large(prompt, params, max_message, size + STEP_BYTES)
+
+
+def too_large(
+    prompt: list[int], params: pb.SamplingParams, max_message: int, size: int
+) -> BadRequest:
+    """The BadRequest of a request that takes a step's message to `size` bytes, past
+    `max_message`, naming the request's largest part."""
+    parts = {"prompt_token_ids": pb.NewRequest(prompt_token_ids=prompt).ByteSize()}
+    for field, _ in params.ListFields():
+        alone = pb.SamplingParams()
+        alone.CopyFrom(params)
+        for other, _ in params.ListFields():
+            if other is not field:
+                alone.ClearField(other.name)
+        parts[f"sampling_params.{field.name}"] = alone.ByteSize()
+    largest = max(parts, key=lambda name: parts[name])
+    return BadRequest(
+        f"{largest}: the request takes {size} bytes ({parts[largest]} of them this field's), "
+        f"more than a worker of the model takes in one message ({max_message} bytes, sized "
+        "to its context)"
+    )
 
 
 def check_fits(

@@ -333,6 +333,7 @@ class WorkerLink:
             used=self._used_blocks(),
             max_seqs=self.max_seqs,
             kv=kv,
+            max_bytes=self.max_message,
         )
         request.num_decode_steps = decode_steps(
             self.config.decode_steps,

@@ -60,7 +60,11 @@ class FleetRequest:
     @property
     def worker_id(self) -> str:
         """The id on the worker: a new one per attempt, so nothing stale collides."""
-        return f"{self.worker_key or self.request_id}#{self.attempt}"
+        return self.id_for(self.attempt)
+
+    def id_for(self, attempt: int) -> str:
+        """The id on the worker of attempt `attempt`."""
+        return f"{self.worker_key or self.request_id}#{attempt}"
 
     @property
     def tokens(self) -> list[int]:

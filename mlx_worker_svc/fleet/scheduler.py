@@ -33,7 +33,7 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
-from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_size
+from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_message, check_size
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
     BadRequest,
@@ -256,6 +256,7 @@ class FleetScheduler:
                     prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
                 check_fits(prompt, params, reserve_max_tokens, **fits)
+                check_message(prompt, params, link.max_message)
                 r = FleetRequest(
                     request_id=request.request_id or uuid.uuid4().hex,
                     model=model,

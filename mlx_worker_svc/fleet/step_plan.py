@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_worker_svc.fleet.checks import STEP_BYTES, new_request_bytes, too_large
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -36,11 +37,14 @@ def plan_step(
     used: int,
     max_seqs: int,
     kv: KVRoom,
+    max_bytes: int = 0,
 ) -> tuple[list[FleetRequest], int]:
     """Fills `request` (step id, epoch and frees set); returns the requests it starts
     (moved from `waiting` to `running`, added to `views`) and the KV blocks used after it.
 
     `views` holds (computed, length) of each running request that may be scheduled.
+    A new request that would take the step past `max_bytes` (the worker's largest
+    message; 0: unknown) starts with a later step; one past it alone ends `BadRequest`.
     """
     # Decodes first (one token each), then prefill chunks, shortest first.
     order = sorted(views, key=lambda worker_id: views[worker_id][1] - views[worker_id][0])
@@ -56,27 +60,36 @@ def plan_step(
         budget -= count
         used += kv.blocks(computed + count) - kv.blocks(computed)
     started: list[FleetRequest] = []
+    size = request.ByteSize() + STEP_BYTES if max_bytes else 0
     while waiting and budget > 0 and len(running) < max_seqs:
         r = waiting[0]
         count = min(len(r.tokens), budget)
         if used + kv.blocks(count + 1) > kv.num_blocks and running:
             break
+        prompt, params = r.continuation()
+        new = pb.NewRequest(
+            req_id=r.id_for(r.attempt + 1),  # the attempt it starts
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            num_generated_tokens=len(r.generated),
+            lora_name=r.lora_name,
+            # Text with every step: no Detokenize call per request per step.
+            detokenize=True,
+            skip_special_tokens=r.skip_special_tokens,
+        )
+        if max_bytes:
+            size += new_request_bytes(new)
+            if size > max_bytes:
+                if request.new_requests or request.cached_requests:
+                    break  # the next step takes it
+                waiting.pop(0)  # no step can: admission checked another worker's limit
+                r.phase = Phase.DONE
+                r.outbox.put_nowait(too_large(prompt, params, max_bytes, size))
+                continue
         waiting.pop(0)
         r.attempt += 1
         r.computed, r.phase, r.reported_cached = 0, Phase.RUNNING, False
-        prompt, params = r.continuation()
-        request.new_requests.append(
-            pb.NewRequest(
-                req_id=r.worker_id,
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                num_generated_tokens=len(r.generated),
-                lora_name=r.lora_name,
-                # Text with every step: no Detokenize call per request per step.
-                detokenize=True,
-                skip_special_tokens=r.skip_special_tokens,
-            )
-        )
+        request.new_requests.append(new)
         request.num_scheduled_tokens[r.worker_id] = count
         running[r.worker_id] = r
         views[r.worker_id] = (0, len(prompt))

@@ -5,7 +5,8 @@ that turns out not to serve (draining, asleep, gone, or no answer within the
 hang budget, at least 10 s) is passed over for the next; when every one
 failed so, the call is NoWorkers (UNAVAILABLE) with the last cause, not the
 worker's own refusal (which would tell a client to call WakeUp, or read as
-its own cancel).
+its own cancel). Text past what the worker takes in one message is the
+caller's mistake (BadRequest), refused before it is sent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.fleet.checks import check_size
 from mlx_worker_svc.fleet.errors import NoWorkers
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.step_outcome import worker_lost
@@ -46,6 +48,8 @@ class TextCalls:
             if not fresh:
                 raise NoWorkers(f"no worker of the fleet could answer: {last}")
             link = min(fresh, key=lambda candidate: candidate.load)
+            if method == "tokenize":  # not the worker's transport error (RESOURCE_EXHAUSTED)
+                check_size(request, link.max_message)
             try:
                 return await getattr(link.client, method)(request, timeout=self.budget)
             except ClientError as exc:

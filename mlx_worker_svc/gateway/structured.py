@@ -220,8 +220,9 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
     call's grammar: `tools`); the tools given to the chat template are `tools`;
     an OpenAI message's `tool_calls` are the worker's `messages[i].tool_calls_json`
     (Anthropic's `tool_use` blocks: `messages`, whose indices the system shifts).
+    The fleet names a prompt's text too large for a worker `messages` or `prompt`.
     """
-    fields = {"tools_json": "tools"}
+    fields = {"tools_json": "tools", "messages: ": "messages", "prompt: ": "prompt"}
     if param is not None:
         fields[WORKER_FIELD] = param
     if exc.status != 400:

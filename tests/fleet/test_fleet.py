@@ -287,6 +287,41 @@ def test_a_prompt_text_past_a_workers_message_limit_is_the_clients_error(
         assert f"in one message ({limit} bytes" in str(refused.value.details())
 
 
+def _described(prompt: list[int], size: int) -> pb.GenerateRequest:
+    """A greedy request with a JSON schema spec of about `size` bytes (most of them its
+    description, which the grammar ignores)."""
+    schema = '{"type": "integer", "description": "%s"}' % ("x" * size)
+    spec = pb.StructuredOutputs(json_schema=schema)
+    params = pb.SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=spec)
+    return pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+
+
+def test_a_request_past_a_workers_message_limit_is_refused_and_steps_stay_under_it(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """A structured-output spec (any part) making a request larger than a worker takes in
+    one message is INVALID_ARGUMENT naming it; requests that fit alone but not together
+    start in separate steps, each answering as it does alone (the step that carried them
+    all would break the worker's stream, over and over)."""
+    fleet = start_fleet(pool.targets[:1])
+    with grpc.insecure_channel(pool.targets[0]) as channel:
+        info = pb_grpc.WorkerServiceStub(channel).GetInfo(pb.GetInfoRequest())
+    limit = info.limits.max_message_bytes
+    [prompt] = distinct_prompts(1, 8, seed=43)
+    huge = _described(prompt, limit)
+    with pytest.raises(grpc.RpcError) as refused:
+        fleet.generate(huge)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(refused.value.details()).startswith("sampling_params.structured_outputs: ")
+    assert f"in one message ({limit} bytes" in str(refused.value.details())
+    big = _described(prompt, limit * 2 // 5)
+    alone = tokens_of(fleet.generate(big))
+    streams = run_streams(fleet.stub, [big] * 3)
+    assert [(s.error, s.tokens) for s in streams] == [(None, alone)] * 3
+    status = fleet.worker(pool.targets[0])
+    assert (status.num_failed_over, status.last_error) == (0, "")
+
+
 @pytest.mark.parametrize("grace", [30, 0])
 def test_sigterm_drains_the_fleet_for_its_grace_seconds(
     pool: WorkerPool, start_fleet: Callable[..., Fleet], grace: int

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import grpc
 import jsonschema
 import pytest
 from driver import ServeProcess, wait_until_idle
@@ -502,6 +503,26 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         response = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
         assert response.status_code == 400, (extra, response.text)
         assert where in response.json()["error"]["message"], (extra, response.text)
+
+
+def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
+    gateway: Gateway, worker: ServeProcess
+) -> None:
+    """Text the worker could never take in one message is the client's mistake (400, as
+    the OpenAI route answers), not a 429 the SDK would send again and again."""
+    with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        info = pb_grpc.WorkerServiceStub(channel).GetInfo(pb.GetInfoRequest())
+    limit = info.limits.max_message_bytes
+    ask = [{"role": "user", "content": "a " * (limit // 2 + 8)}]
+    for route, body in (
+        ("/v1/messages", {"model": MODEL, "messages": ask, "max_tokens": 4}),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": ask}),
+    ):
+        response = gateway.http.post(route, json=body, headers={"x-api-key": KEY})
+        assert response.status_code == 400, (route, response.text[:300])
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert f"in one message ({limit} bytes" in error["message"], error
 
 
 def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:

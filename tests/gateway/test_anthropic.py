@@ -523,6 +523,9 @@ def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert f"in one message ({limit} bytes" in error["message"], error
+    body = {"model": MODEL, "messages": ask, "max_tokens": 4}
+    response = gateway.http.post("/v1/chat/completions", json=body, headers={"x-api-key": KEY})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
 
 
 def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:

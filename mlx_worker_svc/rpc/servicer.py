@@ -30,6 +30,7 @@ from mlx_worker_svc.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+_Answer = TypeVar("_Answer", pb.TokenizeResponse, pb.DetokenizeResponse)
 _PROFILE_SORT = {
     pb.PROFILE_SORT_UNSPECIFIED: ProfileSort.CUMULATIVE,
     pb.PROFILE_SORT_CUMULATIVE: ProfileSort.CUMULATIVE,
@@ -251,9 +252,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             ids, text = self._worker.tokenize_chat(
                 text_convert.chat_messages(list(request.messages)), add_prompt, request.tools_json
             )
-            return pb.TokenizeResponse(token_ids=ids, text=text)
+            return self._sendable(pb.TokenizeResponse(token_ids=ids, text=text), "messages")
         ids = self._worker.tokenize_text(request.text, request.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids)  # text is the rendered chat's only
+        # text is the rendered chat's only
+        return self._sendable(pb.TokenizeResponse(token_ids=ids), "text")
 
     @_unary
     def Detokenize(
@@ -264,7 +266,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             request.skip_special_tokens,
             token_bytes=request.return_token_bytes,
         )
-        return pb.DetokenizeResponse(text=text, token_bytes=pieces)
+        return self._sendable(pb.DetokenizeResponse(text=text, token_bytes=pieces), "token_ids")
+
+    def _sendable(self, answer: _Answer, field: str) -> _Answer:
+        """`answer`, unless it is larger than the worker sends in one message: then
+        INVALID_ARGUMENT naming the request's `field`, not gRPC's RESOURCE_EXHAUSTED."""
+        size, limit = answer.ByteSize(), self._max_message_bytes
+        if limit and size > limit:
+            raise InvalidArgument(
+                f"{field}: the answer takes {size} bytes, more than the worker sends in one "
+                f"message (GetInfo.limits.max_message_bytes: {limit})"
+            )
+        return answer
 
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext

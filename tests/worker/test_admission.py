@@ -319,3 +319,31 @@ def test_an_execute_whose_caller_left_while_it_waited_does_not_run(tiny_dir: Pat
             time.sleep(0.05)
         assert count("mlx_worker_rpcs_total", {**labels, "code": "DEADLINE_EXCEEDED"}) == 1
         assert count("mlx_worker_rpcs_total", {**labels, "code": "OK"}) == 1
+
+
+def test_an_answer_past_the_message_limit_is_invalid_naming_the_field(
+    limited: tuple[WorkerServer, pb_grpc.WorkerServiceStub, int], tiny_dir: Path
+) -> None:
+    """Tokenize and Detokenize answers larger than the worker sends are INVALID_ARGUMENT
+    naming what made them so, not gRPC's RESOURCE_EXHAUSTED (a scheduler reads that as
+    "retry later"); a request of the same kind that fits still answers."""
+    server, stub, _ = limited
+    limit = server.config.message_bytes
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    # A token of long text and a 2-byte id: the text is many times the request's bytes.
+    word = max(range(128, 16384), key=lambda i: len(tokenizer.decode([i])))
+    count = limit // len(tokenizer.decode([word])) + 1000
+    chat = [pb.ChatMessage(role="user", content="a")] * (limit // 30)
+    for call, request, field in (
+        (stub.Detokenize, pb.DetokenizeRequest(token_ids=[word] * count), "token_ids"),
+        (stub.Tokenize, pb.TokenizeRequest(messages=chat), "messages"),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(request)
+        assert code_of(refused.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(refused.value).startswith(f"{field}: the answer takes ")
+        assert f"(GetInfo.limits.max_message_bytes: {limit})" in details_of(refused.value)
+    assert stub.Detokenize(pb.DetokenizeRequest(token_ids=[word] * 100)).text
+    assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_READY

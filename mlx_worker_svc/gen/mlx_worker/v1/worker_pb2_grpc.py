@@ -268,14 +268,17 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Text or chat messages to token ids.
+        """Text or chat messages to token ids. An answer larger than the worker
+        sends in one message (GetInfo.limits.max_message_bytes) is
+        INVALID_ARGUMENT naming messages (or text).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request, context):
-        """Token ids to text.
+        """Token ids to text. An answer larger than the worker sends in one message
+        is INVALID_ARGUMENT naming token_ids.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

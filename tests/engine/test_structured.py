@@ -140,6 +140,44 @@ def test_the_boolean_schema_true_gives_any_json_value(tiny_stub: Stub) -> None:
     assert complete > 0
 
 
+def test_annotations_are_accepted_and_shape_nothing(tiny_stub: Stub) -> None:
+    """As JSON Schema validation: title, contentEncoding and the other annotations are
+    no assertions (worker.proto's StructuredOutputs), so a schema with them gives what
+    the same schema without them gives, token for token."""
+    annotations = {
+        "title": "t",
+        "description": "d",
+        "examples": ["x"],
+        "default": "x",
+        "$comment": "c",
+        "deprecated": True,
+        "readOnly": True,
+        "writeOnly": False,
+        "contentEncoding": "base64",
+        "contentMediaType": "text/plain",
+        "contentSchema": {"type": "integer"},
+    }
+    field: dict[str, Any] = {"type": "string", "maxLength": 6}
+    plain = {"type": "object", "properties": {"s": field}}
+    annotated = {"type": "object", "properties": {"s": field | annotations}}
+    prompts = _prompts(3, seed=6)
+    outputs = [
+        [
+            r.tokens
+            for r in run_requests(
+                tiny_stub,
+                _epoch(tiny_stub),
+                [
+                    (p, constrained(24, json_schema=json.dumps(schema), seed=i, temperature=1))
+                    for i, p in enumerate(prompts)
+                ],
+            )
+        ]
+        for schema in (plain, annotated)
+    ]
+    assert outputs[0] == outputs[1] and all(outputs[0])
+
+
 def test_grammars_in_lark_and_gbnf(tiny_stub: Stub) -> None:
     prompts = _prompts(6, seed=3)
     lark = 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]{1,3}/'

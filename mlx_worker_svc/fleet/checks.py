@@ -99,8 +99,10 @@ def check_fits(
     *,
     vocab_size: int,
     max_context: int,
+    field: str = "prompt_token_ids",
 ) -> None:
-    """Raises OutOfVocabulary or ContextTooLong (0 for a limit: unknown, not checked)."""
+    """Raises OutOfVocabulary or ContextTooLong (0 for a limit: unknown, not checked);
+    `field` is the request's prompt (prompt_token_ids, prompt or messages)."""
     named = {
         "prompt_token_ids": prompt,
         "sampling_params.logit_bias": list(params.logit_bias),
@@ -113,4 +115,4 @@ def check_fits(
     # Room for one generated token at least, as a worker requires of a prompt.
     need = len(prompt) + ((max_tokens or 1) if reserve else 1)
     if max_context and need > max_context:
-        raise ContextTooLong(len(prompt), max_tokens if reserve else None, max_context)
+        raise ContextTooLong(field, len(prompt), max_tokens if reserve else None, max_context)

@@ -57,12 +57,15 @@ class ModelNotFound(FleetError, NotFound):
 
 
 class ContextTooLong(BadRequest):
-    """The prompt (with room for `max_tokens`, when asked) does not fit the model's context."""
+    """The prompt (`field`: the request's form of it; with room for `max_tokens`, when
+    asked) does not fit the model's context."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
+    def __init__(
+        self, field: str, prompt_tokens: int, max_tokens: int | None, context_length: int
+    ) -> None:
         asked = f" and max_tokens is {max_tokens}" if max_tokens is not None else ""
         super().__init__(
-            f"the prompt has {prompt_tokens} tokens{asked}; "
+            f"{field}: the prompt has {prompt_tokens} tokens{asked}; "
             f"the model's context length is {context_length} tokens"
         )
         self.prompt_tokens = prompt_tokens

@@ -255,7 +255,10 @@ class FleetScheduler:
                     check_size(ask, link.max_message)
                     prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
-                check_fits(prompt, params, reserve_max_tokens, **fits)
+                field = (
+                    "prompt_token_ids" if ask is None else "messages" if ask.messages else "prompt"
+                )
+                check_fits(prompt, params, reserve_max_tokens, field=field, **fits)
                 check_message(prompt, params, link.max_message)
                 r = FleetRequest(
                     request_id=request.request_id or uuid.uuid4().hex,

@@ -416,8 +416,18 @@ def test_the_fleet_refuses_what_the_model_cannot_take_before_routing_it(
                 await first(fleet, too_long, False)
             assert caught.value.code == Code.INVALID_ARGUMENT
             assert str(caught.value) == (
-                f"the prompt has {limit + 1} tokens; the model's context length is {limit} tokens"
+                f"prompt_token_ids: the prompt has {limit + 1} tokens; "
+                f"the model's context length is {limit} tokens"
             )
+            chat = [pb.ChatMessage(role="user", content="hi " * limit)]
+            for text in (
+                pb.GenerateRequest(prompt="hi " * limit),
+                pb.GenerateRequest(messages=chat),
+            ):
+                with pytest.raises(ContextTooLong) as caught:
+                    await first(fleet, text, False)
+                field = "messages" if text.messages else "prompt"
+                assert str(caught.value).startswith(f"{field}: the prompt has ")
             with pytest.raises(OutOfVocabulary) as vocab:
                 params = pb.SamplingParams(logit_bias={limit: 1.0, 10**6: -1.0})
                 await first(

@@ -162,13 +162,16 @@ def test_prompt_logprobs_requests_and_reset_bypass_the_cache(stub: Stub, tiny_di
     assert cached == 0
 
 
-def test_a_resumed_request_restarts_from_its_cached_prefix(stub: Stub, tiny_dir: Path) -> None:
-    epoch = _up(stub, tiny_dir, prefix=True)
-    prompt = [*SYSTEM, 600, 601]
-    reference, _, _ = _one(stub, epoch, "ref", prompt, max_tokens=10)
-    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
-    sampling = greedy(10)
-    out = stub.Execute(
+def _preempted_and_resumed(
+    stub: Stub,
+    epoch: int,
+    prompt: list[int],
+    sampling: pb.SamplingParams,
+    kv_between: list[pb.KVUsage] | None = None,
+) -> tuple[pb.RequestOutput, pb.RequestOutput]:
+    """A request prefilled whole (step 1), preempted (step 2), then resumed with all its
+    tokens (step 3): the outputs of steps 1 and 3 (`kv_between` gets the KV in between)."""
+    first = stub.Execute(
         pb.ExecuteRequest(
             step_id=1,
             worker_epoch=epoch,
@@ -178,9 +181,9 @@ def test_a_resumed_request_restarts_from_its_cached_prefix(stub: Stub, tiny_dir:
             num_scheduled_tokens={"p": len(prompt)},
         )
     ).outputs[0]
-    tokens = list(out.sampled_token_ids)
     stub.Execute(pb.ExecuteRequest(step_id=2, worker_epoch=epoch, preempted_req_ids=["p"]))
-    # Preempting gave its blocks to the prefix cache; resuming takes them back.
+    if kv_between is not None:
+        kv_between.append(stub.CheckHealth(pb.CheckHealthRequest()).kv)
     resumed = stub.Execute(
         pb.ExecuteRequest(
             step_id=3,
@@ -188,9 +191,20 @@ def test_a_resumed_request_restarts_from_its_cached_prefix(stub: Stub, tiny_dir:
             cached_requests=[
                 pb.CachedRequest(req_id="p", num_computed_tokens=0, resumed_from_preemption=True)
             ],
-            num_scheduled_tokens={"p": len(prompt) + len(tokens)},
+            num_scheduled_tokens={"p": len(prompt) + len(first.sampled_token_ids)},
         )
     ).outputs[0]
+    return first, resumed
+
+
+def test_a_resumed_request_restarts_from_its_cached_prefix(stub: Stub, tiny_dir: Path) -> None:
+    epoch = _up(stub, tiny_dir, prefix=True)
+    prompt = [*SYSTEM, 600, 601]
+    reference, _, _ = _one(stub, epoch, "ref", prompt, max_tokens=10)
+    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+    out, resumed = _preempted_and_resumed(stub, epoch, prompt, greedy(10))
+    tokens = list(out.sampled_token_ids)
+    # Preempting gave its blocks to the prefix cache; resuming takes them back.
     assert resumed.num_cached_prompt_tokens == 96
     tokens += resumed.sampled_token_ids
     computed, step = resumed.num_computed_tokens, 4
@@ -244,29 +258,9 @@ def test_a_request_leaving_a_full_budget_keeps_its_blocks_in_the_cache(
     # Its own 5 blocks and 3 of the 5 cached ones fill the budget of 8: 48 tokens hit.
     assert _one(stub, epoch, "again", prompt, max_tokens=4)[:2] == (reference, 48)
     stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
-    first = stub.Execute(
-        pb.ExecuteRequest(
-            step_id=1,
-            worker_epoch=epoch,
-            new_requests=[
-                pb.NewRequest(req_id="p", prompt_token_ids=prompt, sampling_params=greedy(4))
-            ],
-            num_scheduled_tokens={"p": len(prompt)},
-        )
-    ).outputs[0]
-    stub.Execute(pb.ExecuteRequest(step_id=2, worker_epoch=epoch, preempted_req_ids=["p"]))
-    kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
-    assert (kv.used_blocks, kv.prefix_cache_blocks) == (0, 5)
-    resumed = stub.Execute(
-        pb.ExecuteRequest(
-            step_id=3,
-            worker_epoch=epoch,
-            cached_requests=[
-                pb.CachedRequest(req_id="p", num_computed_tokens=0, resumed_from_preemption=True)
-            ],
-            num_scheduled_tokens={"p": len(prompt) + 1},
-        )
-    ).outputs[0]
+    kv_after: list[pb.KVUsage] = []
+    first, resumed = _preempted_and_resumed(stub, epoch, prompt, greedy(4), kv_after)
+    assert (kv_after[0].used_blocks, kv_after[0].prefix_cache_blocks) == (0, 5)
     # Its 6 blocks (81 tokens) leave room for 2 of the 5 cached: a hit copies them.
     assert resumed.num_cached_prompt_tokens == 32
     assert [*first.sampled_token_ids, *resumed.sampled_token_ids] == reference[:2]

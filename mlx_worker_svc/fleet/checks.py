@@ -1,6 +1,7 @@
 """What the fleet checks of a Generate request before it routes it, in the request's terms.
 
-`check_forms` refuses what no worker could run (`BadRequest`); `check_fits`
+`check_forms` refuses what no worker could run (`BadRequest`: sampling
+parameters a worker refuses included); `check_fits`
 refuses what a worker of the request's model would refuse mid-step: a token id
 out of its vocabulary (`OutOfVocabulary`) or a prompt past its context
 (`ContextTooLong`). `check_size` and `check_message` refuse a prompt's text or
@@ -10,6 +11,8 @@ gRPC message, which would otherwise break the step that carries it.
 
 from __future__ import annotations
 
+from mlx_worker_svc.client.sampling import sampling_params
+from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet.errors import BadRequest, ContextTooLong, OutOfVocabulary
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -27,13 +30,18 @@ def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
     if request.tools_json and not request.messages:
         raise BadRequest("tools_json needs messages (a chat to render the tools into)")
     params = request.sampling_params
-    if params.HasField("max_tokens") and params.max_tokens < 1:  # as a worker refuses it
-        raise BadRequest(
-            f"sampling_params.max_tokens must be >= 1 when set, got {params.max_tokens}"
-        )
     for i, stop in enumerate(params.stop):
         if not stop:
             raise BadRequest(f"sampling_params.stop[{i}] is empty; a stop string needs a character")
+    # What a worker would refuse in the step that starts it (InvalidArgument); the
+    # fleet checks stop strings itself (above), so they are not the worker's.
+    sent = pb.SamplingParams()
+    sent.CopyFrom(params)
+    sent.ClearField("stop")
+    try:
+        sampling_params(sent, "sampling_params")
+    except WorkerError as exc:
+        raise BadRequest(exc.message) from exc
     if request.prompt_token_ids:
         return None
     if request.messages:

@@ -196,14 +196,15 @@ class FleetScheduler:
         Generate does.
         """
         started = time.monotonic()
+        req_id = request.request_id or uuid.uuid4().hex  # for the logs, refused or not
         try:
-            r = await self._admit(request, started, reserve_max_tokens)
+            r = await self._admit(request, req_id, started, reserve_max_tokens)
         except (WorkerError, ClientError) as exc:
             model = self._model_named(request.model)
-            self._ended(request.request_id, model, error_outcome(exc.code), started, error=str(exc))
+            self._ended(req_id, model, error_outcome(exc.code), started, error=str(exc))
             raise
         except asyncio.CancelledError:  # the caller left while it waited for a worker
-            self._ended(request.request_id, self._model_named(request.model), "cancelled", started)
+            self._ended(req_id, self._model_named(request.model), "cancelled", started)
             raise
         try:
             while True:
@@ -226,7 +227,7 @@ class FleetScheduler:
                 del self._live[r.worker_key]
 
     async def _admit(
-        self, request: pb.GenerateRequest, started: float, reserve_max_tokens: bool
+        self, request: pb.GenerateRequest, req_id: str, started: float, reserve_max_tokens: bool
     ) -> FleetRequest:
         """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
         if self.draining:
@@ -261,7 +262,7 @@ class FleetScheduler:
                 check_fits(prompt, params, reserve_max_tokens, field=field, **fits)
                 check_message(prompt, params, link.max_message)
                 r = FleetRequest(
-                    request_id=request.request_id or uuid.uuid4().hex,
+                    request_id=req_id,
                     model=model,
                     lora_name=request.lora_name,
                     waited_for_load=waits,

@@ -6,11 +6,12 @@ the adapter calls (AddLora, PinLora, ListLoras): one function a message.
 
 from __future__ import annotations
 
+from mlx_worker_svc.client.sampling import sampling_params
 from mlx_worker_svc.core.adapters import AdapterInfo
 from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpec
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
-from mlx_worker_svc.rpc.convert import finish_reason, sampling_params, token_logprobs
+from mlx_worker_svc.rpc.convert import finish_reason, token_logprobs
 
 
 def chat_messages(messages: list[pb.ChatMessage]) -> tuple[ChatMessage, ...]:

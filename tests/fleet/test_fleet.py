@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -140,21 +141,36 @@ def test_a_stop_string_ends_the_stream_and_is_left_out(
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(tokens))
     # What a worker would refuse, the fleet refuses first, naming the field; each refusal
     # counts as an end of the fleet's only model.
+    # Refused before it is admitted: never logged as admitted (nor its prompt tokens
+    # counted), its end logged under its id, or one the fleet gives it.
     [model] = fleet.status().models
-    for sampling, named in (
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"stop": ["x", ""]}, "sampling_params.stop[1] is empty"),
         ({"max_tokens": 0}, "sampling_params.max_tokens must be >= 1 when set, got 0"),
-    ):
+        ({"temperature": -1.0}, "sampling_params.temperature must be >= 0, got -1.0"),
+        (
+            {"structured_outputs": pb.StructuredOutputs(regex="[a-z]+")},
+            "sampling_params.ignore_eos cannot be combined with structured_outputs",
+        ),
+    ]
+    for i, (sampling, named) in enumerate(cases):
         bad = token_request(prompt, 32)
+        bad.request_id = f"refused-{i}" if i else ""
         bad.sampling_params.MergeFrom(pb.SamplingParams(**sampling))
         if "max_tokens" in sampling:
             bad.sampling_params.max_tokens = 0
         with pytest.raises(grpc.RpcError) as refused:
             fleet.generate(bad)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert named in str(refused.value.details())
+        assert str(refused.value.details()).startswith(named)
     [after] = fleet.status().models
-    assert after.num_finished == model.num_finished + 2
+    assert after.num_finished == model.num_finished + len(cases)
+    failed = fleet.proc.wait_for(r"request failed.*req_id=refused-3")
+    lines = fleet.proc.output.splitlines()
+    assert not [line for line in lines if "request admitted" in line and "refused-" in line]
+    first = next(line for line in lines if "request failed" in line and "stop[1]" in line)
+    assert re.search(r"req_id=[0-9a-f]{32}\b", first), first
+    assert failed
 
 
 def _digits(max_tokens: int) -> pb.SamplingParams:

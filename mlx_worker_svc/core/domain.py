@@ -196,6 +196,9 @@ class RequestOutput:
     num_computed_tokens: int = 0
     finish_reason: FinishReason | None = None
     text: str = ""  # what its output tokens of this step add to its text (NewRequest.detokenize)
+    # Set as it finishes, for its log line: the tokens of its prompt and of its output.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class Decoder:
             if reason is not None:
                 output.finish_reason = reason
                 output.num_computed_tokens = seq.num_computed
+                output.prompt_tokens, output.completion_tokens = seq.prompt_len, seq.num_output
                 finished.append(seq.key)
         self._free_all(finished)
         rows = [self.state.seqs[key] for key in self.state.batch.keys]

@@ -313,8 +313,8 @@ class FleetScheduler:
         self.metrics.ended(outcome, time.monotonic() - since)
         self.residency.ended[model] += 1
         extra = {"req_id": clip(req_id), "model": model, "outcome": outcome, **fields}
-        if outcome == "cancelled":
-            log.info("request cancelled", extra=extra)
+        if outcome in ("cancelled", "aborted"):  # the caller left; a drain ended it
+            log.info(f"request {outcome}", extra=extra)
         elif outcome in _FINISHED:
             log.info("request finished", extra=extra)
         else:

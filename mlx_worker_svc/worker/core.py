@@ -237,5 +237,10 @@ def _log_requests(work: Work, outcome: StepOutcome) -> None:
         log.debug("request freed by the scheduler", extra={"req_id": clip(key[1])})
     for (origin, req_id), output in outcome.outputs.items():
         if origin is Origin.EXECUTE and output.finish_reason is not None:
-            extra = {"req_id": clip(req_id), "finish_reason": output.finish_reason.value}
+            extra = {
+                "req_id": clip(req_id),
+                "finish_reason": output.finish_reason.value,
+                "prompt_tokens": output.prompt_tokens,
+                "completion_tokens": output.completion_tokens,
+            }
             log.debug("request finished", extra=extra)

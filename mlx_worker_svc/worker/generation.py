@@ -53,10 +53,11 @@ class GenerateStream:
         elif chunk.token_ids:
             self._chunks.put(chunk)
 
-    def abort(self, reason: FinishReason = FinishReason.ABORTED) -> None:
-        """Ends the stream normally with `reason` (e.g. a cancelled call)."""
+    def cancel(self) -> None:
+        """Ends the stream as its caller left it: FINISH_REASON_ABORTED, logged cancelled."""
         if not self.done:
-            self._finish(GenerateChunk(request_id=self.request_id), reason)
+            chunk = GenerateChunk(request_id=self.request_id)
+            self._finish(chunk, FinishReason.ABORTED, "request cancelled")
 
     def fail(self, error: WorkerError) -> None:
         """Ends the stream with an error status."""
@@ -74,14 +75,16 @@ class GenerateStream:
             self._chunks.put(error)
             self._chunks.put(_END)
 
-    def _finish(self, chunk: GenerateChunk, reason: FinishReason) -> None:
+    def _finish(
+        self, chunk: GenerateChunk, reason: FinishReason, event: str = "request finished"
+    ) -> None:
         chunk.text += self.text.finish()
         chunk.finish_reason = reason
         chunk.prompt_tokens = self.prompt_tokens
         chunk.completion_tokens = self.completion_tokens
         self.done = True
         log.info(
-            "request aborted" if reason is FinishReason.ABORTED else "request finished",
+            event,
             extra={
                 "req_id": clip(self.request_id),
                 "finish_reason": reason.value,
@@ -133,11 +136,11 @@ class StreamTable:
         )
 
     def close(self, request_id: str, error: WorkerError | None = None) -> None:
-        """Ends a stream: ABORTED finish when `error` is None, else the error."""
+        """Ends a stream: its caller cancelled it when `error` is None, else the error."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             if error is None:
-                stream.abort(FinishReason.ABORTED)
+                stream.cancel()
             else:
                 stream.fail(error)
         self._notify()

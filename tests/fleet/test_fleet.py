@@ -367,6 +367,10 @@ def test_sigterm_drains_the_fleet_for_its_grace_seconds(
             assert stream.error is not None and stream.error.code() == grpc.StatusCode.ABORTED
             assert "the fleet shut down before the request finished" in str(stream.error.details())
     assert fleet.proc.proc.wait(timeout=60) == 0
+    # Each request's end line says what ended it (operations.md's log lines).
+    ends = [line for line in fleet.proc.lines if "outcome=" in line and "unavailable" not in line]
+    event = "request finished" if grace else "request aborted"
+    assert len(ends) == 3 and all(event in line for line in ends), ends
     assert "outcome=cancelled" not in fleet.proc.output
     with grpc.insecure_channel(pool.targets[0]) as channel:  # nothing left on the worker
         assert wait_until_idle(pb_grpc.WorkerServiceStub(channel), 30).num_running_requests == 0

@@ -397,9 +397,10 @@ def test_fleet_and_worker_json_logs_carry_request_ids(served: Served) -> None:
     assert (failed["level"], failed["outcome"]) == ("WARNING", "invalid_argument")
     # The worker's lines for the same request, under its worker-side id.
     on_worker = {
-        (line["message"], line.get("req_id"))
+        (line["message"], line.get("req_id")): line
         for line in json_lines(served.worker)
         if line["logger"] == "mlx_worker_svc.worker.core"
     }
     assert ("request admitted", "fleet-log#1") in on_worker
-    assert ("request finished", "fleet-log#1") in on_worker
+    done = on_worker["request finished", "fleet-log#1"]
+    assert (done["prompt_tokens"], done["completion_tokens"]) == (7, 4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -120,9 +121,16 @@ def test_concurrent_generate_calls_and_execute_share_the_engine(
     assert health.num_running_requests == 0 and health.kv.used_blocks == 0
 
 
-def test_cancelled_generate_frees_its_request(tiny_stub: Stub) -> None:
+def test_cancelled_generate_frees_its_request(
+    tiny_stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlx_worker_svc.worker.generation")
     stream = tiny_stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=[1, 2], sampling_params=greedy(400, ignore_eos=True))
+        pb.GenerateRequest(
+            request_id="left",
+            prompt_token_ids=[1, 2],
+            sampling_params=greedy(400, ignore_eos=True),
+        )
     )
     first = next(stream)
     assert first.token_ids
@@ -132,6 +140,13 @@ def test_cancelled_generate_frees_its_request(tiny_stub: Stub) -> None:
             break
         threading.Event().wait(0.05)
     assert tiny_stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 0
+    # Logged as the caller's cancel (operations.md's log lines), not as an abort.
+    ends = [
+        r
+        for r in caplog.records
+        if getattr(r, "req_id", "") == "left" and r.msg != "request admitted"
+    ]
+    assert [r.getMessage() for r in ends] == ["request cancelled"]
 
 
 def test_a_failing_generate_step_ends_its_stream_and_the_worker_serves_on(

@@ -2,8 +2,9 @@
 
 `RpcMetricsInterceptor` (for the synchronous `grpc.server` of the worker) and
 `AsyncRpcMetricsInterceptor` (for the fleet's `grpc.aio` server) record every
-RPC by method and final status code into `core.metrics.RpcMetrics`; unknown
-method names are not counted, so a caller cannot grow the label set.
+RPC by method and final status code into `core.metrics.RpcMetrics`; a method
+no service defines counts as "/unknown/unknown", so a caller cannot grow the
+label set.
 `MetricsEndpoint` serves a registry over HTTP (`GET /metrics`, Prometheus text
 format) until it is closed. The instruments themselves live in `core/metrics.py`.
 """
@@ -32,6 +33,7 @@ from mlx_worker_svc.rpc.security import is_loopback
 from mlx_worker_svc.rpc.status import deadline_passed
 
 log = logging.getLogger(__name__)
+UNKNOWN_METHOD = "/unknown/unknown"  # how a method no loaded proto defines is counted
 
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
@@ -103,8 +105,8 @@ def _label(method: str) -> str:
     try:
         found = descriptor_pool.Default().FindServiceByName(service)
     except KeyError:
-        return "/unknown/unknown"
-    return method if name in found.methods_by_name else "/unknown/unknown"
+        return UNKNOWN_METHOD
+    return method if name in found.methods_by_name else UNKNOWN_METHOD
 
 
 class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -119,7 +121,8 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
         handler = continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # gRPC answers UNIMPLEMENTED itself
+            self._rpcs.record(UNKNOWN_METHOD, grpc.StatusCode.UNIMPLEMENTED.name)
             return None
         rpcs, method = self._rpcs, _label(handler_call_details.method)
 
@@ -149,7 +152,8 @@ class AsyncRpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[ty
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler:
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # gRPC answers UNIMPLEMENTED itself
+            self._rpcs.record(UNKNOWN_METHOD, grpc.StatusCode.UNIMPLEMENTED.name)
             return handler
         rpcs, method = self._rpcs, _label(handler_call_details.method)
 

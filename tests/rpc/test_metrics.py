@@ -163,7 +163,9 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
     assert delta(before, after, "mlx_worker_rpcs_total", **generate, code="INVALID_ARGUMENT") == 1
 
     assert after("mlx_worker_kv_blocks_used") == 0
-    assert after("mlx_worker_kv_blocks_free") == after("mlx_worker_kv_blocks_total") == NUM_BLOCKS
+    assert (
+        after("mlx_worker_kv_blocks_free") == after("mlx_worker_kv_blocks_capacity") == NUM_BLOCKS
+    )
     assert after("mlx_worker_kv_bits") == after("mlx_worker_kv_group_size") == 0  # float KV
     assert after("mlx_worker_requests_running") == after("mlx_worker_requests_preempted") == 0
     assert after("mlx_worker_steps_queued") == 0
@@ -272,14 +274,23 @@ def test_refused_calls_are_counted_and_the_endpoint_closes_on_shutdown() -> None
                 with pytest.raises(grpc.RpcError) as junk:
                     made_up(b"", timeout=10)
                 assert code_of(junk.value) == grpc.StatusCode.UNAUTHENTICATED
+        # With the token, gRPC answers them UNIMPLEMENTED; they count there too.
+        token = (("authorization", "Bearer s3cret-token-for-metrics"),)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for i in range(5):
+                made_up = channel.unary_unary(f"/junk.Service{i}/Method", None, None)
+                with pytest.raises(grpc.RpcError) as junk:
+                    made_up(b"", timeout=10, metadata=token)
+                assert code_of(junk.value) == grpc.StatusCode.UNIMPLEMENTED
         scrape = Scrape(server.metrics_port)
         labels = {"service": "mlx_worker.v1.WorkerService", "method": "GetInfo"}
         assert scrape("mlx_worker_rpcs_total", **labels, code="UNAUTHENTICATED") == 1
         unknown = {"service": "unknown", "method": "unknown"}
         assert scrape("mlx_worker_rpcs_total", **unknown, code="UNAUTHENTICATED") == 20
+        assert scrape("mlx_worker_rpcs_total", **unknown, code="UNIMPLEMENTED") == 5
         assert "junk" not in scrape.text
         assert scrape("mlx_worker_state", state="NEW") == 1
-        assert scrape("mlx_worker_kv_blocks_total") == 0
+        assert scrape("mlx_worker_kv_blocks_capacity") == 0
     finally:
         server.shutdown(grace_seconds=1.0, abort=True)
         assert server.wait(timeout=30)

@@ -130,4 +130,6 @@ async def _track_health(fleet: FleetScheduler, checker: AsyncHealthServicer) -> 
     while True:
         up = any(link.up for link in fleet.links) and not fleet.draining
         await checker.set(SERVICE_NAME, serving if up else not_serving)
+        if fleet.draining:  # the whole server is going, as a draining worker's "" says
+            await checker.set("", not_serving)
         await asyncio.sleep(0.25)

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from driver import reference_tokens, wait_until_idle
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpcurl_cli import (
     HEALTH,
     REFLECTION,
@@ -358,6 +359,16 @@ def test_sigterm_drains_the_fleet_for_its_grace_seconds(
             fleet.generate(token_request(prompts[0], 4))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "the fleet is shutting down" in str(refused.value.details())
+        health = health_pb2_grpc.HealthStub(fleet.channel)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "mlx_worker.v1.FleetService"):  # within its quarter-second poll
+            deadline = time.monotonic() + 5
+            while (
+                health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                != not_serving
+            ):
+                assert time.monotonic() < deadline, f"{service!r} still SERVING while draining"
+                time.sleep(0.05)
     for stream in streams:
         stream.join(STREAM_TIMEOUT)
     if grace:

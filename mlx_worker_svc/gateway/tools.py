@@ -13,13 +13,15 @@ tool fields of earlier messages: an assistant's `tool_calls` (their JSON
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from jsonschema import Draft202012Validator, SchemaError, validators
+import regress
+from jsonschema import Draft202012Validator, FormatChecker, validators
 
 from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import invalid
@@ -27,6 +29,7 @@ from mlx_worker_svc.gateway.errors import invalid
 Choice = Literal["none", "auto", "required", "function"]
 _MODES = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+_PLAIN = re.compile(r"[A-Za-z_$][A-Za-z0-9_$-]*")  # a schema key written .name in a path
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,15 @@ def history(message: dict[str, Any], where: str) -> dict[str, str]:
             raise invalid(f"{where}.tool_calls", "only assistant messages have tool calls")
         if not isinstance(calls, list):
             raise invalid(f"{where}.tool_calls", "expected an array of tool calls")
-        out["tool_calls_json"] = json.dumps(
-            [_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)],
-            ensure_ascii=False,
-        )
+        parsed = [_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        ids = [call["id"] for call in parsed]
+        for j, call_id in enumerate(ids):
+            if call_id in ids[:j]:  # a tool message would answer which?
+                raise invalid(
+                    f"{where}.tool_calls[{j}].id",
+                    f"tool call ids must be unique in a message: {call_id!r} is repeated",
+                )
+        out["tool_calls_json"] = json.dumps(parsed, ensure_ascii=False)
     for name in ("tool_call_id", "name"):
         value = message.get(name)
         if value is None:
@@ -202,24 +210,62 @@ def check_function(
         problem = _schema_problem(json.dumps(parameters, sort_keys=True))
         if problem is not None:
             path, message = problem
-            raise invalid(".".join([f"{where}.{schema_field}", *path]), message)
+            raise invalid(f"{where}.{schema_field}{_path(path)}", message)
 
 
 @functools.lru_cache(maxsize=1024)  # agents send the same tools with every call
-def _schema_problem(schema_json: str) -> tuple[tuple[str, ...], str] | None:
+def _schema_problem(schema_json: str) -> tuple[tuple[str | int, ...], str] | None:
     """Where and why a tool's schema is not JSON Schema (its `$schema`'s draft, else
     2020-12, as Anthropic's API checks it); None when it is."""
     schema = json.loads(schema_json)
-    if not isinstance(schema.get("$schema", ""), str):
+    uri = schema.get("$schema", "")
+    if not isinstance(uri, str):
         return ("$schema",), "expected a string (the URI of a JSON Schema draft)"
-    validator = validators.validator_for(schema, default=Draft202012Validator)
-    try:
-        validator.check_schema(schema)
-    except SchemaError as exc:
-        return tuple(
-            str(part) for part in exc.absolute_path
-        ), f"not valid JSON Schema: {exc.message}"
-    return None
+    draft = _draft(uri)
+    meta = validators.validator_for(draft.META_SCHEMA, default=draft)
+    error = next(
+        iter(meta(draft.META_SCHEMA, format_checker=_formats(draft)).iter_errors(schema)), None
+    )
+    if error is None:
+        return None
+    return tuple(error.absolute_path), f"not valid JSON Schema: {error.message}"
+
+
+def _ecma_regex(pattern: object) -> bool:
+    """Whether `pattern` is a regex as JSON Schema reads it: ECMA-262's, not Python's."""
+    return not isinstance(pattern, str) or bool(regress.Regex(pattern))
+
+
+@functools.cache
+def _draft(uri: str) -> Any:
+    """The validator of the draft `uri` names (drafts 3 to 7 are named with http://; a
+    https:// spelling means the same draft); 2020-12's for none, or one unknown."""
+    for name in (uri, uri.replace("https://", "http://", 1)):
+        draft = validators.validator_for({"$schema": name}, default=cast(Any, None))
+        if draft is not None:
+            return draft
+    return Draft202012Validator
+
+
+@functools.cache
+def _formats(draft: Any) -> FormatChecker:
+    """The draft's format checks, its `regex` ECMA-262's (jsonschema's own is Python's)."""
+    checker: FormatChecker = copy.copy(draft.FORMAT_CHECKER)
+    checker.checkers = {**checker.checkers, "regex": (_ecma_regex, regress.RegressError)}
+    return checker
+
+
+def _path(parts: tuple[str | int, ...]) -> str:
+    """A place in a schema: `.name`, or `["a.b"]` for a name that would read as a path,
+    and `[i]` for an index."""
+    return "".join(
+        f"[{part}]"
+        if isinstance(part, int)
+        else f".{part}"
+        if _PLAIN.fullmatch(part)
+        else f"[{json.dumps(part)}]"
+        for part in parts
+    )
 
 
 def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:

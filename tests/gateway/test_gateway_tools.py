@@ -441,6 +441,16 @@ def test_a_tool_whose_arguments_are_no_object_is_a_400(gateway: Gateway, schema:
             ".properties.z.pattern",
         ),
         ([{"type": "object", "$schema": 5}], ".$schema"),
+        # Patterns are ECMA-262's, as JSON Schema reads them: Python's (?P<n>...) is none.
+        (
+            [{"type": "object", "properties": {"z": {"type": "string", "pattern": "(?P<n>x)"}}}],
+            ".properties.z.pattern",
+        ),
+        # A name with a dot is not read as a path.
+        (
+            [{"type": "object", "properties": {"a.b": {"type": "nonsense"}}}],
+            '.properties["a.b"].type',
+        ),
         # Two tools of one name: which one a call meant would be a guess.
         ([{"type": "object"}, {"type": "object"}], "tools[1].function.name"),
     ],
@@ -461,9 +471,49 @@ def test_a_tool_that_is_not_usable_is_a_400_whether_or_not_it_is_called(
 
 
 @pytest.mark.parametrize(
+    "schema",
+    [
+        # ECMA-262 patterns (zod's emoji(), named groups) that Python's re refuses.
+        {
+            "type": "object",
+            "properties": {"e": {"type": "string", "pattern": "^\\p{Extended_Pictographic}+$"}},
+        },
+        {"type": "object", "properties": {"d": {"type": "string", "pattern": "(?<y>\\d{4})-[^]"}}},
+        # A draft named with https://, as some generators write it: that draft's rules.
+        {
+            "$schema": "https://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "properties": {"t": {"type": "array", "items": [{"type": "string"}]}},
+        },
+        {
+            "$schema": "https://json-schema.org/draft-04/schema#",
+            "type": "object",
+            "properties": {"n": {"type": "number", "minimum": 0, "exclusiveMinimum": True}},
+        },
+    ],
+)
+def test_a_tool_schema_valid_in_its_draft_is_offered(gateway: Gateway, schema: Any) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    body = {"model": "model", "messages": ASK, "tools": [tool], "max_tokens": 2}
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
     ("message", "param"),
     [
         ({"role": "tool", "content": "12:00"}, "messages[1].tool_call_id"),
+        # Two calls of one id: a tool message could not say which it answers.
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                    {"id": "c", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+                ],
+            },
+            "messages[1].tool_calls[1].id",
+        ),
         ({"role": "user", "content": "x", "tool_calls": []}, "messages[1].tool_calls"),
         (
             {

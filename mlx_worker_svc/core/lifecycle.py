@@ -104,6 +104,8 @@ def require(state: WorkerState, call: str, minimum: WorkerState) -> None:
         raise Unavailable(f"{call}: the worker is {state.value} and accepts no new work")
     if state in ORDER and ORDER.index(state) >= ORDER.index(minimum):
         return
+    if state is S.SLEEPING:
+        raise FailedPrecondition(f"{call}: the worker is SLEEPING: call WakeUp first")
     needed = NEXT_CALL.get(state, "")
     raise FailedPrecondition(
         f"{call} needs state {minimum.value} or later; the worker is {state.value}"

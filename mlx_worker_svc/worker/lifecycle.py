@@ -81,7 +81,8 @@ class Lifecycle:
         wanted = replace(args, world_size=args.world_size or channel.size)
 
         def job() -> DeviceInfo:
-            core.require("InitDevice", S.NEW)
+            if core.state is not S.SLEEPING:  # asleep, it keeps its device: a repeat answers
+                core.require("InitDevice", S.NEW)
             device = core.replica.device
             if device is not None:
                 asked = _kind_filled_in(wanted, device.kind)

@@ -353,7 +353,12 @@ class Worker:
         core = self.core
         deep_ns = 0
         if deep and core.loaded is not None and core.state not in (S.STOPPED, S.SLEEPING):
-            deep_ns = core.engine.call(core.replica.deep_check, bounded=True)
+
+            def deep_check() -> int:  # a Sleep queued before it may have freed the model
+                asleep = core.state in (S.STOPPED, S.SLEEPING) or core.loaded is None
+                return 0 if asleep else core.replica.deep_check()
+
+            deep_ns = core.engine.call(deep_check, bounded=True)
         runner = core.runner
         running, preempted = runner.count() if runner else (0, 0)
         dead = core.engine.dead

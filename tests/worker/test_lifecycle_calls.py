@@ -8,6 +8,7 @@ process in the middle of its own (slow) profile.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -117,11 +118,15 @@ def test_a_repeat_spelling_out_a_default_joins_the_call_in_progress(
         )
         assert devices[0] == devices[1]
         load = Held(monkeypatch, "load")
+        own = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
         models = _all_join(
             load,
             lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir))),
             lambda: stub.LoadModel(pb.LoadModelRequest(model=f"{tiny_dir}/./")),
             lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), revision="main")),
+            # max_model_len at or past the model's own context caps nothing: 0's call.
+            lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), max_model_len=own)),
+            lambda: stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir), max_model_len=10**6)),
         )
         assert len({m.worker_epoch for m in models}) == 1
         # Done as well as in progress: no reload, the same epoch.
@@ -139,6 +144,35 @@ def test_a_repeat_spelling_out_a_default_joins_the_call_in_progress(
         )
         assert caches[0] == caches[1]
         assert caches[0].state == pb.WORKER_STATE_READY
+
+
+def test_a_deep_check_queued_behind_a_sleep_answers_asleep(
+    loaded: tuple[WorkerServer, pb_grpc.WorkerServiceStub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CheckHealth(deep) sent while a level-2 Sleep waits for the engine thread runs after
+    the weights are gone: it answers SLEEPING (no forward), not INTERNAL."""
+    _, stub = loaded
+    stub.DetermineMemory(_profile(32))
+    stub.InitCache(pb.InitCacheRequest(num_blocks=8))
+    deep = Held(monkeypatch, "deep_check")
+    with ThreadPoolExecutor(3) as pool:
+        holding = pool.submit(stub.CheckHealth, pb.CheckHealthRequest(deep=True))
+        assert deep.started.wait(timeout=30)  # the engine thread is held
+        sleep = pool.submit(stub.Sleep, pb.SleepRequest(level=2))
+        time.sleep(0.3)  # queued behind the held check
+        queued = pool.submit(stub.CheckHealth, pb.CheckHealthRequest(deep=True))
+        time.sleep(0.3)  # queued behind the Sleep
+        deep.go.set()
+        assert holding.result(timeout=60).deep_check_ns > 0
+        assert sleep.result(timeout=60).state == pb.WORKER_STATE_SLEEPING
+        answer = queued.result(timeout=60)
+    assert (answer.state, answer.deep_check_ns) == (pb.WORKER_STATE_SLEEPING, 0)
+    assert len(deep.calls) == 1
+    # Asleep, a repeat of InitDevice still answers with the device (it is idempotent).
+    assert stub.InitDevice(pb.InitDeviceRequest()).device.kind
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.DetermineMemory(_profile(32))
+    assert details_of(refused.value) == "DetermineMemory: the worker is SLEEPING: call WakeUp first"
 
 
 def test_an_init_device_asking_for_another_rank_is_invalid_in_any_state(

@@ -10,6 +10,7 @@ are read.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -66,12 +67,29 @@ def same_load(spec: LoadSpec, held: LoadSpec | None) -> bool:
 
 
 def canonical(spec: LoadSpec) -> LoadSpec:
-    """`spec` with a local path written one way ("m", "./m/" and its absolute path
-    are one) and, for a local directory, no revision (it has none to read)."""
+    """`spec` with its defaults filled in: a local path written one way ("m", "./m/"
+    and its absolute path are one) and, for a local directory, no revision (it has
+    none to read) and max_model_len 0 when it does not cap the model's own context."""
     model = local_path(spec.model)
-    if os.path.isabs(model) and os.path.exists(model):
-        return replace(spec, model=model, revision="")
-    return replace(spec, model=model)
+    if not (os.path.isabs(model) and os.path.exists(model)):
+        return replace(spec, model=model)
+    cap = spec.max_model_len
+    if cap and cap >= _declared_context(Path(model)):
+        cap = 0
+    return replace(spec, model=model, revision="", max_model_len=cap)
+
+
+def _declared_context(model: Path) -> int:
+    """The context length a model directory's config.json declares (as `_info` reads it)."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    for name in ("max_position_embeddings", "max_seq_len"):
+        value = config.get(name) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_CONTEXT_LENGTH
 
 
 def _resolve(spec: LoadSpec) -> str:

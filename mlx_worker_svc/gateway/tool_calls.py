@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mlx_worker_svc.gateway.relaxed import relaxed
+
 Format = Literal["hermes", "llama3_json", "mistral"]
 # The key that holds a call's arguments, per format.
 ARGUMENTS: dict[Format, str] = {
@@ -97,43 +99,6 @@ def call_grammar(
     schema = {"x-guidance": _JSON_STYLE, **answer}
     top = ["start: calls | answer", f"calls: {sequence}", f"answer: %json {json.dumps(schema)}"]
     return "\n".join([*top, f"call: {calls}", *rules])
-
-
-# JSON Schema keywords the workers' grammar engine (llguidance) does not enforce (min/
-# maxProperties only where every property is required), and the string formats it
-# does: a schema with others is refused, unless relaxed.
-_UNENFORCED = frozenset(
-    {
-        "uniqueItems", "not", "contains", "minContains", "maxContains", "propertyNames",
-        "dependentRequired", "dependentSchemas", "if", "then", "else",
-        "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties",
-    }
-)  # fmt: skip
-_FORMATS = frozenset(
-    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
-)
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties")
-
-
-def relaxed(schema: Any) -> Any:
-    """`schema` without the keywords the grammar engine does not enforce (an unknown
-    `format` included), at every level: a superset of what it allows, for a tool that is
-    not strict, whose arguments OpenAI's and Anthropic's APIs do not hold to it either."""
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _UNENFORCED or (key == "format" and value not in _FORMATS):
-            continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: relaxed(sub) for name, sub in value.items()}
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [relaxed(sub) for sub in value]
-        else:
-            out[key] = relaxed(value) if key in _SCHEMA_ONE else value
-    return out
 
 
 def _lit(text: str) -> str:

@@ -158,15 +158,15 @@ class Gateway:
         status = self.fleet.status()
         up = sum(w.up for w in status.workers)
         state = "ok" if up else "unavailable"
-        if self.fleet.draining:  # shutting down: send traffic elsewhere
-            up, state = 0, "draining"
+        if self.fleet.draining:  # shutting down: send traffic elsewhere (its workers are up)
+            state = "draining"
         body = {
             "status": state,
             "workers_up": up,
             "workers": len(status.workers),
             "queued": status.num_queued,
         }
-        return JSONResponse(body, status_code=200 if up else 503)
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
         # The fleet's collectors read its state on this loop, so they run in a thread.

@@ -470,6 +470,7 @@ def test_sigterm_drains_the_gateway_and_ends_what_is_left_in_the_apis_shape(
                 if grace != "0":
                     health = gw.http.get("/health")
                     assert (health.status_code, health.json()["status"]) == (503, "draining")
+                    assert health.json()["workers_up"] == 1  # still up: the gateway goes
                     late = post(gw, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
                     assert late.status_code == 503
                     assert "the fleet is shutting down" in late.json()["error"]["message"]

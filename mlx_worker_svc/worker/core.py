@@ -4,7 +4,8 @@
 and epoch, the loaded model, the runner, the Generate streams and the engine
 thread on which every state change and every MLX call runs, one at a time
 (its idle work is the `GenerateScheduler`'s). The parts take the core:
-`lifecycle.Lifecycle` (InitDevice..WarmUp, Sleep, drain), `generate.GenerateCalls`
+`lifecycle.Lifecycle` (InitDevice..WarmUp), `sleep_drain.SleepAndDrain` (Sleep, WakeUp,
+drain, close), `generate.GenerateCalls`
 (the text calls and Generate); `worker.Worker` assembles them with Execute and
 the queries. Invariants: the shared state changes only on the engine thread;
 engine operations go through a `Replica`, which on rank 0 of a worker group

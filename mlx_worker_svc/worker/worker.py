@@ -62,6 +62,7 @@ from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import GaveUp, Lifecycle
 from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
+from mlx_worker_svc.worker.sleep_drain import SleepAndDrain
 from mlx_worker_svc.worker.step_stream import StepStream
 
 S = WorkerState
@@ -91,6 +92,7 @@ class Worker:
             options=options,
         )
         self.states = Lifecycle(self.core)
+        self.down = SleepAndDrain(self.core)
         self.text = GenerateCalls(self.core)
         self.adapters = AdapterCalls(self.core)
         self.profiler = EngineProfiler(profile_dir) if profile_dir is not None else None
@@ -188,22 +190,22 @@ class Worker:
         return self.states.warm_up(batch_sizes, prefill_lengths, gave_up=gave_up)
 
     def sleep(self, level: int) -> SleepReport:
-        return self.states.sleep(level)
+        return self.down.sleep(level)
 
     def wake_up(self) -> WakeReport:
-        return self.states.wake_up()
+        return self.down.wake_up()
 
     def reset_prefix_cache(self) -> int:
-        return self.states.reset_prefix_cache()
+        return self.down.reset_prefix_cache()
 
     def begin_drain(self) -> None:
-        self.states.begin_drain()
+        self.down.begin_drain()
 
     def wait_idle(self, timeout: float) -> bool:
-        return self.states.wait_idle(timeout)
+        return self.down.wait_idle(timeout)
 
     def close(self) -> None:
-        self.states.close()
+        self.down.close()
 
     # -------------------------------------------------------- text calls
     def tokenize_text(self, value: str, add_special_tokens: bool) -> list[int]:

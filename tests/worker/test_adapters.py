@@ -18,6 +18,7 @@ from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.worker.adapters import AdapterCalls
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.lifecycle import Lifecycle
+from mlx_worker_svc.worker.sleep_drain import SleepAndDrain
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def core(tiny_dir: Path) -> Iterator[WorkerCore]:
     life.init_device(DeviceArgs(kind=DeviceKind.CPU))
     life.load_model(LoadSpec(model=str(tiny_dir)))
     yield core
-    life.close()
+    SleepAndDrain(core).close()
 
 
 def test_a_worker_group_refuses_adapters(core: WorkerCore, tiny_dir: Path, tmp_path: Path) -> None:
@@ -59,9 +60,9 @@ def test_a_deep_sleep_loads_the_adapters_again(
     life.determine_memory(0.9, 16, 16)
     life.init_cache(64, 16)
     before = calls.list()[0]
-    life.sleep(2)
+    SleepAndDrain(core).sleep(2)
     assert calls.list()[0] == []  # the weights, and the adapters with them, are gone
-    assert life.wake_up().dropped_loras == ()
+    assert SleepAndDrain(core).wake_up().dropped_loras == ()
     after = calls.list()[0]
     assert [(a.name, a.path, a.pinned, a.nbytes) for a in after] == [
         (a.name, a.path, a.pinned, a.nbytes) for a in before
@@ -81,13 +82,13 @@ def test_an_adapter_whose_files_went_away_during_a_deep_sleep_is_dropped_at_wake
     calls.add("gone", str(gone))
     life.determine_memory(0.9, 16, 16)
     life.init_cache(64, 16)
-    life.sleep(2)
+    SleepAndDrain(core).sleep(2)
     shutil.rmtree(gone)
-    woken = life.wake_up()
+    woken = SleepAndDrain(core).wake_up()
     assert woken.state is WorkerState.READY and woken.dropped_loras == ("gone",)
     assert [a.name for a in calls.list()[0]] == ["kept"]
-    life.sleep(2)  # and the next deep sleep does not try it again
-    assert life.wake_up().dropped_loras == ()
+    SleepAndDrain(core).sleep(2)  # and the next deep sleep does not try it again
+    assert SleepAndDrain(core).wake_up().dropped_loras == ()
 
 
 def test_a_start_adapter_that_does_not_fit_a_model_keeps_the_worker_as_it_was(
@@ -111,4 +112,4 @@ def test_a_start_adapter_that_does_not_fit_a_model_keeps_the_worker_as_it_was(
         assert core.epoch == epoch and core.load_spec == LoadSpec(model=str(tiny_dir))
         assert [info.name for info in AdapterCalls(core).list()[0]] == ["a"]
     finally:
-        life.close()
+        SleepAndDrain(core).close()

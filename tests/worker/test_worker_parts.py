@@ -21,6 +21,7 @@ from mlx_worker_svc.core.reports import LoadSpec, WorkerState
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import Lifecycle
+from mlx_worker_svc.worker.sleep_drain import SleepAndDrain
 
 S = WorkerState
 
@@ -29,7 +30,7 @@ S = WorkerState
 def core() -> Iterator[WorkerCore]:
     core = WorkerCore()
     yield core
-    Lifecycle(core).close()
+    SleepAndDrain(core).close()
 
 
 def bring_up(core: WorkerCore, model: Path, *, num_blocks: int = 64) -> Lifecycle:
@@ -50,7 +51,7 @@ def tokens_of(chunks: Iterator[GenerateChunk]) -> list[int]:
     return [token for chunk in chunks for token in chunk.token_ids]
 
 
-def test_the_lifecycle_part_moves_the_core_through_its_states(
+def test_the_lifecycle_parts_move_the_core_through_its_states(
     core: WorkerCore, tiny_dir: Path
 ) -> None:
     life = Lifecycle(core)
@@ -70,14 +71,14 @@ def test_the_lifecycle_part_moves_the_core_through_its_states(
     assert (config.num_blocks, config.block_size) == (16, 4)
     life.warm_up([1, 2], [8])
     assert state(core) is S.SERVING
-    report = life.sleep(1)
+    report = SleepAndDrain(core).sleep(1)
     assert state(core) is S.SLEEPING and report.level == 1
     assert core.runner is None and core.loaded is not None  # level 1 keeps the weights
     assert core.epoch != epoch
-    woken = life.wake_up()
+    woken = SleepAndDrain(core).wake_up()
     assert woken.state is S.SERVING and woken.worker_epoch == core.epoch
     assert core.runner is not None and woken.dropped_loras == ()
-    life.close()
+    SleepAndDrain(core).close()
     assert state(core) is S.STOPPED and core.runner is None and core.loaded is None
 
 

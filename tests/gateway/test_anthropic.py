@@ -443,6 +443,11 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         ({"system": [{"type": "text", "text": "s", "b": 1}]}, "system[0].b'"),
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "b": 1}]}, "tools[0].b'"),
         ({"tool_choice": {"type": "auto", "b": 1}}, "tool_choice.b'"),
+        (
+            {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
+            "messages[0].content[0]': untyped blocks are not supported here",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name': Field required"),
         # As Anthropic's API: tool names are unique, and every tool's schema is JSON Schema
         # whether or not tool_choice makes the answer call it.
         (

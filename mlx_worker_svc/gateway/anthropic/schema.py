@@ -277,7 +277,11 @@ def _text(block: dict[str, Any], where: str) -> str:
 
 
 def _kind(block: Any) -> str:
-    return repr(block.get("type")) if isinstance(block, dict) else json_type(block)
+    """What a content block is, for an error: its type, or what it lacks."""
+    if not isinstance(block, dict):
+        return json_type(block)
+    kind = block.get("type")
+    return "untyped" if kind is None else repr(kind)
 
 
 def _turn(
@@ -417,7 +421,9 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> ToolRequest:
     parallel = Fields(value, "tool_choice").boolean("disable_parallel_tool_use") is False
     name = value.get("name")
     if kind == "tool":
-        if not isinstance(name, str) or name not in {t["name"] for t in tools}:
+        if not isinstance(name, str):
+            raise invalid("tool_choice.name", "Field required (the name of a tool in 'tools')")
+        if name not in {t["name"] for t in tools}:
             raise invalid("tool_choice.name", f"no tool named {name!r} is in 'tools'")
     elif name is not None:
         raise invalid("tool_choice.name", "only for 'type': 'tool'")

@@ -67,24 +67,31 @@ STEP_BYTES = 1024
 
 
 def new_request_bytes(request: pb.NewRequest) -> int:
-    """What `request` adds to an ExecuteRequest (its entry and its scheduled count)."""
-    return request.ByteSize() + 2 * len(request.req_id) + 32
+    """What `request` adds to an ExecuteRequest: itself, and its id again with its
+    scheduled count (`num_scheduled_tokens`)."""
+    return request.ByteSize() + len(request.req_id.encode()) + 16
 
 
-def check_message(prompt: list[int], params: pb.SamplingParams, max_message: int) -> None:
+def check_message(
+    req_id: str, prompt: list[int], params: pb.SamplingParams, max_message: int
+) -> None:
     """Raises BadRequest for a request that alone is more than a worker takes in one
     message (0: unknown), naming its largest part."""
-    size = new_request_bytes(pb.NewRequest(prompt_token_ids=prompt, sampling_params=params))
-    if max_message and size + STEP_BYTES > max_message:
-        raise too_large(prompt, params, max_message, size + STEP_BYTES)
+    new = pb.NewRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=params)
+    size = new_request_bytes(new) + STEP_BYTES
+    if max_message and size > max_message:
+        raise too_large(new, max_message, size)
 
 
-def too_large(
-    prompt: list[int], params: pb.SamplingParams, max_message: int, size: int
-) -> BadRequest:
+def too_large(new: pb.NewRequest, max_message: int, size: int) -> BadRequest:
     """The BadRequest of a request that takes a step's message to `size` bytes, past
-    `max_message`, naming the request's largest part."""
-    parts = {"prompt_token_ids": pb.NewRequest(prompt_token_ids=prompt).ByteSize()}
+    `max_message`, naming the request's largest part (its id counted twice, as a step
+    carries it)."""
+    params = new.sampling_params
+    parts = {
+        "request_id": 2 * len(new.req_id.encode()),
+        "prompt_token_ids": pb.NewRequest(prompt_token_ids=new.prompt_token_ids).ByteSize(),
+    }
     for field, _ in params.ListFields():
         alone = pb.SamplingParams()
         alone.CopyFrom(params)

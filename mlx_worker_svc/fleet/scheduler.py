@@ -260,7 +260,7 @@ class FleetScheduler:
                     "prompt_token_ids" if ask is None else "messages" if ask.messages else "prompt"
                 )
                 check_fits(prompt, params, reserve_max_tokens, field=field, **fits)
-                check_message(prompt, params, link.max_message)
+                check_message(req_id, prompt, params, link.max_message)
                 r = FleetRequest(
                     request_id=req_id,
                     model=model,

@@ -84,7 +84,7 @@ def plan_step(
                     break  # the next step takes it
                 waiting.pop(0)  # no step can: admission checked another worker's limit
                 r.phase = Phase.DONE
-                r.outbox.put_nowait(too_large(prompt, params, max_bytes, size))
+                r.outbox.put_nowait(too_large(new, max_bytes, size))
                 continue
         waiting.pop(0)
         r.attempt += 1

@@ -220,9 +220,15 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
     call's grammar: `tools`); the tools given to the chat template are `tools`;
     an OpenAI message's `tool_calls` are the worker's `messages[i].tool_calls_json`
     (Anthropic's `tool_use` blocks: `messages`, whose indices the system shifts).
-    The fleet names a prompt's text too large for a worker `messages` or `prompt`.
+    The fleet names a prompt's text too large for a worker `messages` or `prompt`, and
+    a request too large by its stop strings `sampling_params.stop`.
     """
-    fields = {"tools_json": "tools", "messages: ": "messages", "prompt: ": "prompt"}
+    fields = {
+        "tools_json": "tools",
+        "messages: ": "messages",
+        "prompt: ": "prompt",
+        "sampling_params.stop: ": "stop_sequences" if anthropic else "stop",
+    }
     if param is not None:
         fields[WORKER_FIELD] = param
     if exc.status != 400:

@@ -331,6 +331,11 @@ def test_a_request_past_a_workers_message_limit_is_refused_and_steps_stay_under_
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(refused.value.details()).startswith("sampling_params.structured_outputs: ")
     assert f"in one message ({limit} bytes" in str(refused.value.details())
+    named = _described(prompt, 16)
+    named.request_id = "r" * (limit // 2 + 64)  # a step carries it twice
+    with pytest.raises(grpc.RpcError) as refused:
+        fleet.generate(named)
+    assert str(refused.value.details()).startswith("request_id: the request takes ")
     big = _described(prompt, limit * 2 // 5)
     alone = tokens_of(fleet.generate(big))
     streams = run_streams(fleet.stub, [big] * 3)

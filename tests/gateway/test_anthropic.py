@@ -531,6 +531,15 @@ def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
     body = {"model": MODEL, "messages": ask, "max_tokens": 4}
     response = gateway.http.post("/v1/chat/completions", json=body, headers={"x-api-key": KEY})
     assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
+    # Too large by its stop strings: named as each API names them.
+    stops = ["s" * (limit // 4 + 64) + str(i) for i in range(4)]
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stop": stops}
+    response = gateway.http.post("/v1/chat/completions", json=body, headers={"x-api-key": KEY})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "stop")
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stop_sequences": stops}
+    response = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert response.status_code == 400
+    assert "'stop_sequences': the request takes" in response.json()["error"]["message"]
 
 
 def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:

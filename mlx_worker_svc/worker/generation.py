@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mlx_worker_svc.core.domain import FinishReason, Origin, RequestOutput
-from mlx_worker_svc.core.errors import WorkerError
+from mlx_worker_svc.core.errors import Code, WorkerError
 from mlx_worker_svc.core.generate import GenerateChunk
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.text import TextStream
@@ -60,11 +60,11 @@ class GenerateStream:
             self._finish(chunk, FinishReason.ABORTED, "request cancelled")
 
     def fail(self, error: WorkerError) -> None:
-        """Ends the stream with an error status."""
+        """Ends the stream with an error status (ABORTED: a drain or a Sleep cut it)."""
         if not self.done:
             self.done = True
             log.info(
-                "request failed",
+                "request aborted" if error.code is Code.ABORTED else "request failed",
                 extra={
                     "req_id": clip(self.request_id),
                     "code": error.code.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -117,6 +118,31 @@ def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert server.wait(timeout=30)
     assert server.worker.state.value == "STOPPED"
+
+
+def test_a_generate_a_drain_cuts_is_logged_aborted(
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Generate still running when the grace period ends: ABORTED to its caller, and
+    "request aborted" in the log (operations.md's end lines), not "request failed"."""
+    caplog.set_level(logging.INFO, logger="mlx_worker_svc.worker.generation")
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=0.3))
+    port = server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stub = pb_grpc.WorkerServiceStub(chan)
+        bring_up(stub, tiny_dir)
+        request = pb.GenerateRequest(
+            request_id="cut", prompt_token_ids=[5, 6], sampling_params=greedy(5000, ignore_eos=True)
+        )
+        stream = stub.Generate(request)
+        next(stream)
+        server.shutdown(grace_seconds=0.3)
+        with pytest.raises(grpc.RpcError) as cut:
+            list(stream)
+        assert code_of(cut.value) == grpc.StatusCode.ABORTED
+    assert server.wait(timeout=30)
+    ends = [r.getMessage() for r in caplog.records if getattr(r, "req_id", "") == "cut"]
+    assert ends == ["request admitted", "request aborted"]
 
 
 def test_engine_death_ends_every_call_with_internal_and_turns_health_off(

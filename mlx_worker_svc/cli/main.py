@@ -13,6 +13,7 @@ no file, builds the embedded default model (SmolLM2-135M-Instruct).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -297,8 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
+    if args.command in ("serve", "fleet", "gateway"):
+        _stop_signals_exit()
     configure_logging(args.log_level, args.log_format)
     return int(args.func(args))
+
+
+def _stop_signals_exit() -> None:
+    """Until the command installs its drain, SIGTERM or SIGINT ends it at once with
+    exit 0 (nothing is served yet), not Python's 143 or a KeyboardInterrupt traceback."""
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise SystemExit(0)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
 
 
 if __name__ == "__main__":

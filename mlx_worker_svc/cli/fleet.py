@@ -367,7 +367,12 @@ def add_commands(sub: Any) -> None:
             add_server_arguments(cmd)
             add_metrics_arguments(cmd)
         elif name == "gateway":
-            add_server_arguments(cmd, token_flag="--api-key-file", token_env=MLX_GATEWAY_API_KEY)
+            add_server_arguments(
+                cmd,
+                token_flag="--api-key-file",
+                token_env=MLX_GATEWAY_API_KEY,
+                health="GET /health",
+            )
             cmd.add_argument(
                 "--served-model-name",
                 help="the model id clients use when the fleet serves one model (default: the "

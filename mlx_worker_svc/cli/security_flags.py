@@ -32,11 +32,13 @@ def add_server_arguments(
     *,
     token_flag: str = "--token-file",
     token_env: str = MLX_WORKER_TOKEN,
+    health: str = "grpc.health.v1 Check/Watch",
 ) -> None:
     """The server-side flags of `serve`, `fleet` and `gateway` (whose tokens are API keys).
 
-    `token_flag` names the token-file flag (its value lands in `args.token_file`)
-    and `token_env` the variable that adds one more token.
+    `token_flag` names the token-file flag (its value lands in `args.token_file`),
+    `token_env` the variable that adds one more token, and `health` the probe that
+    --allow-health-without-token opens.
     """
     parser.set_defaults(token_flag=token_flag, token_env=token_env)
     group = parser.add_argument_group("security (see README: Security)")
@@ -56,7 +58,7 @@ def add_server_arguments(
     group.add_argument(
         "--allow-health-without-token",
         action="store_true",
-        help="let grpc.health.v1 Check/Watch answer without a token (for probes)",
+        help=f"let {health} answer without a token (for probes)",
     )
     group.add_argument(
         "--insecure",

@@ -75,8 +75,12 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         for option in action.option_strings
         if option.startswith("--")
     }
+    spelled: dict[str, str] = {}
     for key, value in values.items():
         flag = key.replace("_", "-")
+        if flag in spelled:  # grace_seconds and grace-seconds: one key
+            command.error(f"{path}: '{spelled[flag]}' and '{key}' are the same key; give it once")
+        spelled[flag] = key
         action = flags.get(flag)
         if action is None or flag in _NOT_KEYS:
             known = [f for f in flags if f not in _NOT_KEYS]
@@ -110,13 +114,31 @@ def _load(path: Path) -> Any:
         import yaml
 
         with path.open(encoding="utf-8") as file:
-            return yaml.safe_load(file)
+            return yaml.load(file, Loader=_unique_keys_loader(yaml))  # a SafeLoader
     except OSError as exc:
         raise ValueError(f"cannot read it ({exc.strerror})") from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not TOML ({_one_line(exc)})") from exc
     except Exception as exc:  # yaml.YAMLError, without importing yaml for TOML files
         raise ValueError(f"not YAML ({_one_line(exc)})") from exc
+
+
+def _unique_keys_loader(yaml: Any) -> Any:
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping (as TOML does)."""
+
+    class UniqueKeys(yaml.SafeLoader):  # type: ignore[misc]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
 
 
 def _one_line(exc: Exception) -> str:
@@ -128,8 +150,10 @@ def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dic
     if not isinstance(data, dict):
         raise ValueError("expected sections [serve], [fleet] and/or [gateway]")
     for section, value in data.items():
-        if section not in COMMANDS or not isinstance(value, dict):
+        if section not in COMMANDS:
             raise ValueError(f"unknown section '{section}' (sections: {', '.join(COMMANDS)})")
+        if not isinstance(value, dict):
+            raise ValueError(f"section '{section}' holds no keys (it is {value!r})")
     if name not in data:
         raise ValueError(f"no [{name}] section")
     keys = {k: v for k, v in data[name].items() if not isinstance(v, dict)}

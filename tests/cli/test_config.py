@@ -195,6 +195,19 @@ def test_a_missing_or_unknown_kind_of_file_is_refused(
     bad = tmp_path / "config.yaml"
     bad.write_text("serve: [1, 2\n")
     assert "not YAML" in refusal(capsys, ["serve", "--config", str(bad)])
+    # A key given twice (YAML lets a later one win silently; TOML refuses it too), one
+    # given in both spellings, and a section with no keys under it.
+    bad.write_text("serve:\n  port: 1\n  port: 2\n")
+    assert "key 'port' is given twice" in refusal(capsys, ["serve", "--config", str(bad)])
+    both = tmp_path / "config.toml"
+    both.write_text("[serve]\ngrace-seconds = 1\ngrace_seconds = 2\n")
+    assert refusal(capsys, ["serve", "--config", str(both)]).endswith(
+        "'grace-seconds' and 'grace_seconds' are the same key; give it once"
+    )
+    bad.write_text("serve:\n")
+    assert refusal(capsys, ["serve", "--config", str(bad)]).endswith(
+        "section 'serve' holds no keys (it is None)"
+    )
 
 
 # --------------------------------------------- three workers and a gateway

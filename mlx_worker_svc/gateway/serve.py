@@ -35,16 +35,21 @@ class _Server(uvicorn.Server):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+    """The listening socket; an OSError names --host and --port and the cause."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise OSError(f"--host {host!r}: cannot listen there ({exc.strerror or exc})") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        why = exc.strerror or exc
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({why})") from exc
     return sock
 
 

@@ -315,6 +315,24 @@ def test_a_public_bind_needs_an_api_key_tls_or_insecure() -> None:
     assert "--api-key-file (or MLX_GATEWAY_API_KEY)" in done.stderr
 
 
+def test_an_address_it_cannot_listen_on_names_its_flags(gateway: Gateway) -> None:
+    """A taken port or an unknown host: one line naming --host/--port and the cause, exit 2."""
+    taken = ["--port", str(gateway.port)]
+    for flags, line in (
+        (taken, f"--host 127.0.0.1 --port {gateway.port}: cannot listen there (Address "),
+        (["--host", "no-such-host.invalid", "--insecure"], "--host 'no-such-host.invalid'"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "mlx_worker_svc", "gateway", "--worker", "127.0.0.1:1", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(f"mlx-worker gateway: {line}")
+
+
 @pytest.mark.smollm
 def test_greedy_chat_through_the_gateway_is_mlx_lm_generate(
     server: WorkerServer, stub: pb_grpc.WorkerServiceStub, smollm_dir: Path

@@ -22,6 +22,8 @@ S = WorkerState
 
 
 class SleepAndDrain:
+    """The calls that take one worker core down (and WakeUp, which brings it back)."""
+
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
 

@@ -73,17 +73,20 @@ def context_hint(model: str | None, max_model_len: int = 0) -> int:
     `max_model_len` caps it; a local model directory's config.json gives it;
     otherwise (a hub id, an unreadable config) FALLBACK_CONTEXT_TOKENS.
     """
-    context = 0
-    if model:
-        try:
-            config = json.loads((Path(model) / "config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-        if isinstance(config, dict):
-            for key in ("max_position_embeddings", "max_seq_len"):
-                value = config.get(key)
-                if isinstance(value, int) and value > 0:
-                    context = value
-                    break
-    context = context or FALLBACK_CONTEXT_TOKENS
+    context = declared_context(model) or FALLBACK_CONTEXT_TOKENS
     return min(context, max_model_len) if max_model_len > 0 else context
+
+
+def declared_context(model: str | None) -> int:
+    """The context length a local model directory's config.json declares (0: none)."""
+    if not model:
+        return 0
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    for key in ("max_position_embeddings", "max_seq_len"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0

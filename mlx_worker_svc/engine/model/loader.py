@@ -10,7 +10,6 @@ are read.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,6 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_worker_svc.core.errors import InvalidArgument, NotFound, Unavailable, WorkerError
+from mlx_worker_svc.core.limits import declared_context
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.reports import LoadSpec, ModelInfo, Parallelism, Quantization
 from mlx_worker_svc.engine.lora.registry import AdapterSet
@@ -74,22 +74,9 @@ def canonical(spec: LoadSpec) -> LoadSpec:
     if not (os.path.isabs(model) and os.path.exists(model)):
         return replace(spec, model=model)
     cap = spec.max_model_len
-    if cap and cap >= _declared_context(Path(model)):
+    if cap and cap >= (declared_context(model) or DEFAULT_CONTEXT_LENGTH):  # as _info reads it
         cap = 0
     return replace(spec, model=model, revision="", max_model_len=cap)
-
-
-def _declared_context(model: Path) -> int:
-    """The context length a model directory's config.json declares (as `_info` reads it)."""
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    for name in ("max_position_embeddings", "max_seq_len"):
-        value = config.get(name) if isinstance(config, dict) else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_CONTEXT_LENGTH
 
 
 def _resolve(spec: LoadSpec) -> str:

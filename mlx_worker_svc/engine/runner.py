@@ -281,13 +281,11 @@ class ModelRunner:
         """Blocks the prefix cache may hold now without crowding out requests.
 
         During a step, the requests' blocks at the end of the step are
-        reserved, so an insertion never takes room a later forward needs. A
-        request `leaving` (finished or preempted) gives its blocks back first:
+        reserved, so an insertion never takes room a later forward needs. The
+        blocks of a request `leaving` (finished or preempted) count as free:
         its own KV may fill them.
         """
         state = self.state
-        if leaving is not None:
-            state.reserved.pop(leaving, None)
         requests = max(state.request_blocks(leaving=leaving), sum(state.reserved.values()))
         return max(state.budget.num_blocks - requests, 0)
 
@@ -295,6 +293,7 @@ class ModelRunner:
         """Drops a request's KV, giving its whole blocks to the prefix cache if `keep`."""
         state = self.state
         keep = keep and state.prefix is not None and not seq.kv_lost
+        state.reserved.pop(seq.key, None)  # it ends this step holding nothing
         capacity = self._prefix_capacity(leaving=seq.key)
         keep = keep and seq.num_computed >= state.budget.block_size and capacity > 0
         cache = seq.cache

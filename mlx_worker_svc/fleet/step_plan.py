@@ -60,7 +60,7 @@ def plan_step(
         budget -= count
         used += kv.blocks(computed + count) - kv.blocks(computed)
     started: list[FleetRequest] = []
-    size = request.ByteSize() + STEP_BYTES if max_bytes else 0
+    size = 0  # the step's bytes, measured once a new request is considered
     while waiting and budget > 0 and len(running) < max_seqs:
         r = waiting[0]
         count = min(len(r.tokens), budget)
@@ -78,7 +78,7 @@ def plan_step(
             skip_special_tokens=r.skip_special_tokens,
         )
         if max_bytes:
-            size += new_request_bytes(new)
+            size = (size or request.ByteSize() + STEP_BYTES) + new_request_bytes(new)
             if size > max_bytes:
                 if request.new_requests or request.cached_requests:
                     break  # the next step takes it

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from mlx_worker_svc.engine.cache.batch import DecodeBatch
 from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState, StepMarks
 
@@ -90,8 +89,7 @@ class StepJournal:
         lost = set(self.marks.touched)
         if self.marks.decoding:
             lost.update(state.batch.keys)
-            batch = state.batch
-            state.batch = DecodeBatch(aligned=batch.aligned, dequant_rows=batch.dequant_rows)
+            state.batch.clear()  # its rows' adapters stay in scope
         for key in lost:
             seq = state.seqs.get(key)
             if seq is not None:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import mlx.core as mx
 import pytest
 from driver import bring_up, greedy, live_server
@@ -147,6 +148,23 @@ def test_generate_parity(tiny_worker: tuple[Stub, int], tiny_reference: list[lis
     stub, _ = tiny_worker
     assert generate_all(stub, PROMPTS, NAMES, TOKENS) == tiny_reference
     assert generate_all(stub, PROMPTS[1:2], NAMES[1:2], TOKENS) == tiny_reference[1:2]
+
+
+def test_a_failed_step_leaves_the_adapters_in_force(
+    tiny_worker: tuple[Stub, int], tiny_reference: list[list[int]]
+) -> None:
+    """A step that fails while it decodes is undone; the batch it rebuilds still opens
+    each row's adapter (it once came back with the base model's weights for all)."""
+    stub, epoch = tiny_worker
+    past_limit = pb.StructuredChoice(choices=[f"city{i}" for i in range(2001)])
+    bad = greedy(4)
+    bad.structured_outputs.choice.CopyFrom(past_limit)
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6], sampling_params=bad)))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert generate_all(stub, PROMPTS, NAMES, TOKENS) == tiny_reference
+        assert execute(stub, epoch, PROMPTS, NAMES, TOKENS, chunk=4).tokens == tiny_reference
 
 
 def test_prefix_cache_keeps_adapters_apart(

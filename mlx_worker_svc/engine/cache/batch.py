@@ -179,6 +179,10 @@ class DecodeBatch(Generic[K]):
         self.aligned = aligned
         self.scope = scope
         self.dequant_rows = dequant_rows
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops every row, its cache and the look-ahead; the settings stay."""
         self.keys: list[K] = []
         self._members: set[K] = set()  # the keys, for O(1) membership
         self._cache: LayerCaches = []

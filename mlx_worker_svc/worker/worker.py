@@ -393,7 +393,7 @@ class Worker:
         if runner is not None:
             return runner.kv_usage()
         if config is not None:  # asleep: the budget stands, nothing is held
-            return KVUsage(num_blocks=config.num_blocks, block_size=config.block_size)
+            return KVUsage(num_blocks=config.num_blocks, block_size=config.block_size, kv=config.kv)
         return KVUsage()
 
     @property

@@ -203,16 +203,22 @@ def test_the_format_is_reported_and_survives_sleep(
 ) -> None:
     srv, stub, _ = server
     url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    assert "\nmlx_worker_kv_bits 8.0\n" in text and "\nmlx_worker_kv_group_size 64.0\n" in text
-    for kv in (
-        stub.GetInfo(pb.GetInfoRequest()).kv,
-        stub.CheckHealth(pb.CheckHealthRequest()).kv,
-    ):
-        assert (kv.kv_bits, kv.kv_group_size) == (BITS, GROUP)
+
+    def shown() -> None:  # awake and asleep alike: the format in force
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert "\nmlx_worker_kv_bits 8.0\n" in text
+        assert "\nmlx_worker_kv_group_size 64.0\n" in text
+        for kv in (
+            stub.GetInfo(pb.GetInfoRequest()).kv,
+            stub.CheckHealth(pb.CheckHealthRequest()).kv,
+        ):
+            assert (kv.kv_bits, kv.kv_group_size) == (BITS, GROUP)
+
+    shown()
     stub.Sleep(pb.SleepRequest(level=1))
     assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_SLEEPING
+    shown()
     epoch = int(stub.WakeUp(pb.WakeUpRequest()).worker_epoch)
     assert stub.GetInfo(pb.GetInfoRequest()).kv.kv_bits == BITS
     assert drive(stub, epoch, PROMPTS[:2], max_tokens=TOKENS, params=params()) == reference[:2]

@@ -121,10 +121,16 @@ class Decoder:
             self.state.batch.prefetch(self.model, [seq.tokens[-1] for seq in rows], greedy=greedy)
 
     def _finish_reason(self, seq: Sequence, *, grammar_complete: bool) -> FinishReason | None:
-        """The stopping rule the last token fired; a completed grammar beats a length limit."""
-        if not seq.may_finish() and not grammar_complete:
-            return None
-        reason = seq.finish_reason(self.eos_ids, self.max_context)
-        if grammar_complete and reason in (None, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH):
+        """The stopping rule the last token fired. A completed grammar decides, even
+        before min_tokens: by its EOS or stop token, else GRAMMAR_COMPLETE (which beats
+        a length limit)."""
+        if grammar_complete:
+            last = seq.tokens[-1]
+            if last in self.eos_ids:  # never ignore_eos: SamplingParams refuses it with a spec
+                return FinishReason.EOS
+            if last in seq.params.stop_token_ids:
+                return FinishReason.STOP_TOKEN
             return FinishReason.GRAMMAR_COMPLETE
-        return reason
+        if not seq.may_finish():
+            return None
+        return seq.finish_reason(self.eos_ids, self.max_context)

@@ -61,14 +61,34 @@ def check_bitmask(
         words[-1] &= np.uint32((1 << tail) - 1)
     if not words.any():
         raise InvalidArgument(f"{where} allows no token")
-    for token in masked:
-        if token < vocab_size:
-            words[token // 32] &= ~np.uint32(1 << (token % 32))
-    if not words.any():
+    if not _without(words, masked, vocab_size).any():
         raise InvalidArgument(
             f"{where} allows only tokens that end the request (EOS or a stop token), which "
             "sampling_params.min_tokens holds back in this step: no token could be sampled"
         )
+
+
+def _without(words: np.ndarray[Any, Any], ids: frozenset[int], vocab_size: int) -> Any:
+    """A copy of the packed row `words` with the token `ids` not allowed."""
+    out = words.copy()
+    view = out.view(np.uint32)
+    for token in ids:
+        if token < vocab_size:
+            view[token // 32] &= ~np.uint32(1 << (token % 32))
+    return out
+
+
+def _hold_stops(words: np.ndarray[Any, Any], row: MaskedRow, vocab_size: int) -> None:
+    """min_tokens for a grammar row: its stop tokens left out of its mask `words`,
+    unless the grammar allows nothing else; then the grammar decides (it ends)."""
+    if not row.stops or len(row.tokens) - row.prompt_len >= row.params.min_tokens:
+        return
+    held = _without(words, row.stops, vocab_size)
+    tail = vocab_size % 32
+    if tail:
+        held.view(np.uint32)[-1] &= np.uint32((1 << tail) - 1)
+    if held.any():
+        words[:] = held
 
 
 @dataclass
@@ -113,9 +133,10 @@ def step_mask(
             pairs.append((row.grammar.matcher, i))
     if pairs:
         llguidance.numpy.fill_next_token_bitmask_par(compiler.executor, pairs, words)
-        for row in rows:  # a matcher in an error state masks all but EOS
+        for i, row in enumerate(rows):  # a matcher in an error state masks all but EOS
             if row.grammar is not None:
                 row.grammar.check()
+                _hold_stops(words[i], row, compiler.vocab_size)
     elapsed = time.perf_counter_ns() - start
     compiler.stats.masks += 1
     compiler.stats.mask_ns += elapsed

@@ -220,6 +220,7 @@ class ModelRunner:
             eos_ids=self.eos_ids,
             vocab_size=self.limits.vocab_size,
             sampled_before=new.generated,
+            hold_stops=params.structured_outputs is None,  # else the grammar's mask does
         )
         limit = self.limits.max_context
         seq = Sequence.start(

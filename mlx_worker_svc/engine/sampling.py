@@ -35,9 +35,12 @@ class RequestSampler:
         eos_ids: frozenset[int],
         vocab_size: int,
         sampled_before: int = 0,
+        hold_stops: bool = True,
     ):
         """`sampled_before`: tokens a continued request sampled elsewhere
-        (NewRequest.num_generated_tokens); a seeded key goes on from there."""
+        (NewRequest.num_generated_tokens); a seeded key goes on from there.
+        `hold_stops=False`: min_tokens does not hold the stop tokens back here,
+        the step's grammar mask does (grammar_mask.step_mask)."""
         self.params = params
         self.vocab_size = vocab_size
         self._key = mx.random.key(params.seed) if params.seed is not None else None
@@ -49,7 +52,7 @@ class RequestSampler:
         self.stops = params.stop_ids(eos_ids)
         self._min_tokens_mask = (
             mx.array(sorted(self.stops), dtype=mx.uint32)
-            if self.stops and params.min_tokens
+            if self.stops and params.min_tokens and hold_stops
             else None
         )
         self._bias_ids = self._bias_values = None

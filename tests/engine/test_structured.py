@@ -279,6 +279,49 @@ def test_generate_honours_the_spec(tiny_stub: Stub) -> None:
     jsonschema.validate(json.loads("".join(m.text for m in messages)), SCHEMAS[5])
 
 
+EMPTY_ONLY = [{"regex": "(?:)"}, {"lark_grammar": 'start: ""'}]
+
+
+@pytest.mark.parametrize("spec", EMPTY_ONLY, ids=["regex", "lark"])
+@pytest.mark.parametrize("min_tokens", [0, 3])
+def test_a_spec_only_the_empty_text_matches_ends_with_eos(
+    shared_stub: Stub, spec: dict[str, Any], min_tokens: int
+) -> None:
+    """Its one token is EOS, FINISH_REASON_EOS, even before min_tokens: the grammar
+    decides where the output ends (min_tokens once masked the only token it allowed,
+    and the step failed as if the spec were past the engine's limits)."""
+    stub = shared_stub
+    eos = list(stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids)
+    params = constrained(8, **spec)
+    params.min_tokens = min_tokens
+    messages = list(stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
+    assert [t for m in messages for t in m.token_ids] == eos[:1]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_EOS
+    assert "".join(m.text for m in messages) == ""
+    step = pb.ExecuteRequest(
+        worker_epoch=_epoch(stub),
+        new_requests=[pb.NewRequest(req_id="e", prompt_token_ids=[5, 6], sampling_params=params)],
+        num_scheduled_tokens={"e": 2},
+    )
+    (out,) = stub.Execute(step).outputs
+    assert list(out.sampled_token_ids) == eos[:1]
+    assert out.finish_reason == pb.FINISH_REASON_EOS
+
+
+def test_min_tokens_holds_eos_back_where_the_grammar_allows_more(tiny_stub: Stub) -> None:
+    """EOS, biased to win wherever it may, comes only after min_tokens tokens."""
+    eos = int(tiny_stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids[0])
+    for min_tokens in (0, 1, 4):
+        params = constrained(12, regex="[a-z ]*")
+        params.min_tokens = min_tokens
+        params.logit_bias[eos] = 1000.0
+        messages = list(tiny_stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
+        tokens = [t for m in messages for t in m.token_ids]
+        assert len(tokens) == min_tokens + 1 and tokens[-1] == eos, tokens
+        assert eos not in tokens[:-1]
+        assert messages[-1].finish_reason == pb.FINISH_REASON_EOS
+
+
 BAD_SPECS = [
     ({"json_schema": "{not json"}, "structured_outputs.json_schema"),
     ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "uniqueItems"),

@@ -1,4 +1,4 @@
-"""The README's Layout tree names every module of the package, and only those.
+"""The README names every module of the package (and only those) and every make target.
 
 The tree is the code block under "## Layout": a line may open a folder (a name
 ending in "/", nested by its indentation) and name modules (".py") of the folder
@@ -85,3 +85,13 @@ def test_the_package_root_holds_only_init_main_and_folders() -> None:
     root = REPO / PACKAGE
     files = sorted(p.name for p in root.iterdir() if p.is_file())
     assert files == ["__init__.py", "__main__.py"]
+
+
+def test_the_readme_lists_every_make_target() -> None:
+    """The README's "Make targets" table names each target of the Makefile's .PHONY."""
+    phony = re.search(r"^\.PHONY:(.*)$", (REPO / "Makefile").read_text(), re.M)
+    assert phony is not None
+    section = (REPO / "README.md").read_text().split("\n## Make targets\n", 1)[1]
+    rows = [row for row in section.split("\n## ", 1)[0].splitlines() if row.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([\w-]+)`", row.split("|")[1])}
+    assert set(phony.group(1).split()) <= listed, sorted(set(phony.group(1).split()) - listed)

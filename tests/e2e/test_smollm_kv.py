@@ -46,12 +46,10 @@ def test_8bit_kv_matches_mlx_lm_on_smollm2(smollm_dir: Path) -> None:
     assert got == expected
 
 
-QUESTIONS = [
+QUESTIONS = [  # float16 runs without BLAS on a CPU: a few prompts keep it short
     "Write a haiku about the sea.",
     "What is the capital of France?",
-    "Name three primary colors.",
     "Why is the sky blue?",
-    "Who wrote Romeo and Juliet?",
     "What does a thermometer measure?",
 ]
 

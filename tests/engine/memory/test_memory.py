@@ -108,8 +108,8 @@ def test_bytes_per_block_matches_the_real_cache(
     request: pytest.FixtureRequest,
 ) -> None:
     model = request.getfixturevalue(
-        {"tiny": "tiny_dir", "smollm": "smollm_dir", "head_dim": "head_dim_dir"}[which]
-    )
+        {"tiny": "tiny_dir", "smollm": "smollm_f32_dir", "head_dim": "head_dim_dir"}[which]
+    )  # SmolLM2's float32 copy: the same float32 KV as its 4-bit weights, prefilled fast
     epoch = bring_up(stub, model)
     per_block = stub.DetermineMemory(
         pb.DetermineMemoryRequest(max_num_batched_tokens=64, block_size=16)

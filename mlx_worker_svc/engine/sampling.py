@@ -38,11 +38,13 @@ class RequestSampler:
         hold_stops: bool = True,
     ):
         """`sampled_before`: tokens a continued request sampled elsewhere
-        (NewRequest.num_generated_tokens); a seeded key goes on from there.
+        (NewRequest.num_generated_tokens); a seeded key goes on from there, and
+        the presence and frequency penalties count them as output.
         `hold_stops=False`: min_tokens does not hold the stop tokens back here,
         the step's grammar mask does (grammar_mask.step_mask)."""
         self.params = params
         self.vocab_size = vocab_size
+        self._carried = sampled_before  # output tokens at the prompt's end
         self._key = mx.random.key(params.seed) if params.seed is not None else None
         if self._key is not None and not params.greedy:
             for n in range(sampled_before):  # one split a token, as `choose` takes
@@ -97,8 +99,9 @@ class RequestSampler:
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
             logits[seen] = penalised
-        if (p.presence_penalty or p.frequency_penalty) and num_output > 0:
-            output = mx.array(list(tokens[prompt_len:]), dtype=mx.uint32)
+        output_start = prompt_len - self._carried
+        if (p.presence_penalty or p.frequency_penalty) and len(tokens) > output_start:
+            output = mx.array(list(tokens[output_start:]), dtype=mx.uint32)
             counts = mx.zeros((self.vocab_size,), dtype=mx.float32).at[output].add(1.0)
             penalty = p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             logits = logits - penalty[: logits.shape[-1]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -105,16 +106,32 @@ def _continued(
     return tokens
 
 
-def test_a_seeded_request_continued_elsewhere_goes_on_with_its_seed(tiny_stub: Stub) -> None:
-    """The same seed gives the same tokens also when the request is continued from its
-    output so far (a failover): the key goes on from the tokens sampled before."""
-    seeded = pb.SamplingParams(temperature=1.0, seed=77, max_tokens=24, ignore_eos=True)
-    alone = _tokens(_run(tiny_stub, [PROMPTS[1]], [seeded])[0])
-    for cut in (1, 9):
+PENALISED: dict[str, Any] = {"frequency_penalty": 2.0, "presence_penalty": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt"),
+    [
+        (pb.SamplingParams(temperature=1.0, seed=77), PROMPTS[1]),
+        (pb.SamplingParams(temperature=0.0, **PENALISED), PROMPTS[3]),
+        (pb.SamplingParams(temperature=0.9, seed=5, **PENALISED), PROMPTS[1]),
+    ],
+    ids=["seeded", "greedy-penalised", "seeded-penalised"],
+)
+def test_a_request_continued_elsewhere_samples_what_it_would_have(
+    tiny_stub: Stub, params: pb.SamplingParams, prompt: list[int]
+) -> None:
+    """Continued from its output so far (a failover), a request samples the tokens it
+    would have sampled: a seed's key goes on from the tokens sampled before, and the
+    presence and frequency penalties count those tokens as output."""
+    whole = pb.SamplingParams(max_tokens=40, ignore_eos=True)
+    whole.MergeFrom(params)
+    alone = _tokens(_run(tiny_stub, [prompt], [whole])[0])
+    for cut in (1, 9, 25):
         rest = pb.SamplingParams()
-        rest.CopyFrom(seeded)
-        rest.max_tokens = 24 - cut
-        assert _continued(tiny_stub, PROMPTS[1], alone[:cut], rest) == alone[cut:], cut
+        rest.CopyFrom(whole)
+        rest.max_tokens = 40 - cut
+        assert _continued(tiny_stub, prompt, alone[:cut], rest) == alone[cut:], cut
 
 
 def test_every_step_logprobs_match_a_single_sequence_reference(

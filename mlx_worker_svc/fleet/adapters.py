@@ -7,9 +7,11 @@ adapter runs on one model: the `base_model_name` it was configured with, else
 the model of the first worker seen holding it (`learn`), else the fleet's only
 model; a request naming another model is INVALID_ARGUMENT naming lora_name
 (`check`). When no worker holds it and the fleet knows the adapter's path
-(`fleet --lora-modules NAME=PATH`, `FleetConfig.lora_modules`), `ensure` loads
-it with AddLora on the least loaded worker of the model (one load per worker
-at a time, shared by the requests that wait for it). On a worker whose
+(`fleet --lora-modules NAME=PATH`, `FleetConfig.lora_modules`), its requests
+wait while `place` loads it in the background (`ensure`: AddLora on the least
+loaded worker of the model, one load per worker at a time, shared by the
+requests that wait for it); a worker lost meanwhile fails none of them: the
+load is tried again on the workers still up. On a worker whose
 adapter slots (its --max-loras) are full the fleet first removes one that no
 request of that worker needs (one it can load again first); when every slot is needed the
 load waits (the requests stay queued and the scheduler tries again), so a
@@ -122,13 +124,18 @@ class AdapterPlacement:
         """The workers of `up` that can run a request of adapter `name` ("": all)."""
         return [link for link in up if not name or name in link.adapters]
 
+    def require(self, up: list[WorkerLink], name: str) -> None:
+        """AdapterNotFound for an adapter no worker of `up` holds and the fleet may not
+        load (a request for one that is loadable waits for its load: `place`)."""
+        if name and up and not self.holders(up, name) and self.path_of(name) is None:
+            raise AdapterNotFound(name, self.known(up))
+
     async def ensure(self, up: list[WorkerLink], name: str) -> None:
         """Makes some worker of `up` hold adapter `name` (loading it there if need be)."""
-        if not name or not up or self.holders(up, name):
-            return
+        self.require(up, name)
         path = self.path_of(name)
-        if path is None:
-            raise AdapterNotFound(name, self.known(up))
+        if not name or not up or self.holders(up, name) or path is None:
+            return
         link = min(up, key=lambda candidate: candidate.load)
         key = (link.target, name)
         task = self._loads.get(key)

@@ -250,7 +250,9 @@ class FleetScheduler:
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed
                 link = await self._some_link(model, want=False)
-                await self.adapters.ensure(self._up(model), request.lora_name)
+                # Not loaded here: a request no worker can run yet waits while the
+                # adapter loads (`_route`), so a worker lost mid-load fails nobody.
+                self.adapters.require(self._up(model), request.lora_name)
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
                     check_size(ask, link.max_message)

@@ -12,6 +12,7 @@ model and adapter.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -236,3 +237,31 @@ def test_a_workers_own_adapter_removed_for_room_is_loaded_again(tree: dict[str, 
             started.channel.close()
             started.proc.reap()
         proc.reap()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_worker_lost_as_it_is_chosen_to_load_an_adapter_fails_no_request(
+    tree: dict[str, Path], how: signal.Signals
+) -> None:
+    """The least loaded worker, picked to load the adapter, dies or hangs before the
+    fleet sees it go: the request waits and runs on the other worker (it once failed
+    UNAVAILABLE at once, or after two minutes of retried ListLoras on a hung one)."""
+    procs = [worker("--model", str(tree["a"]), "--auto-init") for _ in range(2)]
+    started = None
+    try:
+        started = fleet([t for _, t in procs], "--lora-modules", f"x={tree['x']}")
+        [prompt] = distinct_prompts(1, 10, seed=12)
+        [want] = reference(tree["a"], tree["x"], [prompt])
+        procs[0][0].proc.send_signal(how)  # the first of two idle workers: the one picked
+        answer = list(started.stub.Generate(ask(prompt, "", "x"), timeout=60))
+        assert tokens_of(answer) == want
+        holders = [w.target for w in started.status().workers if "x" in w.lora_adapters]
+        assert holders == [procs[1][1]]
+    finally:
+        if started is not None:
+            started.channel.close()
+            started.proc.reap()
+        if how is signal.SIGSTOP:
+            procs[0][0].proc.send_signal(signal.SIGCONT)
+        for proc, _ in procs:
+            proc.reap()

@@ -319,10 +319,11 @@ class MirroredRunner(ModelRunner):
         req_id: str,
         prompt: tuple[int, ...],
         params: Any,
-        _: str = "",
+        adapter: str = "",
         prompt_field: str = "prompt",
     ) -> None:
-        super().add_generate(req_id, prompt, params, prompt_field=prompt_field)  # no adapters
+        # A group holds no adapters: one named is NOT_FOUND here, before any rank hears of it.
+        super().add_generate(req_id, prompt, params, adapter, prompt_field=prompt_field)
         self._send("add_generate", req_id, prompt, params)
 
     def abort_all(self, origin: Origin | None = None) -> list[RequestKey]:

@@ -16,8 +16,9 @@ import os
 import re
 import signal
 
+import grpc
 import pytest
-from driver import drive, greedy
+from driver import code_of, details_of, drive, greedy
 from engine.group.ranks import MAX_TOKENS, Group, Single, epoch_of
 from grpcurl_cli import Grpcurl, grpcurl_binary
 from mlx_lm.models import llama
@@ -138,6 +139,14 @@ def test_generate_gives_a_single_workers_tokens(group: Group, single: Single, ba
     assert [len(s.tokens) for s in streams] == [MAX_TOKENS] * batch
     health = group.stub.CheckHealth(pb.CheckHealthRequest(deep=True))
     assert health.healthy and health.deep_check_ns > 0, health
+    # A group holds no adapters: one named is NOT_FOUND, as on a worker without it (it
+    # once ran the base model's tokens under the adapter's name).
+    named = token_request(prompts[0], MAX_TOKENS)
+    named.lora_name = "absent"
+    with pytest.raises(grpc.RpcError) as refused:
+        list(group.stub.Generate(named))
+    assert code_of(refused.value) == grpc.StatusCode.NOT_FOUND
+    assert "GenerateRequest.lora_name" in details_of(refused.value)
 
 
 def test_sleep_and_wake_up_apply_on_every_rank(group: Group, single: Single) -> None:

@@ -6,7 +6,8 @@ with `--group` added on every rank (N ranks on this machine, or the hosts of
 `--hostfile`). Rank 0 serves gRPC; the other ranks follow it
 (engine/group/replica.py). This process relays the group's output, passes SIGTERM
 and SIGINT to rank 0 (whose drain stops every rank), and exits with rank 0's
-exit status, which rank 0 prints as its last line (`EXIT_LINE`). Ranks still
+exit status, which rank 0 prints as its last line (`EXIT_LINE`), or mlx.launch
+for a rank 0 that could not (killed by signal N: 128 + N, as a shell). Ranks still
 running `AFTER_RANK0_SECONDS` after that line (a follower that is stopped or
 hung, which mlx.launch's SIGTERM cannot end) are killed with the launcher, so
 the command a supervisor watches exits and the group can be restarted.
@@ -35,6 +36,8 @@ RANK_LINE = "mlx-worker group rank {rank} of {size} ({backend}) pid {pid} on {ho
 EXIT_LINE = "mlx-worker rank 0 exits with status {status}"
 _RANK = re.compile(r"mlx-worker group rank (\d+) of \d+ \(\S+\) pid (\d+) on (\S+)")
 _EXIT = re.compile(r"mlx-worker rank 0 exits with status (-?\d+)")
+# mlx.launch's line for a rank that ended without ours (killed by a signal: -N).
+_LAUNCHER_EXIT = re.compile(r"Node with rank 0 exited with code (-?\d+)")
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 # More than a pipe buffer holds (64 KiB on Linux, at most that on macOS).
 _STDIN_FILL = 256 << 10
@@ -185,6 +188,10 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             ranked = _RANK.search(line)
             if ranked and ranked.group(1) == "0" and ranked.group(3) == socket.gethostname():
                 rank0 = int(ranked.group(2))
+            died = _LAUNCHER_EXIT.search(line)
+            if died and status is None:  # as a shell says it: 128 + the signal
+                code = int(died.group(1))
+                status = 128 - code if code < 0 else code
             ended = _EXIT.search(line)
             if ended and status is None:
                 status = int(ended.group(1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -205,3 +206,14 @@ def test_sigterm_stops_every_rank(group: Group) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "rank 0 exits with status 0" in group.output
+
+
+def test_a_killed_rank_0_is_the_commands_exit_status(tiny_dir: Path) -> None:
+    """Rank 0 killed by a signal prints no exit line: the command exits 128 + the
+    signal, as a shell reports it (it once exited 1)."""
+    group = Group(tiny_dir)
+    try:
+        group.signal_rank(0, signal.SIGKILL)
+        assert group.exit_status() == 128 + signal.SIGKILL, group.output
+    finally:
+        group.reap()

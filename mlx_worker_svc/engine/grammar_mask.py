@@ -69,9 +69,13 @@ def check_bitmask(
 
 
 def _without(words: np.ndarray[Any, Any], ids: frozenset[int], vocab_size: int) -> Any:
-    """A copy of the packed row `words` with the token `ids` not allowed."""
+    """A copy of the packed row `words` with the token `ids` (and the bits past
+    `vocab_size`) not allowed."""
     out = words.copy()
     view = out.view(np.uint32)
+    tail = vocab_size % 32
+    if tail:
+        view[-1] &= np.uint32((1 << tail) - 1)
     for token in ids:
         if token < vocab_size:
             view[token // 32] &= ~np.uint32(1 << (token % 32))
@@ -84,9 +88,6 @@ def _hold_stops(words: np.ndarray[Any, Any], row: MaskedRow, vocab_size: int) ->
     if not row.stops or len(row.tokens) - row.prompt_len >= row.params.min_tokens:
         return
     held = _without(words, row.stops, vocab_size)
-    tail = vocab_size % 32
-    if tail:
-        held.view(np.uint32)[-1] &= np.uint32((1 << tail) - 1)
     if held.any():
         words[:] = held
 

@@ -150,7 +150,9 @@ class Admission:
         forwards += [chunk for key in alone for chunk in _chunks(0, whole[key])]
         if decode_rows:
             forwards.append((decode_rows, decode_context))
-        self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes)
+        prefix = self.state.prefix
+        reclaimable = prefix.nbytes if prefix is not None else 0
+        self.guard.check(self.guard.estimate(forwards), what, self._evict_bytes, reclaimable)
 
     def _evict_bytes(self, wanted: int) -> int:
         prefix = self.state.prefix

@@ -7,7 +7,8 @@ the guard estimates the peak of its largest forward from the activation model
 DetermineMemory fitted (`bytes_per_token * c + bytes_per_token_pair * c * L`
 for c tokens over a context of L) and compares it with what the memory limit
 leaves beside MLX's active memory. The prefix cache gives its blocks back
-first; only then is the step refused with RESOURCE_EXHAUSTED.
+first where that makes room enough; else the step is refused with
+RESOURCE_EXHAUSTED and the cache keeps them.
 """
 
 from __future__ import annotations
@@ -91,18 +92,23 @@ class MemoryGuard:
             )
         return int(peak)
 
-    def check(self, need: int, what: str, make_room: Callable[[int], int]) -> None:
+    def check(
+        self, need: int, what: str, make_room: Callable[[int], int], reclaimable: int = 0
+    ) -> None:
         """Raises ResourceExhausted unless `need` bytes fit under the limit.
 
-        `make_room(bytes)` may free memory first (the prefix cache's blocks).
+        `make_room(bytes)` may free memory first (the prefix cache's blocks), but
+        only when the `reclaimable` bytes it could free would make `need` fit: a
+        step refused anyway leaves the cache as it was.
         """
         free = self.limit - int(mx.get_active_memory())
         if need <= free:
             return
-        make_room(need - free)
-        free = self.limit - int(mx.get_active_memory())
-        if need <= free:
-            return
+        if need <= free + reclaimable:
+            make_room(need - free)
+            free = self.limit - int(mx.get_active_memory())
+            if need <= free:
+                return
         raise ResourceExhausted(
             f"{what} needs about {need / _MIB:.1f} MiB of activations but only "
             f"{max(free, 0) / _MIB:.1f} MiB are free under the memory limit of "

@@ -185,16 +185,21 @@ def _memory_limited(stub: Stub, model: Path, headroom: int) -> int:
 def test_a_step_too_large_for_the_memory_limit_is_refused_and_others_finish(
     tiny_dir: Path, stub: Stub, channel: grpc.Channel
 ) -> None:
-    p1, p2 = _prompt(8, 7), _prompt(8, 8)
+    p1, p2 = _prompt(20, 7), _prompt(8, 8)
     epoch = _memory_limited(stub, tiny_dir, headroom=8 << 20)
     steps = Stepper(stub, epoch)
     steps.step(new={"p1": p1, "p2": p2})
     steps.step()
+    cached = _health(stub).kv.prefix_cache_blocks  # p1's whole block
+    assert cached == 1
     with pytest.raises(grpc.RpcError) as info:
         steps.step(new={"big": _prompt(400, 9)})
     assert code_of(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "memory limit" in details_of(info.value)
-    assert _health(stub).state == pb.WORKER_STATE_SERVING
+    health = _health(stub)
+    assert health.state == pb.WORKER_STATE_SERVING
+    # Emptying the prefix cache would not have made room: it keeps its blocks.
+    assert health.kv.prefix_cache_blocks == cached
     steps.run_out("p1", "p2")
     reference = reference_tokens(tiny_dir, [p1, p2], 12)
     assert [steps.outputs["p1"], steps.outputs["p2"]] == reference

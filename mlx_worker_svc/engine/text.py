@@ -106,8 +106,12 @@ def _objects(value: str, field: str) -> list[dict[str, Any]]:
 
 
 def special_ids(tokenizer: TokenizerWrapper, eos_ids: Iterable[int]) -> frozenset[int]:
-    """The ids `decode(..., skip_special_tokens=True)` leaves out, and the model's EOS ids."""
-    return frozenset(int(t) for t in tokenizer.all_special_ids) | frozenset(eos_ids)
+    """The ids `decode(..., skip_special_tokens=True)` leaves out, and the model's EOS ids:
+    the named special tokens and every added token marked special (SmolLM2's
+    `<repo_name>`, `<file_sep>`..., which `all_special_ids` does not list)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    marked = {int(i) for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(int(t) for t in tokenizer.all_special_ids) | marked | frozenset(eos_ids)
 
 
 def decode(tokenizer: TokenizerWrapper, ids: Sequence[int], *, skip_special_tokens: bool) -> str:

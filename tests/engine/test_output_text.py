@@ -70,9 +70,13 @@ def test_the_pieces_concatenate_to_detokenize(
 
 
 def test_special_tokens_are_left_out_by_default(tiny_stub: Stub, smollm_dir: Path) -> None:
-    """A chat marker the model emits is in the text only with skip_special_tokens false."""
+    """A chat marker the model emits is in the text only with skip_special_tokens false:
+    every added token marked special, not only those `all_special_ids` names (SmolLM2's
+    `<repo_name>` once stayed in the text)."""
     tokenizer = load_tokenizer(smollm_dir)
-    special = sorted(int(t) for t in tokenizer.all_special_ids)
+    added = tokenizer.added_tokens_decoder.items()
+    special = sorted(int(i) for i, token in added if token.special)
+    assert len(special) > len(tokenizer.all_special_ids)
     prompt = [5, 6, 7]
     epoch = int(tiny_stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
     texts = {}
@@ -81,7 +85,7 @@ def test_special_tokens_are_left_out_by_default(tiny_stub: Stub, smollm_dir: Pat
         new = pb.NewRequest(
             req_id=rid,
             prompt_token_ids=prompt,
-            sampling_params=greedy(8, ignore_eos=True),
+            sampling_params=greedy(8 + len(special), ignore_eos=True),
             detokenize=True,
             skip_special_tokens=skip,
         )

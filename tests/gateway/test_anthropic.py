@@ -552,6 +552,20 @@ def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:
     assert message.content[0].type == "text"
 
 
+def test_an_answer_cut_to_nothing_goes_back_in_the_history(client: anthropic.Anthropic) -> None:
+    """A stop sequence at the answer's start leaves its text block empty, streamed or
+    not; sent back as the assistant's turn, as agents do, it is accepted (it was a 400)."""
+    first = create(client, max_tokens=4).content[0].text[0]
+    for stream in (False, True):
+        options: dict[str, Any] = {"max_tokens": 4, "stop_sequences": [first]}
+        answer = streamed(client, **options)[1] if stream else create(client, **options)
+        assert answer.stop_reason == "stop_sequence"
+        assert [(b.type, b.text) for b in answer.content] == [("text", "")]
+        turn = {"role": "assistant", "content": [b.model_dump() for b in answer.content]}
+        history = [*ASK, turn, {"role": "user", "content": "Go on."}]
+        assert create(client, messages=history, max_tokens=2).content
+
+
 def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic) -> None:
     """output_config.format (Anthropic's structured outputs) is held to by the grammar:
     the answer is compact JSON of the schema, even at temperature 1 on random weights."""

@@ -317,6 +317,8 @@ def _turn(
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in _BLOCK_KEYS:
             only_keys(block, _BLOCK_KEYS[kind], at, _EXTRA)
+        if kind == "text" and role == "assistant" and block.get("text") == "":
+            continue  # an answer cut to nothing has one (gateway.md): no text
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use" and role == "assistant":

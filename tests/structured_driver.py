@@ -3,7 +3,9 @@
 `run_requests` drives Execute over many requests at once (one batch), with
 chunked prefill, multi-step decode, a preemption, or a per-step
 grammar_bitmask computed by the caller. The JSON schemas, regexes and
-choices the structured-output tests and the benchmark share live here.
+choices the structured-output tests and the benchmark share live here, and
+`failing_beside`, a run with or without a step failing past the grammar
+engine's limits beside decoding rows.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+import pytest
+from driver import code_of
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -195,3 +201,60 @@ REGEXES = [
     r"(\+|-)?[1-9][0-9]{0,3}",
 ]
 CHOICES = [["Paris", "London", "Berlin"], ["positive", "negative"], ["A", "B", "C", "D"]]
+
+
+# Past llguidance's parser limits only on a token: 2,001 alternatives in one row
+# (the limit is 2,000): a step with it fails while it runs.
+CHOICE_PAST_LIMIT: dict[str, Any] = {
+    "choice": pb.StructuredChoice(choices=[f"city{i}" for i in range(2001)])
+}
+
+
+def failing_beside(stub: pb_grpc.WorkerServiceStub, fail: bool) -> tuple[list[float], int, int]:
+    """a and b decode together; then a step of a, a new 48-token prompt n and, if `fail`,
+    a request past the engine's limits, sent again without it; then b alone, 3 steps.
+    Returns b's last logprobs, n's cached prompt tokens, and the prefix cache's blocks
+    after the failed step (before it, without one)."""
+    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+    epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+    free = pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def step(**fields: Any) -> pb.ExecuteResponse:
+        response: pb.ExecuteResponse = stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, **fields))
+        return response
+
+    def cached(req_id: str, computed: int) -> pb.CachedRequest:
+        return pb.CachedRequest(req_id=req_id, num_computed_tokens=computed)
+
+    new = [
+        pb.NewRequest(req_id=k, prompt_token_ids=p, sampling_params=free)
+        for k, p in (("a", [5, 6, 7, 8, 9]), ("b", [9, 8, 7, 6, 5]))
+    ]
+    step(new_requests=new, num_scheduled_tokens={"a": 5, "b": 5})
+    step(cached_requests=[cached("a", 5), cached("b", 5)], num_scheduled_tokens={"a": 1, "b": 1})
+    long = pb.NewRequest(req_id="n", prompt_token_ids=list(range(600, 648)), sampling_params=free)
+    scheduled = {"a": 1, "n": 48}
+    if fail:
+        bad = pb.NewRequest(
+            req_id="bad",
+            prompt_token_ids=[5, 6],
+            sampling_params=constrained(8, **CHOICE_PAST_LIMIT),
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            step(
+                cached_requests=[cached("a", 6)],
+                new_requests=[long, bad],
+                num_scheduled_tokens={**scheduled, "bad": 2},
+            )
+        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
+    blocks = stub.CheckHealth(pb.CheckHealthRequest()).kv.prefix_cache_blocks
+    again = step(
+        cached_requests=[cached("a", 6)], new_requests=[long], num_scheduled_tokens=scheduled
+    )
+    hit = next(o.num_cached_prompt_tokens for o in again.outputs if o.req_id == "n")
+    logprobs = []
+    for computed in (6, 7, 8):  # b was out of the failed step: its KV must be as it was
+        out = step(cached_requests=[cached("b", computed)], num_scheduled_tokens={"b": 1})
+        logprobs += [lp.logprob for lp in out.outputs[0].logprobs]
+    step(finished_req_ids=["a", "b", "n"])
+    return logprobs, hit, blocks

@@ -12,6 +12,9 @@ request whose cache the failed step may have written (a prefill it ran, or
 every row of the decode batch once the batched forward began) keeps its
 tokens and `num_computed` but has its KV marked lost; the runner rebuilds it
 (from the prefix cache and a prefill) the next time the request computes.
+A decode row the step took out of the batch before its forward keeps the KV
+it was taken out with, and the prefix-cache blocks the step added
+(`StepMarks.cached`) are dropped again.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class StepJournal:
     seqs: dict[RequestKey, Sequence]
     saved: list[_Saved]
     marks: StepMarks  # filled in by the step while it runs (state.step)
+    batch: frozenset[RequestKey]  # the decode batch's rows before the step
 
     @classmethod
     def begin(cls, state: EngineState, work: Work) -> StepJournal:
@@ -77,15 +81,25 @@ class StepJournal:
         keys.update(key for key, _, _ in work.appends)
         saved = [_Saved.of(state.seqs[key]) for key in keys if key in state.seqs]
         state.step = StepMarks()
-        return cls(seqs=dict(state.seqs), saved=saved, marks=state.step)
+        batch = frozenset(state.batch.keys)
+        return cls(seqs=dict(state.seqs), saved=saved, marks=state.step, batch=batch)
 
     def roll_back(self, state: EngineState) -> None:
         """Puts every request back as it was before the step; lost KV is marked."""
+        # Rows the step's decode took out of the batch before its forward (not in the
+        # step) hold their own KV, untouched: they keep it.
+        kept = {
+            key: seq.cache
+            for key in self.batch - self.marks.touched
+            if (seq := state.seqs.get(key)) is not None and seq.cache is not None
+        }
         state.seqs = self.seqs
         for saved in self.saved:
             saved.restore()
         for key in self.marks.freed:
             state.recently_finished.pop(key, None)
+        if state.prefix is not None:
+            state.prefix.discard(self.marks.cached)
         lost = set(self.marks.touched)
         if self.marks.decoding:
             lost.update(state.batch.keys)
@@ -94,6 +108,9 @@ class StepJournal:
             seq = state.seqs.get(key)
             if seq is not None:
                 seq.cache = None
+        for key, cache in kept.items():
+            if key not in lost and key in state.seqs:
+                state.seqs[key].cache = cache
         in_batch = set(state.batch.keys)
         for stale in in_batch - set(state.seqs):
             state.batch.remove({stale})

@@ -20,6 +20,7 @@ from collections.abc import Sequence as Sequence_
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import mlx.core as mx
 
@@ -304,8 +305,17 @@ class ModelRunner:
             else:
                 state.batch.remove({seq.key})
         seq.cache = None
-        if keep and cache is not None and state.prefix is not None:
-            state.prefix.insert(seq.tokens, cache, capacity, state.root(seq.adapter))
+        if keep and cache is not None:
+            self._to_prefix(seq, cache, capacity)
+
+    def _to_prefix(self, seq: Sequence, cache: list[Any], capacity: int) -> None:
+        """Caches the whole blocks of `seq`'s KV `cache`; a running step notes the blocks
+        it adds, which a failed step takes out again (engine/recovery.py)."""
+        state = self.state
+        if state.prefix is not None:
+            added = state.prefix.insert(seq.tokens, cache, capacity, state.root(seq.adapter))
+            if state.step is not None:
+                state.step.cached += added
 
     def _fit_prefix(self, work: Work) -> None:
         """Evicts prefix blocks so the requests of `work` have their blocks."""
@@ -376,8 +386,7 @@ class ModelRunner:
         for seq, private_end, samples in prefills:
             outputs[seq.key].prompt_logprobs.extend(self.prefill.prefill(seq, private_end))
             if samples and self.state.prefix is not None and seq.cache is not None:
-                root = self.state.root(seq.adapter)
-                self.state.prefix.insert(seq.tokens, seq.cache, self._prefix_capacity(), root)
+                self._to_prefix(seq, seq.cache, self._prefix_capacity())
         decode_rows = len(sampling)  # the step's batched decode (later steps may hold fewer)
         if sampling:
             self.decoder.decode(sampling, outputs, work.bitmasks)

@@ -29,6 +29,7 @@ class StepMarks:
     freed: list[RequestKey] = field(default_factory=list)  # requests the step freed
     touched: set[RequestKey] = field(default_factory=set)  # requests whose KV it prefilled
     decoding: bool = False  # whether the batched decode forward began
+    cached: list[int] = field(default_factory=list)  # prefix-cache blocks it added
 
 
 @dataclass

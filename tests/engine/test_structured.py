@@ -22,12 +22,14 @@ import jsonschema
 import pytest
 from driver import bring_up, code_of, details_of, live_server, wait_until_idle
 from structured_driver import (
+    CHOICE_PAST_LIMIT,
     CHOICES,
     REGEXES,
     SCHEMA_TEXTS,
     SCHEMAS,
     Finished,
     constrained,
+    failing_beside,
     run_requests,
 )
 
@@ -443,11 +445,8 @@ def test_a_bad_continuation_is_refused(shared_stub: Stub, generated: int, named:
     assert named in details_of(caught.value)
 
 
-# Past llguidance's parser limits only on a token: 2,001 alternatives in one row
-# (the limit is 2,000), and a regex whose lexer needs too many expressions.
-CHOICE_PAST_LIMIT: dict[str, Any] = {
-    "choice": pb.StructuredChoice(choices=[f"city{i}" for i in range(2001)])
-}
+# Past llguidance's parser limits only on a token: CHOICE_PAST_LIMIT, and a regex
+# whose lexer needs too many expressions.
 REGEX_PAST_LIMIT: dict[str, Any] = {"regex": "(x{1000}){1021}"}
 LIMIT = "the grammar engine (llguidance) reached one of its limits on this spec: "
 
@@ -514,6 +513,19 @@ def test_a_spec_past_the_engines_limits_fails_its_request_alone(shared_stub: Stu
             f"sampling_params.structured_outputs.regex: {LIMIT}lexer error: too many "
             "expressions constructed; simplify the spec (fewer alternatives, shorter repetitions)"
         )
+
+
+def test_a_failed_step_leaves_the_kv_it_did_not_write_and_caches_nothing(
+    shared_stub: Stub,
+) -> None:
+    """A decode row the failed step did not schedule keeps its KV: its logprobs are the
+    very ones of a run without the failure (its KV was rebuilt, which with quantized KV
+    changed its tokens); and the prompt blocks the step put in the prefix cache are
+    taken out again, so a request of it sent again finds none."""
+    clean = failing_beside(shared_stub, fail=False)
+    failed = failing_beside(shared_stub, fail=True)
+    assert failed == clean
+    assert failed[1] == 0
 
 
 def test_a_generate_request_past_a_limit_does_not_fail_the_step_it_rides(tiny_dir: Path) -> None:

@@ -166,13 +166,13 @@ class PrefixCache:
     # ------------------------------------------------------------- insertion
     def insert(
         self, tokens: Sequence[int], cache: LayerCaches, capacity: int, root: int = _ROOT
-    ) -> int:
+    ) -> list[int]:
         """Caches the whole blocks of `tokens` whose KV `cache` holds.
 
         `cache` holds the KV of `tokens[:offset]`. Blocks already cached are
         only touched; new ones may push out least recently used blocks, but
         the cache never holds more than `capacity` blocks (the room requests
-        leave in the budget). Returns the blocks added.
+        leave in the budget). Returns the ids of the blocks added, first to last.
         """
         bs = self.block_size
         whole = min(int(cache[0].offset), len(tokens)) // bs * bs
@@ -217,7 +217,15 @@ class PrefixCache:
         # Deepest first, so parents stay more recent than their children.
         for block in reversed(known + made):
             self._lru.move_to_end(block.id)
-        return len(made)
+        return [block.id for block in made]
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Drops the blocks `ids` that are still cached and now leaves, last first (a
+        failed step's insertions: engine/recovery.py)."""
+        for block_id in reversed(ids):
+            block = self._lru.get(block_id)
+            if block is not None and block.children == 0:
+                self._drop(block)
 
     # -------------------------------------------------------------- eviction
     def evict(self, count: int, keep: set[int] | None = None) -> int:

@@ -19,6 +19,7 @@ from driver import code_of, details_of, drive, greedy, live_server, mlx_lm_token
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from structured_driver import failing_beside
 from tiny_model import build_tiny_model, random_llama
 
 from mlx_worker_svc.client.execute_loop import run_prompts
@@ -308,3 +309,13 @@ def test_quantized_rows_merge_as_aligned_batches_unless_turned_off() -> None:
     assert ragged[0].padded
     # Two rows of 3 tokens' triplets: 2 KV heads x (64 bytes + float32 scale and bias).
     assert ragged[0].nbytes == 2 * 3 * 2 * 2 * (64 + 8)
+
+
+def test_a_failed_step_keeps_the_kv_of_a_row_it_did_not_schedule(
+    worker: tuple[Stub, int],
+) -> None:
+    """A decode row left out of a step that fails keeps its quantized KV as it was: its
+    logprobs are the very ones of a run without the failure (a rebuild, its first chunk
+    attended in float, once changed them)."""
+    stub, _ = worker
+    assert failing_beside(stub, fail=True) == failing_beside(stub, fail=False)

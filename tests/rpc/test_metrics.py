@@ -394,6 +394,13 @@ def test_fleet_and_worker_json_logs_carry_request_ids(served: Served) -> None:
     served.fleet.generate(generate_request(list(range(800, 807)), 4, "fleet-log"))
     with pytest.raises(grpc.RpcError):
         served.fleet.generate(pb.GenerateRequest(request_id="fleet-log-bad"))
+    # Lines are read from the processes' output as it comes: wait for the last ones.
+    for proc, message, req_id in (
+        (served.fleet_proc, "request finished", "fleet-log"),
+        (served.fleet_proc, "request failed", "fleet-log-bad"),
+        (served.worker, "request finished", "fleet-log#1"),
+    ):
+        proc.wait_for(f'(?=.*"message": ?"{message}")(?=.*"req_id": ?"{req_id}")', timeout=30)
     ended = {
         line["req_id"]: line
         for line in json_lines(served.fleet_proc)

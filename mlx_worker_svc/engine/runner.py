@@ -257,6 +257,10 @@ class ModelRunner:
         self._release_kv(seq, keep_prefix)
         if self.state.step is not None:
             self.state.step.freed.append(key)
+        self._remember_finished(key)
+
+    def _remember_finished(self, key: RequestKey) -> None:
+        """Naming `key` in finished_req_ids is no error for a while (the last 65,536)."""
         self.state.recently_finished[key] = None
         while len(self.state.recently_finished) > _REMEMBER_FINISHED:
             self.state.recently_finished.popitem(last=False)
@@ -339,8 +343,12 @@ class ModelRunner:
         journal = StepJournal.begin(self.state, work)
         try:
             return self._apply(work)
-        except BaseException:
+        except BaseException as exc:
             journal.roll_back(self.state)
+            if isinstance(exc, structured.GrammarFailed) and exc.key not in self.state.seqs:
+                # New in the failed step, so never held: the scheduler finishes it (as
+                # worker.proto says) without the step being refused for an unknown id.
+                self._remember_finished(exc.key)
             raise
         finally:
             self.state.step = None

@@ -479,6 +479,16 @@ def test_a_spec_past_the_engines_limits_fails_its_request_alone(shared_stub: Stu
         "Current row has 2002 items; max is 2000"
     )
     assert wait_until_idle(stub, 10).num_running_requests == 0  # nothing was applied
+    # As the proto says: finish the request (new in the failed step, so never held: no
+    # NOT_FOUND) and schedule the others again.
+    again = pb.ExecuteRequest(
+        worker_epoch=epoch,
+        new_requests=[step.new_requests[0]],
+        num_scheduled_tokens={"free": 2},
+        finished_req_ids=["bad"],
+    )
+    assert stub.Execute(again).outputs[0].req_id == "free"
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["free"]))
     # A request that ran a step (a prompt chunk) before it reached the limit: the step
     # that reaches it is undone, and the request stays where it was until freed.
     params = constrained(8, **CHOICE_PAST_LIMIT)

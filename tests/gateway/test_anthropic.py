@@ -564,6 +564,7 @@ def test_an_answer_cut_to_nothing_goes_back_in_the_history(client: anthropic.Ant
         turn = {"role": "assistant", "content": [b.model_dump() for b in answer.content]}
         history = [*ASK, turn, {"role": "user", "content": "Go on."}]
         assert create(client, messages=history, max_tokens=2).content
+        assert create(client, messages=[*ASK, turn], max_tokens=2).content  # as a prefill
 
 
 def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic) -> None:

@@ -250,8 +250,9 @@ def _system(value: Any) -> list[pb.ChatMessage]:
     return [pb.ChatMessage(role="system", content=text)] if text else []
 
 
-def _texts(value: Any, where: str) -> str:
-    """The text of an array of text blocks, joined by newlines."""
+def _texts(value: Any, where: str, *, assistant: bool = False) -> str:
+    """The text of an array of text blocks, joined by newlines (an assistant's empty
+    ones left out: see `_empty_answer`)."""
     if not isinstance(value, list):
         raise invalid(where, "expected a string or an array of text blocks")
     texts = []
@@ -261,8 +262,14 @@ def _texts(value: Any, where: str) -> str:
                 f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"
             )
         only_keys(block, _BLOCK_KEYS["text"], f"{where}[{j}]", _EXTRA)
-        texts.append(_text(block, f"{where}[{j}]"))
+        if not (assistant and _empty_answer(block)):
+            texts.append(_text(block, f"{where}[{j}]"))
     return "\n".join(texts)
+
+
+def _empty_answer(block: dict[str, Any]) -> bool:
+    """An assistant's empty text block: an answer cut to nothing has one (gateway.md)."""
+    return block.get("type") == "text" and block.get("text") == ""
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -317,8 +324,8 @@ def _turn(
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in _BLOCK_KEYS:
             only_keys(block, _BLOCK_KEYS[kind], at, _EXTRA)
-        if kind == "text" and role == "assistant" and block.get("text") == "":
-            continue  # an answer cut to nothing has one (gateway.md): no text
+        if role == "assistant" and _empty_answer(block):
+            continue
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use" and role == "assistant":
@@ -374,7 +381,9 @@ def _prefill(turn: dict[str, Any], where: str) -> str:
     """The text a final assistant message starts the answer with."""
     only_keys(turn, ("role", "content"), where, _EXTRA)
     content = turn.get("content")
-    text = content if isinstance(content, str) else _texts(content, f"{where}.content")
+    text = (
+        content if isinstance(content, str) else _texts(content, f"{where}.content", assistant=True)
+    )
     if text != text.rstrip():
         raise invalid(
             f"{where}.content", "final assistant content cannot end with trailing whitespace"

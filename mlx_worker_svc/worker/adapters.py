@@ -99,8 +99,10 @@ class AdapterCalls:
         return self.core.engine.call(lambda: self._adapters("PinLora").pin(name, pinned))
 
     def list(self) -> tuple[list[AdapterInfo], int]:
-        """The resident adapters (none without a model) and --max-loras."""
-        cap = self.core.replica.options.max_loras
+        """The resident adapters (none without a model) and --max-loras (0 on a group,
+        which holds none)."""
+        grouped = self.core.replica.channel.grouped
+        cap = 0 if grouped else self.core.replica.options.max_loras
 
         def job() -> list[AdapterInfo]:
             loaded = self.core.loaded

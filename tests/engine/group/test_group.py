@@ -148,6 +148,8 @@ def test_generate_gives_a_single_workers_tokens(group: Group, single: Single, ba
         list(group.stub.Generate(named))
     assert code_of(refused.value) == grpc.StatusCode.NOT_FOUND
     assert "GenerateRequest.lora_name" in details_of(refused.value)
+    listed = group.stub.ListLoras(pb.ListLorasRequest())
+    assert (list(listed.names), listed.max_loras) == ([], 0)
 
 
 def test_sleep_and_wake_up_apply_on_every_rank(group: Group, single: Single) -> None:

@@ -124,13 +124,11 @@ class Decoder:
         """The stopping rule the last token fired. A completed grammar decides, even
         before min_tokens: by its EOS or stop token, else GRAMMAR_COMPLETE (which beats
         a length limit)."""
-        if grammar_complete:
-            last = seq.tokens[-1]
-            if last in self.eos_ids:  # never ignore_eos: SamplingParams refuses it with a spec
-                return FinishReason.EOS
-            if last in seq.params.stop_token_ids:
-                return FinishReason.STOP_TOKEN
-            return FinishReason.GRAMMAR_COMPLETE
-        if not seq.may_finish():
+        if not seq.may_finish() and not grammar_complete:
             return None
-        return seq.finish_reason(self.eos_ids, self.max_context)
+        reason = seq.finish_reason(
+            self.eos_ids, self.max_context, grammar_complete=grammar_complete
+        )
+        if grammar_complete and reason in (None, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH):
+            return FinishReason.GRAMMAR_COMPLETE
+        return reason

@@ -83,13 +83,16 @@ class Sequence:
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
 
-    def finish_reason(self, eos_ids: frozenset[int], max_context: int) -> FinishReason | None:
-        """The stopping rule the last sampled token fired, if any."""
+    def finish_reason(
+        self, eos_ids: frozenset[int], max_context: int, *, grammar_complete: bool = False
+    ) -> FinishReason | None:
+        """The stopping rule the last sampled token fired, if any; a completed grammar
+        lets its EOS or stop token end the request even before min_tokens."""
         if self.num_output <= 0:
             return None
         last = self.tokens[-1]
         p = self.params
-        if self.num_output >= p.min_tokens:
+        if grammar_complete or self.num_output >= p.min_tokens:
             if not p.ignore_eos and last in eos_ids:
                 return FinishReason.EOS
             if last in p.stop_token_ids:

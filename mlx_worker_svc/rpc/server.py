@@ -152,6 +152,7 @@ class WorkerServer:
         self._drain_lock = threading.Lock()
         self._cut = threading.Event()  # a second signal: the grace period ends now
         self._draining = False
+        self._deadline = 0.0  # time.monotonic() at which the drain's grace ends
         self.port = 0
         self.metrics_port = 0
         """The bound metrics port (0 until started, or when not served)."""
@@ -217,24 +218,30 @@ class WorkerServer:
         return self._draining
 
     def shutdown(self, grace_seconds: float = 0.0, abort: bool = False) -> None:
-        """Starts the drain (idempotent).
+        """Starts the drain; during one, `abort` or a shorter grace cuts it short.
 
         Returns once the worker refuses new work (UNAVAILABLE) and health says
         NOT_SERVING, in that order; the wait for open streams and the stop run
-        in the background.
+        in the background. A later call never lengthens the grace period.
         """
+        grace = grace_seconds or self.config.grace_seconds
         with self._drain_lock:
             if self._draining:
+                if abort:
+                    self.cut_drain()
+                elif time.monotonic() + grace < self._deadline:
+                    log.info("draining: the grace period is shortened to %.1fs", grace)
+                    self._deadline = time.monotonic() + grace
                 return
             self._draining = True
-        grace = grace_seconds or self.config.grace_seconds
+            self._deadline = time.monotonic() + grace
         log.info("draining (grace %.1fs, abort=%s)", grace, abort)
         try:
             self.worker.begin_drain()
         except Exception:
             log.exception("drain: the worker could not stop taking work")
         self._health.enter_graceful_shutdown()
-        threading.Thread(target=self._drain, args=(grace, abort), name="drain", daemon=True).start()
+        threading.Thread(target=self._drain, args=(abort,), name="drain", daemon=True).start()
 
     def cut_drain(self) -> None:
         """Ends the grace period of a drain under way at once (a second signal)."""
@@ -242,19 +249,18 @@ class WorkerServer:
             log.info("draining: the grace period is cut short; work in flight ends now")
             self._cut.set()
 
-    def _drain(self, grace: float, abort: bool) -> None:
-        deadline = time.monotonic() + grace
+    def _drain(self, abort: bool) -> None:
         try:
-            # In slices, so that cut_drain() ends the wait within one.
+            # In slices, so that cut_drain() or a shorter grace ends the wait within one.
             while not abort and not self._cut.is_set():
-                left = deadline - time.monotonic()
+                left = self._deadline - time.monotonic()
                 if left <= 0 or self.worker.wait_idle(min(left, 0.1)):
                     break
         except Exception:
             log.exception("drain: the worker could not drain cleanly")
         finally:
             self.worker.close()
-            left = 0.0 if self._cut.is_set() else deadline - time.monotonic()
+            left = 0.0 if abort or self._cut.is_set() else self._deadline - time.monotonic()
             self._server.stop(max(left, 0.0)).wait()
             self._metrics_endpoint.close()
             self._stopped.set()

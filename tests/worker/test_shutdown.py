@@ -230,3 +230,36 @@ def test_a_second_sigterm_cuts_the_grace_period_short(
     os.kill(worker.proc.pid, signal.SIGTERM)
     assert worker.exit_code() == 0
     assert time.monotonic() - started < 30  # not the 120 s grace
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "stops_within"),
+    [
+        (pb.ShutdownRequest(grace_seconds=120), pb.ShutdownRequest(abort=True), 15.0),
+        (pb.ShutdownRequest(grace_seconds=120), pb.ShutdownRequest(grace_seconds=0.5), 15.0),
+        (pb.ShutdownRequest(grace_seconds=0.5), pb.ShutdownRequest(grace_seconds=120), 15.0),
+    ],
+    ids=["abort", "shorter", "longer"],
+)
+def test_a_second_shutdown_cuts_the_drain_short_and_never_lengthens_it(
+    tiny_dir: Path, first: pb.ShutdownRequest, second: pb.ShutdownRequest, stops_within: float
+) -> None:
+    """During a drain, Shutdown(abort) ends the grace at once (as a second SIGTERM), a
+    shorter grace_seconds shortens it, and a longer one leaves it as it was; each
+    answers DRAINING. A scheduler's running request that never ends holds the drain."""
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=30.0))
+    port = server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stub = pb_grpc.WorkerServiceStub(chan)
+        bring_up(stub, tiny_dir)
+        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+        new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
+        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+        step.num_scheduled_tokens["r"] = 2
+        stub.Execute(step)  # running, and its scheduler never comes back
+        assert stub.Shutdown(first).num_in_flight == 1
+        started = time.monotonic()
+        assert stub.Shutdown(second).state == pb.WORKER_STATE_DRAINING
+    assert server.wait(timeout=stops_within)
+    assert time.monotonic() - started < stops_within
+    assert server.worker.state.value == "STOPPED"

@@ -131,9 +131,10 @@ class StepStream:
         return step
 
     def _not_created(self, step_id: int, new_ids: Sequence[str]) -> None:
+        # Also under an id this stream's own live request holds: the scheduler counted
+        # on an earlier finish of it (one that failed), and means another request.
         for req_id in new_ids:
-            if self._created.get(req_id) is None:  # not a live one of this stream's
-                self._uncreated[req_id] = step_id
+            self._uncreated[req_id] = step_id
         while len(self._uncreated) > _REMEMBER_FINISHED:
             self._uncreated.popitem(last=False)
 
@@ -179,13 +180,21 @@ class StepStream:
                     "this stream was to create it and failed, so this stream has no such "
                     "request (a live one under the id is another scheduler's)"
                 )
-        gone = {r for r in plan.finished_req_ids if r in self._uncreated and r not in new}
-        for req_id in gone:
+        meant = {r for r in plan.finished_req_ids if r in self._uncreated and r not in new}
+        for req_id in meant:
             del self._uncreated[req_id]
+        # This stream's own request under the id goes: the scheduler finished it once
+        # already (the step that failed) and means to be rid of it either way.
+        gone = {r for r in meant if not self._is_own(r)}
         if not gone:
             return plan
         kept = tuple(r for r in plan.finished_req_ids if r not in gone)
         return replace(plan, finished_req_ids=kept)
+
+    def _is_own(self, req_id: str) -> bool:
+        """Whether the live request under `req_id` is one this stream created."""
+        made = self._created.get(req_id)
+        return made is not None and self._identify(req_id) is made
 
     def _record(self, plan: StepPlan, result: StepResult) -> None:
         for req_id in plan.finished_req_ids:  # first: a new request may reuse the id
@@ -205,7 +214,7 @@ class StepStream:
 
     def _end(self) -> None:
         self._closed = True
-        mine = sorted(r for r, made in self._created.items() if self._identify(r) is made)
+        mine = sorted(r for r in self._created if self._is_own(r))
         self._created.clear()
         if mine:
             self._free(mine)

@@ -341,6 +341,39 @@ def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_a_step_ahead_never_runs_on_the_streams_own_request_it_failed_to_finish(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """Step 3 finishes "z" and fails; step 4, which counted on that finish, creates a new
+    "z" (same prompt length) and fails (already running); step 5, sent ahead for the new
+    "z", fails NOT_FOUND instead of decoding the old one whose counts happen to match;
+    step 6's finish of "z" frees the old one (the scheduler finished it once already)."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(_starting("z", [5, 6, 7], epoch, step_id=1))
+        stream.send(_decoding(2, epoch, {"z": 3}))
+        leaving = pb.ExecuteRequest(step_id=3, worker_epoch=epoch, finished_req_ids=["z"])
+        leaving.num_scheduled_tokens["nope"] = 1  # fails: scheduled, and in no list
+        stream.send(leaving)
+        stream.send(_starting("z", [8, 9, 10, 11], epoch, step_id=4))
+        stream.send(_decoding(5, epoch, {"z": 4}))  # the old "z" has 4 computed too
+        stream.send(pb.ExecuteRequest(step_id=6, worker_epoch=epoch, finished_req_ids=["z"]))
+        raise_for_error(stream.receive())
+        [out] = raise_for_error(stream.receive()).outputs
+        assert (out.req_id, out.num_computed_tokens) == ("z", 4)
+        with pytest.raises(StepFailed) as unknown:
+            raise_for_error(stream.receive())
+        assert "num_scheduled_tokens['nope']" in unknown.value.message
+        _failed_to_create(stream, 4)
+        raise_for_error(stream.receive())
+        assert stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 0
+        stream.send(_starting("z", [8, 9, 10, 11], epoch, step_id=7))  # the id is free
+        [out] = raise_for_error(stream.receive()).outputs
+        assert (out.req_id, out.num_computed_tokens) == ("z", 4)
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -231,10 +231,13 @@ class WorkerServiceServicer:
         counted on the failed step's tokens (its num_computed_tokens includes
         them) fails with INVALID_ARGUMENT naming the request and both counts, and
         a later step naming a request the failed step would have created fails
-        with NOT_FOUND, also when another scheduler's request lives under that id
-        (the create failed because the id was taken), and such an id in a later
+        with NOT_FOUND, also when a request lives under that id (the create
+        failed because the id was taken), and such an id in a later
         finished_req_ids is left out: nothing ever runs on, or frees, a sequence
-        the scheduler misjudged.
+        the scheduler misjudged. One exception: when the request under the id is
+        one this stream created (the create counted on an earlier step's finish
+        of it, and that step failed), that finish frees it, as the scheduler
+        meant twice.
         - When the stream ends (the client closes or cancels it, the connection
         drops), every request a step of this stream created and that is still
         live is freed, as a cancelled Generate's is; a request created since

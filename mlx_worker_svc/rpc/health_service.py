@@ -38,6 +38,14 @@ class HealthServicer(health.HealthServicer):
         with self._lock:
             return _listing(dict(self._server_status))
 
+    def end_watches(self) -> None:
+        """Ends every open Watch stream with status OK, for a server that stops: the
+        stop's grace period waits for open calls, and a probe's Watch never ends."""
+        with self._lock:
+            ends = [end for watchers in self._send_response_callbacks.values() for end in watchers]
+        for end in ends:
+            end(None)  # grpcio-health's end of a Watch: the callback closes it
+
 
 class AsyncHealthServicer(_async.HealthServicer):  # type: ignore[misc] # untyped in grpc-stubs
     """grpcio-health's servicer for `grpc.aio.server`, with List."""

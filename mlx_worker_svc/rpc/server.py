@@ -261,7 +261,9 @@ class WorkerServer:
         finally:
             self.worker.close()
             left = 0.0 if abort or self._cut.is_set() else self._deadline - time.monotonic()
-            self._server.stop(max(left, 0.0)).wait()
+            stopped = self._server.stop(max(left, 0.0))  # no call starts from here on
+            self._health.end_watches()  # a probe's open Watch would hold up the stop
+            stopped.wait()
             self._metrics_endpoint.close()
             self._stopped.set()
             log.info("stopped")

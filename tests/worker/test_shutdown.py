@@ -263,3 +263,20 @@ def test_a_second_shutdown_cuts_the_drain_short_and_never_lengthens_it(
     assert server.wait(timeout=stops_within)
     assert time.monotonic() - started < stops_within
     assert server.worker.state.value == "STOPPED"
+
+
+def test_an_open_health_watch_does_not_hold_up_the_stop(tiny_dir: Path) -> None:
+    """A probe or load balancer keeps a Watch open for good: the drained worker still
+    stops at once, the Watch reading NOT_SERVING, then its end (status OK)."""
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=60.0))
+    port = server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stub = pb_grpc.WorkerServiceStub(chan)
+        bring_up(stub, tiny_dir)
+        watch = health_pb2_grpc.HealthStub(chan).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        stub.Shutdown(pb.ShutdownRequest(grace_seconds=60))
+        assert [m.status for m in watch] == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert server.wait(timeout=15)
+    assert time.monotonic() - started < 15  # not the 60 s grace

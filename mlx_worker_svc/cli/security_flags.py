@@ -22,6 +22,7 @@ from mlx_worker_svc.rpc.security import (
     check_bind,
     is_loopback,
     load_tokens,
+    server_credentials,
 )
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def server_security_from_args(args: argparse.Namespace) -> SecurityConfig:
     if config.allow_health_without_token and not config.tokens:
         log.warning("--allow-health-without-token has no effect without a token")
     check_bind(args.host, config, token_hint=f"{args.token_flag} (or {args.token_env})")
+    server_credentials(config)  # reads and checks the TLS files now, not at the bind
     return config
 
 

@@ -191,7 +191,7 @@ def _serve_worker(
     try:
         port = server.start()
     except (OSError, SecurityError) as exc:
-        logging.error("%s", exc)
+        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
         return 2
     server.install_signal_handlers()
     print(f"mlx-worker listening on {args.host}:{port}", flush=True)

@@ -7,12 +7,13 @@ these settings drive; both names are exported from there too.
 from __future__ import annotations
 
 import random
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from mlx_worker_svc.core.tls_files import check_tls_files
 
 
 @dataclass(frozen=True)
@@ -101,23 +102,5 @@ def channel_credentials(
         private_key=read(key_file),
         certificate_chain=read(cert_file),
     )
-    _check_pair(ca_file, cert_file, key_file)
+    check_tls_files(ca_file, cert_file, key_file)
     return credentials
-
-
-def _check_pair(ca_file: str | None, cert_file: str | None, key_file: str | None) -> None:
-    """What gRPC checks only at each handshake, checked once with the ssl module."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if ca_file is not None:
-        try:
-            context.load_verify_locations(cafile=ca_file)
-        except ssl.SSLError as exc:
-            raise ValueError(f"the CA file {ca_file} holds no certificate ({exc.reason})") from exc
-    if cert_file is not None and key_file is not None:
-        try:
-            context.load_cert_chain(cert_file, key_file)
-        except ssl.SSLError as exc:
-            raise ValueError(
-                f"the client certificate {cert_file} and key {key_file} are not a "
-                f"certificate and its key ({exc.reason or 'the certificate does not read'})"
-            ) from exc

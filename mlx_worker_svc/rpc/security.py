@@ -39,6 +39,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from mlx_worker_svc.core.tls_files import check_tls_files
+
 log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_DETAILS = "missing or invalid bearer token"
@@ -127,6 +129,17 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
     client_ca = None
     if config.tls_client_ca is not None:
         client_ca = _read_pem(config.tls_client_ca, "client CA file")
+    try:
+        check_tls_files(
+            config.tls_client_ca,
+            config.tls_cert,
+            config.tls_key,
+            ca="the client CA file (--tls-client-ca)",
+            cert="the TLS certificate (--tls-cert)",
+            key="the key (--tls-key)",
+        )
+    except ValueError as exc:
+        raise SecurityError(str(exc)) from exc
     return grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )

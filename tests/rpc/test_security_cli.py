@@ -74,11 +74,25 @@ def test_config_validation(pki: Pki, tmp_path: Path) -> None:
     with pytest.raises(SecurityError, match="not a PEM file"):
         server.start()
     server.worker.close()
-    mismatched = SecurityConfig(tls_cert=pki.server_cert, tls_key=pki.client_key)
-    server = WorkerServer(ServerConfig(port=0, security=mismatched))
-    with pytest.raises(OSError, match="TLS key does not match"):
-        server.start()
-    server.worker.close()
+    # PEM files of the wrong kind, which gRPC would refuse only as a bind error.
+    server_files: list[tuple[str, str, str | None, str]] = [
+        (pki.server_cert, pki.client_key, None, "(KEY_VALUES_MISMATCH)"),
+        (pki.server_key, pki.server_cert, None, "are not a certificate and its key"),
+        (pki.server_cert, pki.server_key, pki.server_key, "(--tls-client-ca)"),
+    ]
+    for tls_cert, tls_key, client_ca, says in server_files:
+        wrong = SecurityConfig(tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=client_ca)
+        server = WorkerServer(ServerConfig(port=0, security=wrong))
+        with pytest.raises(SecurityError, match=re.escape(says)):
+            server.start()
+        server.worker.close()
+    swapped = _cli("serve", "--tls-cert", pki.server_key, "--tls-key", pki.server_cert)
+    assert swapped.returncode == 2
+    assert swapped.stderr.strip() == (
+        f"mlx-worker serve: the TLS certificate (--tls-cert) {pki.server_key} and the key "
+        f"(--tls-key) {pki.server_cert} are not a certificate and its key "
+        "(no certificate in the first file)"
+    )
     with pytest.raises(ValueError, match="needs its key"):
         channel_credentials(pki.ca, cert_file=pki.client_cert)
     # PEM files of the wrong kind, which gRPC refuses only at each handshake.

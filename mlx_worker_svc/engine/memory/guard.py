@@ -49,21 +49,40 @@ def budget_limit(profile: MemoryProfile, num_blocks: int, block_size: int, asked
 def check_budget(
     profile: MemoryProfile, num_blocks: int, block_size: int, limit: int, limit_field: str
 ) -> None:
-    """Refuses a KV budget that could never be filled: weights and KV over `limit` bytes.
+    """Refuses a KV budget that, full, would leave no room for a step: the weights, the
+    KV and a one-token step's activations over `limit` bytes.
 
     `limit_field` names where the limit came from, for the message.
     """
     kv = kv_bytes(profile, num_blocks, block_size)
-    if profile.weight_bytes + kv <= limit:
+    step = one_token_step_bytes(profile)
+    if profile.weight_bytes + kv + step <= limit:
         return
     per_block = kv_bytes(profile, 1, block_size)
-    fits = max(limit - profile.weight_bytes, 0) // per_block if per_block else 0
+    room = max(limit - profile.weight_bytes - step, 0)
+    fits = room // per_block if per_block else 0
     raise InvalidArgument(
         f"InitCache.num_blocks {num_blocks} of {block_size} tokens would take {kv} bytes of "
-        f"KV ({per_block} bytes a block) beside {profile.weight_bytes} bytes of weights, "
-        f"more than {limit_field} ({limit} bytes): at most {fits} blocks fit; lower "
-        "num_blocks (DetermineMemory suggests one) or raise the limit"
+        f"KV ({per_block} bytes a block) beside {profile.weight_bytes} bytes of weights and "
+        f"{step} bytes for a one-token step's activations, more than {limit_field} "
+        f"({limit} bytes): at most {fits} blocks fit; lower num_blocks (DetermineMemory "
+        f"suggests one) or raise the limit (to at least {profile.weight_bytes + kv + step})"
     )
+
+
+def activation_bytes(profile: MemoryProfile, tokens: int, context: int) -> float:
+    """The activations of a forward of `tokens` over `context`, as profiled."""
+    return (
+        profile.activation_bytes_fixed
+        + profile.activation_bytes_per_token * tokens
+        + profile.activation_bytes_per_token_pair * tokens * context
+    )
+
+
+def one_token_step_bytes(profile: MemoryProfile) -> int:
+    """The activations of the smallest step (one token, one of context): a limit
+    without room for them beside a full KV budget would refuse every step."""
+    return max(int(activation_bytes(profile, 1, 1)), 0)
 
 
 def usage(limit: int) -> MemoryUsage:
@@ -78,18 +97,14 @@ def usage(limit: int) -> MemoryUsage:
 class MemoryGuard:
     def __init__(self, profile: MemoryProfile, limit_bytes: int) -> None:
         self.limit = limit_bytes
-        self._fixed = profile.activation_bytes_fixed
-        self._per_token = profile.activation_bytes_per_token
-        self._per_pair = profile.activation_bytes_per_token_pair
+        self._profile = profile
         mx.set_memory_limit(limit_bytes)
 
     def estimate(self, forwards: Iterable[tuple[int, int]]) -> int:
         """Peak bytes of the largest of `forwards`, each (tokens, context)."""
         peak = 0.0
         for tokens, context in forwards:
-            peak = max(
-                peak, self._fixed + self._per_token * tokens + self._per_pair * tokens * context
-            )
+            peak = max(peak, activation_bytes(self._profile, tokens, context))
         return int(peak)
 
     def check(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,13 @@ def _refused_budget(stub: Stub, request: pb.InitCacheRequest) -> str:
     return details_of(info.value)
 
 
+def _step_bytes(message: str) -> int:
+    """The bytes a refusal keeps free for a one-token step beside the weights and KV."""
+    found = re.search(r"and (\d+) bytes for a one-token step's activations", message)
+    assert found is not None, message
+    return int(found.group(1))
+
+
 def test_a_kv_budget_over_the_memory_limit_is_refused_with_the_bytes(
     stub: Stub, tiny_dir: Path
 ) -> None:
@@ -283,20 +291,32 @@ def test_a_kv_budget_over_the_memory_limit_is_refused_with_the_bytes(
     per_block, weights = profile.bytes_per_block, profile.weight_bytes
     message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=2**32, memory_limit_bytes=1))
     assert f"num_blocks {2**32} of 16 tokens would take {2**32 * per_block} bytes of KV" in message
-    assert f"beside {weights} bytes of weights" in message
+    assert f"beside {weights} bytes of weights and " in message
     assert "InitCache.memory_limit_bytes (1 bytes): at most 0 blocks fit" in message
-    # A limit that holds the weights and exactly 10 blocks takes 10 and refuses 11.
-    limit = weights + 10 * per_block
+    step = _step_bytes(message)
+    assert 0 < step < profile.activation_peak_bytes
+    # Weights and 10 blocks but no room for a step: refused (every step would be).
+    message = _refused_budget(
+        stub, pb.InitCacheRequest(num_blocks=10, memory_limit_bytes=weights + 10 * per_block)
+    )
+    assert f"raise the limit (to at least {weights + 10 * per_block + step})" in message
+    # A limit that holds the weights, exactly 10 blocks and a step takes 10 and refuses 11.
+    limit = weights + 10 * per_block + step
     message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=11, memory_limit_bytes=limit))
     assert "at most 10 blocks fit" in message
     cache = stub.InitCache(pb.InitCacheRequest(num_blocks=10, memory_limit_bytes=limit))
     assert cache.num_blocks == 10 and cache.memory_limit_bytes == limit
+    generated = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=[5], sampling_params=pb.SamplingParams(max_tokens=1))
+    )
+    assert sum(len(m.token_ids) for m in generated) == 1  # a step runs under it
 
 
 def test_a_kv_budget_over_the_device_memory_is_refused(stub: Stub, tiny_dir: Path) -> None:
     profile = _profiled(stub, tiny_dir)
     message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=2**32))
-    fits = (profile.total_memory_bytes - profile.weight_bytes) // profile.bytes_per_block
+    room = profile.total_memory_bytes - profile.weight_bytes - _step_bytes(message)
+    fits = room // profile.bytes_per_block
     assert f"the device's memory ({profile.total_memory_bytes} bytes)" in message
     assert f"at most {fits} blocks fit" in message
     assert stub.InitCache(pb.InitCacheRequest(num_blocks=fits)).num_blocks == fits

@@ -213,6 +213,18 @@ _TOOL_CALLS = re.compile(r"(messages\[\d+\])\.tool_calls_json")
 _GRAMMAR_AT = re.compile(r"^at \d+\(\d+\): ")
 
 
+def _cause(detail: str) -> str:
+    """An engine error about the gateway's grammar, without the grammar: its first line
+    (without the position), and the reason a multi-line one gives last (a regex
+    error's `error: ...` line, after the pattern it quotes)."""
+    lines = detail.strip().splitlines() or [""]
+    head = _GRAMMAR_AT.sub("", lines[0])
+    for line in reversed(lines[1:]):
+        if line.strip().startswith("error: "):
+            return f"{head} {line.strip().removeprefix('error: ')}"
+    return head
+
+
 def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) -> ApiError:
     """A workers' 400 about a field the gateway filled, reworded to name the request's field.
 
@@ -240,7 +252,7 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
         if exc.message.startswith(worker_field):
             detail = exc.message.split(": ", 1)[-1]
             if name == "tools":  # the gateway's own grammar: not its text, only the cause
-                detail = _GRAMMAR_AT.sub("", detail.splitlines()[0])
+                detail = _cause(detail)
             return ApiError(
                 400, f"Invalid value for '{name}': {detail}", param=name, code="invalid_value"
             )

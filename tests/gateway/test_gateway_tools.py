@@ -183,6 +183,24 @@ def test_a_spec_the_engine_refuses_is_a_400_naming_the_field_before_any_token(
         assert error["message"].startswith(f"Invalid value for '{param}': ")
 
 
+def test_a_strict_tool_the_engine_refuses_is_a_400_with_the_reason(gateway: Gateway) -> None:
+    """The engine's reason for a tool's schema reaches the client whole, as it does for
+    the same schema as a response_format (a regex error spans several lines)."""
+    pattern = {"type": "string", "pattern": "^(?=a).*$"}  # look-ahead: not supported
+    schema = {"type": "object", "properties": {"x": pattern}, "required": ["x"]}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    body = {"model": "model", "messages": ASK, "max_tokens": 4, "tools": [tool]}
+    response = gateway.http.post("/v1/chat/completions", json=body | {"tool_choice": "required"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools"
+    assert error["message"].startswith("Invalid value for 'tools': ")
+    assert (
+        "look-around, including look-ahead and look-behind, is not supported" in (error["message"])
+    )
+    assert "%json" not in error["message"]  # the gateway's own grammar stays out
+
+
 def test_a_bad_spec_fails_alone_when_it_shares_a_step(gateway: Gateway) -> None:
     # Sent together, the good requests and the bad one start in the same Execute step.
     async def run() -> list[httpx.Response]:

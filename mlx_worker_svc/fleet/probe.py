@@ -63,9 +63,17 @@ def hint(exc: Exception, config: LinkConfig) -> str:
             else "the fleet sends no token: give --worker-token-file or $MLX_WORKER_CLIENT_TOKEN"
         )
         return f" ({sent})"
-    plaintext = exc.code is grpc.StatusCode.UNAVAILABLE and config.client.credentials is None
-    if plaintext and ("Socket closed" in exc.details or "handshake" in exc.details.lower()):
+    closed = exc.code is grpc.StatusCode.UNAVAILABLE and (
+        "Socket closed" in exc.details or "handshake" in exc.details.lower()
+    )
+    if closed and config.client.credentials is None:
         return " (does the worker serve TLS? then give --worker-ca)"
+    if closed:  # over TLS: a worker with --tls-client-ca refused the fleet's certificate
+        return (
+            " (a worker that requires client certificates closes the connection on a "
+            "missing, expired or unknown one: check --worker-client-cert and "
+            "--worker-client-key)"
+        )
     if "CERTIFICATE_VERIFY_FAILED" in exc.details:
         return " (--worker-ca must hold the CA that signed the worker's certificate)"
     return ""

@@ -11,7 +11,9 @@ bind rule and the command line test_security_cli.py.
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -64,19 +66,12 @@ from mlx_worker_svc.rpc.servicer import WorkerServicer
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
-# grpc's src/proto/grpc/health/v1/health.proto, comments left out.
-HEALTH_PROTO = """syntax = "proto3";
-package grpc.health.v1;
-message HealthCheckRequest { string service = 1; }
-message HealthCheckResponse {
-  enum ServingStatus { UNKNOWN = 0; SERVING = 1; NOT_SERVING = 2; SERVICE_UNKNOWN = 3; }
-  ServingStatus status = 1;
-}
-service Health {
-  rpc Check(HealthCheckRequest) returns (HealthCheckResponse);
-  rpc Watch(HealthCheckRequest) returns (stream HealthCheckResponse);
-}
-"""
+def _security_doc_protoset_script() -> str:
+    """The Python that docs/security.md runs to write the health service's protoset."""
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    found = re.search(r'\.venv/bin/python -c "(.*?)"\n', doc, re.DOTALL)
+    assert found is not None, "docs/security.md lost its protoset example"
+    return found.group(1)
 
 
 @pytest.fixture
@@ -301,9 +296,10 @@ def test_grpcurl_with_tls_a_client_certificate_and_a_token(pki: Pki, tmp_path: P
         # grpcurl finds methods through reflection, which needs the token: a probe
         # without one brings the health proto itself.
         assert grpcurl(address, "grpc.health.v1.Health/Check").returncode != 0
-        proto = ["-import-path", str(tmp_path), "-proto", "health.proto"]
-        (tmp_path / "health.proto").write_text(HEALTH_PROTO)
-        probe = grpcurl(*proto, address, "grpc.health.v1.Health/Check")
+        script = _security_doc_protoset_script()  # as the docs write it out
+        subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, timeout=60)
+        protoset = ["-protoset", str(tmp_path / "health.protoset")]
+        probe = grpcurl(*protoset, address, "grpc.health.v1.Health/Check")
         assert probe.returncode == 0 and '"SERVING"' in probe.stdout, probe.stderr
         plaintext = subprocess.run(
             [str(grpcurl_binary()), "-plaintext", address, "grpc.health.v1.Health/Check"],

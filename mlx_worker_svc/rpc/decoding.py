@@ -45,22 +45,49 @@ _MAX_DEPTH = 100  # protobuf's own limit on nested messages
 
 @dataclass(frozen=True)
 class Undecodable:
-    """What a checked deserializer returns for bytes that do not parse."""
+    """What a checked deserializer returns for bytes that do not parse, or that set a
+    field this server does not know."""
 
     details: str
     """The status message: the message type and what is wrong."""
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+
+
+OWN_PACKAGE = "/mlx_worker."
+"""The services whose requests may set no field the server does not know."""
 
 
 def check_deserializer(method: str, deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """`deserializer` returning an `Undecodable` instead of raising `DecodeError`."""
+    """`deserializer` returning an `Undecodable` instead of raising `DecodeError`, and,
+    for this project's services, for a request that sets a field unknown here (a
+    client built from a newer proto: protobuf would drop its value unseen)."""
+    strict = method.startswith(OWN_PACKAGE)
 
     def deserialize(data: bytes) -> Any:
         try:
-            return deserializer(data)
+            message = deserializer(data)
         except DecodeError as exc:
             return Undecodable(_details(_input_type(method, deserializer), data, exc))
+        if strict:
+            message.DiscardUnknownFields()
+            if message.ByteSize() != len(data):  # unknown fields, or an unusual encoding
+                unknown = _unknown(_input_type(method, deserializer), data)
+                if unknown is not None:
+                    return unknown
+        return message
 
     return deserialize
+
+
+def _unknown(descriptor: Descriptor | None, data: bytes) -> Undecodable | None:
+    path = None if descriptor is None else unknown_field_path(descriptor, data)
+    if descriptor is None or path is None:
+        return None
+    return Undecodable(
+        f"{descriptor.full_name}: {path} is not a field this server knows (a client "
+        f"built from a newer proto?): leave it unset, or upgrade the server",
+        grpc.StatusCode.UNIMPLEMENTED,
+    )
 
 
 def _input_type(method: str, deserializer: Callable[[bytes], Any]) -> Descriptor | None:
@@ -104,40 +131,71 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     raise _Corrupt
 
 
-def bad_utf8_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | None:
-    """The path of the first `string` field in `data` that is not UTF-8, if any.
+Visit = Callable[[FieldDescriptor | None, int, bytes | None, int], str | None]
 
-    Walks the wire format by the descriptor ("new_requests[2].req_id",
-    "a key of num_scheduled_tokens"); None when none is found before the bytes
-    end or stop making sense.
-    """
+
+def _walk(descriptor: Descriptor, data: bytes, visit: Visit) -> str | None:
+    """Walks the wire format of `data` by `descriptor`, calling `visit(field, number,
+    chunk, index)` on each field (`field` None for a number the descriptor lacks,
+    `chunk` None but for length-delimited ones, `index` its count so far); returns
+    the first path a visit gives, or None when none does before the bytes end or
+    stop making sense."""
     seen: Counter[int] = Counter()
     pos = 0
     try:
         while pos < len(data):
             key, pos = _varint(data, pos)
             number, wire_type = key >> 3, key & 7
+            chunk = None
             if wire_type == 0:
                 pos = _varint(data, pos)[1]
-                continue
-            if wire_type in (1, 5):
+            elif wire_type in (1, 5):
                 pos += 8 if wire_type == 1 else 4
-                continue
-            if wire_type != 2:
+            elif wire_type == 2:
+                size, pos = _varint(data, pos)
+                chunk, pos = data[pos : pos + size], pos + size
+            else:
                 return None  # groups or garbage: nothing these protocols use
-            size, pos = _varint(data, pos)
-            chunk, pos = data[pos : pos + size], pos + size
+            if pos > len(data):
+                return None
             field = descriptor.fields_by_number.get(number)
-            if pos > len(data) or field is None:
-                continue
             index = seen[number]
             seen[number] += 1
-            found = _bad_utf8_in(field, chunk, depth)
+            found = visit(field, number, chunk, index)
             if found is not None:
-                return _path(field, index, found)
+                return found
     except _Corrupt:
         return None
     return None
+
+
+def bad_utf8_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | None:
+    """The path of the first `string` field in `data` that is not UTF-8, if any
+    ("new_requests[2].req_id", "a key of num_scheduled_tokens")."""
+
+    def visit(field: FieldDescriptor | None, _n: int, chunk: bytes | None, index: int) -> Any:
+        if field is None or chunk is None:
+            return None
+        found = _bad_utf8_in(field, chunk, depth)
+        return None if found is None else _path(field, index, found)
+
+    return _walk(descriptor, data, visit)
+
+
+def unknown_field_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | None:
+    """The path of the first field in `data` that `descriptor` does not define
+    ("new_requests[0].sampling_params.field 42"), if any."""
+
+    def visit(field: FieldDescriptor | None, number: int, chunk: bytes | None, index: int) -> Any:
+        if field is None:
+            return f"field {number}"
+        message = field.message_type
+        if chunk is None or message is None or depth >= _MAX_DEPTH:
+            return None
+        found = unknown_field_path(message, chunk, depth + 1)
+        return None if found is None else _path(field, index, found)
+
+    return _walk(descriptor, data, visit)
 
 
 def _bad_utf8_in(field: FieldDescriptor, chunk: bytes, depth: int) -> str | None:
@@ -166,20 +224,20 @@ def _path(field: FieldDescriptor, index: int, inner: str) -> str:
 
 
 def _log(method: str, request: Undecodable) -> None:
-    fields = {"rpc": method, "code": "INVALID_ARGUMENT", "error": request.details}
+    fields = {"rpc": method, "code": request.code.name, "error": request.details}
     log.info("rpc failed", extra=fields)
 
 
 def _refuse(method: str, context: grpc.ServicerContext, request: Undecodable) -> NoReturn:
     _log(method, request)
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    context.abort(request.code, request.details)
 
 
 async def _refuse_async(
     method: str, context: grpc.aio.ServicerContext[Any, Any], request: Undecodable
 ) -> NoReturn:
     _log(method, request)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    await context.abort(request.code, request.details)
 
 
 class DecodeInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]

@@ -191,6 +191,55 @@ def test_undecodable_bodies_to_the_gateway_are_400_in_openais_shape(stack: Stack
     assert sum(seen.values()) >= 60
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _unary(port: int, method: str, data: bytes) -> tuple[Code, str]:
+    identity: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream(method, identity, identity)
+        try:
+            list(call(data, timeout=TIMEOUT))
+        except grpc.RpcError as exc:
+            assert isinstance(exc, grpc.Call)
+            return exc.code(), exc.details() or ""
+    return Code.OK, ""
+
+
+def test_a_field_unknown_here_is_unimplemented_naming_it(stack: Stack) -> None:
+    """A client built from a newer proto sets a field this server lacks: protobuf would
+    drop its value unseen, so the call is refused naming it (nested ones too), while an
+    unusual but valid encoding of known fields (unpacked token ids) is taken."""
+    generate = pb.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling_params=pb.SamplingParams(max_tokens=2)
+    )
+    newer = generate.SerializeToString() + _varint(8 << 3) + _varint(1)  # field 8: a gap
+    params = pb.SamplingParams(max_tokens=2).SerializeToString()
+    nested = pb.GenerateRequest(prompt_token_ids=PROMPT)
+    nested.sampling_params.ParseFromString(params + _varint(999 << 3) + _varint(7))
+    unpacked = b"".join(_varint(3 << 3) + _varint(t) for t in PROMPT)
+    unpacked += _varint(4 << 3 | 2) + _varint(len(params)) + params
+    for port, service in (
+        (stack.worker_port, "mlx_worker.v1.WorkerService"),
+        (stack.fleet_port, "mlx_worker.v1.FleetService"),
+    ):
+        code, details = _unary(port, f"/{service}/Generate", newer)
+        assert code == Code.UNIMPLEMENTED, (service, code, details)
+        assert details.startswith(
+            "mlx_worker.v1.GenerateRequest: field 8 is not a field this server knows"
+        )
+        code, details = _unary(port, f"/{service}/Generate", nested.SerializeToString())
+        assert code == Code.UNIMPLEMENTED, (service, code, details)
+        assert "sampling_params.field 999 is not a field this server knows" in details
+        assert _unary(port, f"/{service}/Generate", unpacked) == (Code.OK, "")
+
+
 def test_no_traceback_and_the_greedy_output_is_unchanged(stack: Stack) -> None:
     assert greedy_tokens(stack.worker_port) == stack.before
     refusals = {"worker": stack.sent["worker"], "fleet": stack.sent["fleet"], "gateway": 0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -258,6 +259,11 @@ class ModelRunner:
         if self.state.step is not None:
             self.state.step.freed.append(key)
         self._remember_finished(key)
+
+    def remember_finished(self, keys: Iterable[RequestKey]) -> None:
+        """Takes `keys` (another runner's freed lately) as freed lately here."""
+        for key in keys:
+            self._remember_finished(key)
 
     def _remember_finished(self, key: RequestKey) -> None:
         """Naming `key` in finished_req_ids is no error for a while (the last 65,536)."""

@@ -33,7 +33,7 @@ from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.runner import ModelRunner, StepOutcome
-from mlx_worker_svc.engine.sequence import Work
+from mlx_worker_svc.engine.sequence import RequestKey, Work
 from mlx_worker_svc.worker.engine_loop import EngineLoop
 from mlx_worker_svc.worker.generation import StreamTable
 from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
@@ -75,6 +75,8 @@ class WorkerCore:
         self.memory: MemoryProfile | None = None
         self.cache_config: CacheConfig | None = None
         self.runner: ModelRunner | None = None
+        # While no runner holds them (asleep): the ids freed lately (set_runner).
+        self._freed_lately: list[RequestKey] = []
         self.model_info: ModelInfo | None = None
         # Asleep at level 2: the adapters (name, path, pinned) WakeUp loads again.
         self.asleep_adapters: list[tuple[str, str, bool]] = []
@@ -209,6 +211,18 @@ class WorkerCore:
                 )
             raise FailedPrecondition("no model is loaded: call LoadModel first")
         return self.loaded
+
+    def set_runner(self, runner: ModelRunner | None) -> None:
+        """Replaces the runner (None: none, as asleep). The ids the old one freed
+        lately, and those of the requests it held (freed with it), stay remembered
+        by the next one: naming them in finished_req_ids stays no error."""
+        old = self.runner
+        if old is not None:
+            self._freed_lately += [*old.state.recently_finished, *old.state.seqs]
+        self.runner = runner
+        if runner is not None:
+            runner.remember_finished(self._freed_lately)
+            self._freed_lately = []
 
     def need_runner(self, call: str) -> ModelRunner:
         if self.runner is None:

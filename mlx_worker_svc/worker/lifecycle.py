@@ -241,7 +241,7 @@ class Lifecycle:
             if core.runner is not None and core.cache_config == config:
                 return config
             core.require_idle("InitCache")
-            core.runner = core.replica.new_runner(config, profile)
+            core.set_runner(core.replica.new_runner(config, profile))
             core.cache_config = config
             fit_budget(core)  # adapters loaded since DetermineMemory
             if core.state is S.MEMORY_PROFILED:

@@ -45,7 +45,7 @@ class SleepAndDrain:
                     core.end_stream(
                         request_id, Aborted(f"the worker went to sleep (level {level})")
                     )
-                core.runner = None
+                core.set_runner(None)
                 core.awake_state = core.state
                 core.new_epoch(f"slept (Sleep level {level} aborted every request)")
                 core.set_state(S.SLEEPING)
@@ -78,7 +78,7 @@ class SleepAndDrain:
                 core.asleep_adapters = []
                 core.loaded = loaded
             assert core.cache_config is not None and core.memory is not None
-            core.runner = core.replica.new_runner(core.cache_config, core.memory)
+            core.set_runner(core.replica.new_runner(core.cache_config, core.memory))
             fit_budget(core)
             core.sleep_level = 0
             core.set_state(core.awake_state)

@@ -78,6 +78,10 @@ def test_sleep_level_1_aborts_live_requests_and_wake_up_restores_service(
         )
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in message
+    # Its scheduler, on the new epoch, may free it: Sleep freed it lately.
+    finish = pb.ExecuteRequest(step_id=4, worker_epoch=woke.worker_epoch)
+    finish.finished_req_ids.append("live")
+    assert not stub.Execute(finish).outputs
     assert drive(stub, woke.worker_epoch, PROMPTS, max_tokens=6) == reference
 
 

@@ -152,18 +152,40 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
             mx.eval(model.parameters())  # reads this rank's share of the weights only
     except WorkerError:
         raise
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidArgument(f"model {clip(spec.model)!r} could not be loaded: {exc}") from exc
-    except OSError as exc:
-        raise Unavailable(f"model {clip(spec.model)!r} could not be fetched: {exc}") from exc
     except Exception as exc:
-        name = type(exc).__name__
-        if "NotFound" in name or "RepositoryNotFound" in name:
-            raise NotFound(f"model {clip(spec.model)!r} was not found: {exc}") from exc
-        raise InvalidArgument(f"model {clip(spec.model)!r} could not be loaded: {exc}") from exc
+        raise _load_error(spec, exc) from exc
     seconds = time.perf_counter() - start
     info = describe(spec, source, model, tokenizer, config, parallelism=parallelism)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=seconds)
+
+
+# The hub client's errors for a connection that failed (httpx's, requests'), by name:
+# neither library is imported here.
+_NETWORK_ERRORS = frozenset(
+    {"ConnectError", "ConnectionError", "ConnectTimeout", "NetworkError", "TimeoutException"}
+)
+
+
+def _load_error(spec: LoadSpec, exc: Exception) -> WorkerError:
+    """What a failed `mlx_lm.load` means to the caller: a network failure fetching a
+    hub id is UNAVAILABLE (not the caller's mistake), an unknown repository NOT_FOUND,
+    anything else about the files INVALID_ARGUMENT (naming adapter_path when given)."""
+    names = {kind.__name__ for kind in type(exc).__mro__}
+    what = f"model {clip(spec.model)!r}"
+    if spec.adapter_path:
+        what += f" with LoadModel.adapter_path {clip(spec.adapter_path)!r}"
+    if names & _NETWORK_ERRORS:
+        return Unavailable(
+            f"{what} could not be fetched (no connection to the model hub?): {exc}; "
+            "retry, or give a local model directory"
+        )
+    if isinstance(exc, FileNotFoundError):  # a file of the model directory
+        return InvalidArgument(f"{what} could not be loaded: {exc}")
+    if any("NotFound" in name for name in names):  # RepositoryNotFoundError, ...
+        return NotFound(f"{what} was not found: {exc}")
+    if isinstance(exc, OSError):
+        return Unavailable(f"{what} could not be fetched: {exc}")
+    return InvalidArgument(f"{what} could not be loaded: {exc}")
 
 
 def _dominant_float_dtype(params: list[tuple[str, mx.array]]) -> str:

@@ -50,7 +50,7 @@ class AdapterCalls:
             )
         if core.state is not S.SLEEPING:
             core.require(call, S.MODEL_LOADED)
-        adapters = core.need_model().adapters
+        adapters = core.need_model(call).adapters
         adapters.max_loras = core.replica.options.max_loras
         adapters.in_use = self._users  # the live runner's requests (none while asleep)
         return adapters

@@ -203,13 +203,16 @@ class WorkerCore:
             if spec is not None:
                 runner.grammars.compile(spec, where)
 
-    def need_model(self) -> loader.LoadedModel:
+    def need_model(self, call: str = "") -> loader.LoadedModel:
+        """The loaded model; FAILED_PRECONDITION (naming `call`) without one."""
         if self.loaded is None:
+            named = f"{call}: " if call else ""
             if self._state is S.SLEEPING:
                 raise FailedPrecondition(
-                    "the worker is SLEEPING at level 2 (weights released): call WakeUp first"
+                    f"{named}the worker is SLEEPING at level 2 (weights released): "
+                    "call WakeUp first"
                 )
-            raise FailedPrecondition("no model is loaded: call LoadModel first")
+            raise FailedPrecondition(f"{named}no model is loaded: call LoadModel first")
         return self.loaded
 
     def set_runner(self, runner: ModelRunner | None) -> None:

@@ -34,7 +34,7 @@ class GenerateCalls:
     def _require_tokenizer(self, call: str) -> None:
         """Text calls need a model; a light sleep (level 1) keeps it."""
         if self.core.state is S.SLEEPING:
-            self.core.need_model()
+            self.core.need_model(call)
         else:
             self.core.require(call, S.MODEL_LOADED)
 

@@ -105,6 +105,7 @@ def test_sleep_level_2_gives_back_the_weights_and_wake_up_reloads_them(
     assert after.model.weight_bytes == weights and after.state == pb.WORKER_STATE_SLEEPING
     code, message = _fails(lambda: stub.Tokenize(pb.TokenizeRequest(text="x")))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in message
+    assert message.startswith("Tokenize: the worker is SLEEPING at level 2")
     woke = stub.WakeUp(pb.WakeUpRequest())
     assert woke.state == pb.WORKER_STATE_SERVING and woke.wake_seconds > 0
     assert stub.GetInfo(pb.GetInfoRequest()).memory.active_bytes >= 0.9 * weights

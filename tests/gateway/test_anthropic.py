@@ -410,7 +410,6 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     cases: list[tuple[dict[str, Any], str]] = [
         ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0]"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         # A tool's input is an object (the forced call's grammar would write a string).
         (

@@ -12,7 +12,8 @@ assistant's calls) and `tool_result` (a user's answers to them, their
 content text). A final assistant message is a prefill: the answer continues
 its text. As with the OpenAI routes, a field the endpoint does not know is a
 400 naming it, and one it knows but cannot honour (images, documents,
-thinking, server tools) is a 400 that says so.
+server tools) is a 400 that says so; `thinking` and thinking blocks are
+thinking.py's.
 
 The chat becomes the workers' `ChatMessage`s: a user's `tool_result` blocks
 become `tool` messages (`tool_call_id`, and the `name` of the call they
@@ -30,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_worker_svc.gateway.anthropic.thinking import EXTRA, check_thinking, is_thinking
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import ParsedRequest
@@ -59,7 +61,7 @@ _UNSUPPORTED = {
     "context_management": "context management is not supported by this server",
 }
 # The fields of each block and object the messages take; others are refused by name.
-_EXTRA = "Extra inputs are not permitted"
+_EXTRA = EXTRA
 # A tool_use's `caller` and `toolset_name` (the anthropic SDK's, for programmatic calls
 # and tool sets) and a tool's opt-in beta hints change nothing here.
 _BLOCK_KEYS = {
@@ -103,7 +105,6 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "Field required (a non-empty string)")
-    _thinking(fields.get("thinking"))
     tools = _tools(fields.get("tools"), fields.get("tool_choice"))
     messages = _system(fields.get("system"))
     turns = fields.get("messages")
@@ -129,6 +130,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     if not any(m.role != "system" for m in messages):
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
+    check_thinking(fields.get("thinking"), None if count else params.max_tokens)
     spec = None if count else _output_config(fields.get("output_config"))
     if prefill and (spec is not None or tools.forced):
         # The grammar would start after the prefill's text, which it does not know.
@@ -235,14 +237,6 @@ def _cache_control(value: Any, where: str) -> None:
         raise invalid(where, "expected an object with 'type': 'ephemeral'")
 
 
-def _thinking(value: Any) -> None:
-    if value is None or value == {"type": "disabled"}:
-        return
-    raise ApiError(
-        400, "thinking: extended thinking is not supported by this server", param="thinking"
-    )
-
-
 def _system(value: Any) -> list[pb.ChatMessage]:
     if value is None:
         return []
@@ -324,7 +318,7 @@ def _turn(
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in _BLOCK_KEYS:
             only_keys(block, _BLOCK_KEYS[kind], at, _EXTRA)
-        if role == "assistant" and _empty_answer(block):
+        if role == "assistant" and (_empty_answer(block) or is_thinking(block, at)):
             continue
         if kind == "text":
             texts.append(_text(block, at))

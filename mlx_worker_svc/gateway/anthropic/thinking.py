@@ -1,0 +1,61 @@
+"""Anthropic's `thinking` option and thinking blocks, as this gateway takes them.
+
+Agents send `thinking` on every request (Claude Code sends
+`{"type": "adaptive"}` by default): it allows the model to think before it
+answers, up to `budget_tokens`, and never requires it. The served models'
+reasoning is not parsed into thinking blocks, so an answer has none, which
+the option allows; its shape is checked as Anthropic's API checks it.
+Thinking blocks an assistant turn carries back (from an answer elsewhere)
+are left out of the prompt, as Anthropic's API leaves earlier turns'
+thinking out of the context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_worker_svc.gateway.body import only_keys
+from mlx_worker_svc.gateway.errors import invalid
+
+THINKING_BLOCK_KEYS = {
+    "thinking": ("type", "thinking", "signature"),
+    "redacted_thinking": ("type", "data"),
+}
+EXTRA = "Extra inputs are not permitted"
+MIN_BUDGET = 1024  # Anthropic's least budget_tokens for "enabled"
+
+
+def check_thinking(value: Any, max_tokens: int | None) -> None:
+    """Refuses a `thinking` Anthropic's API refuses (`max_tokens` None: count_tokens)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "adaptive", "disabled"):
+        raise invalid(
+            "thinking", "expected an object with 'type' 'enabled', 'adaptive' or 'disabled'"
+        )
+    kind = value["type"]
+    if kind == "disabled":
+        only_keys(value, ("type",), "thinking", EXTRA)
+        return
+    only_keys(value, ("type", "budget_tokens"), "thinking", EXTRA)
+    budget = value.get("budget_tokens")
+    if kind == "adaptive" and budget is None:
+        return
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise invalid("thinking.budget_tokens", "Field required (an integer)")
+    least = MIN_BUDGET if kind == "enabled" else 0
+    if budget < least:
+        raise invalid("thinking.budget_tokens", f"Input should be greater than or equal to {least}")
+    if kind == "enabled" and max_tokens is not None and budget >= max_tokens:
+        raise invalid(
+            "thinking.budget_tokens", "max_tokens must be greater than thinking.budget_tokens"
+        )
+
+
+def is_thinking(block: Any, where: str) -> bool:
+    """Whether `block` is a thinking block (its keys checked), left out of the prompt."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in THINKING_BLOCK_KEYS:
+        return False
+    only_keys(block, THINKING_BLOCK_KEYS[kind], where, EXTRA)
+    return True

@@ -1,0 +1,122 @@
+"""Anthropic's `thinking` through the gateway: agents send it on every request.
+
+Claude Code sends `thinking: {"type": "adaptive"}` by default; the option allows
+thinking and never requires it, so an answer without thinking blocks (the served
+models' reasoning is not parsed into them) is what it allows. The answer must be
+the one the same request gets without the option, streamed or not, and its shape
+is checked as Anthropic's API checks it. Thinking blocks an agent sends back in
+an assistant turn are left out of the prompt, as Anthropic's API leaves earlier
+turns' thinking out of the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+from driver import ServeProcess
+from gateway_process import KEY, Gateway
+
+MODEL = "model"
+ASK: list[Any] = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_dir: Path) -> Iterator[Gateway]:
+    proc = ServeProcess(tiny_dir, 1.0)
+    gw = Gateway(proc.port)
+    yield gw
+    gw.close()
+    proc.reap()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _text(message: Any) -> str:
+    assert [block.type for block in message.content] == ["text"]
+    return str(message.content[0].text)
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [
+        {"type": "adaptive"},
+        {"type": "adaptive", "budget_tokens": 0},  # as Claude Code sends it
+        {"type": "enabled", "budget_tokens": 1024},
+        {"type": "disabled"},
+    ],
+)
+def test_thinking_is_allowed_and_the_answer_is_the_same(
+    client: anthropic.Anthropic, thinking: dict[str, Any]
+) -> None:
+    request: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 2048}
+    greedy: dict[str, Any] = {"extra_body": {"temperature": 0, "thinking": thinking}}
+    plain = _text(client.messages.create(**request, extra_body={"temperature": 0}))
+    assert _text(client.messages.create(**request, **greedy)) == plain
+    with client.messages.stream(**request, **greedy) as stream:
+        assert "".join(stream.text_stream) == plain
+    counted = client.messages.count_tokens(model=MODEL, messages=ASK)
+    with_thinking = client.messages.count_tokens(
+        model=MODEL, messages=ASK, extra_body={"thinking": thinking}
+    )
+    assert with_thinking.input_tokens == counted.input_tokens
+
+
+@pytest.mark.parametrize(
+    ("thinking", "says"),
+    [
+        ({"type": "enabled", "budget_tokens": 1023}, "greater than or equal to 1024"),
+        ({"type": "enabled"}, "thinking.budget_tokens': Field required"),
+        ({"type": "enabled", "budget_tokens": 2048}, "max_tokens must be greater than"),
+        ({"type": "adaptive", "budget_tokens": -1}, "greater than or equal to 0"),
+        ({"type": "sometimes"}, "'enabled', 'adaptive' or 'disabled'"),
+        ({"type": "disabled", "budget_tokens": 5}, "thinking.budget_tokens': Extra inputs"),
+        ({"type": "adaptive", "depth": 3}, "thinking.depth': Extra inputs"),
+        ("yes", "'enabled', 'adaptive' or 'disabled'"),
+    ],
+)
+def test_a_malformed_thinking_is_a_400_naming_it(
+    gateway: Gateway, thinking: Any, says: str
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2048, "thinking": thinking}
+    response = gateway.http.post("/v1/messages", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and says in error["message"], error
+
+
+def test_thinking_blocks_sent_back_are_left_out_of_the_prompt(
+    client: anthropic.Anthropic,
+) -> None:
+    earlier = "The sea is large."
+    history: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": earlier},
+        {"role": "user", "content": "And the sky?"},
+    ]
+    thought: list[Any] = [
+        {"type": "thinking", "thinking": "Let me think.", "signature": "c2lnbmF0dXJl"},
+        {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
+        {"type": "text", "text": earlier},
+    ]
+    with_blocks: list[Any] = [*history[:1], {"role": "assistant", "content": thought}, *history[2:]]
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "extra_body": {"temperature": 0}}
+    plain = client.messages.create(messages=history, **greedy)
+    answer = client.messages.create(messages=with_blocks, **greedy)
+    assert _text(answer) == _text(plain)
+
+    def prompt(message: Any) -> int:  # the prefix cache moves tokens into cache reads
+        return int(message.usage.input_tokens + message.usage.cache_read_input_tokens)
+
+    assert prompt(answer) == prompt(plain)
+    with pytest.raises(anthropic.BadRequestError, match=r"content\[0\].extra"):
+        bad: list[Any] = [{**thought[0], "extra": 1}, thought[2]]
+        turns: list[Any] = [*history[:1], {"role": "assistant", "content": bad}, *history[2:]]
+        client.messages.create(messages=turns, **greedy)

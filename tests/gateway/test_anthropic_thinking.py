@@ -120,3 +120,52 @@ def test_thinking_blocks_sent_back_are_left_out_of_the_prompt(
         bad: list[Any] = [{**thought[0], "extra": 1}, thought[2]]
         turns: list[Any] = [*history[:1], {"role": "assistant", "content": bad}, *history[2:]]
         client.messages.create(messages=turns, **greedy)
+
+
+CLAUDE_CODE_EDITS = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+
+
+def test_claude_codes_context_management_is_taken(client: anthropic.Anthropic) -> None:
+    """Claude Code sends clear_thinking beside adaptive thinking: it changes nothing here
+    (thinking blocks never reach the prompt), so the answer and the count stay the same."""
+    request: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 16}
+    plain = _text(client.messages.create(**request, extra_body={"temperature": 0}))
+    body = {"temperature": 0, "thinking": {"type": "adaptive"}}
+    body["context_management"] = CLAUDE_CODE_EDITS
+    assert _text(client.messages.create(**request, extra_body=body)) == plain
+    counted = client.messages.count_tokens(model=MODEL, messages=ASK)
+    extra = {"thinking": {"type": "adaptive"}, "context_management": CLAUDE_CODE_EDITS}
+    assert client.messages.count_tokens(
+        model=MODEL, messages=ASK, extra_body=extra
+    ).input_tokens == (counted.input_tokens)
+
+
+@pytest.mark.parametrize(
+    ("management", "thinking", "says"),
+    [
+        (
+            {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            {"type": "adaptive"},
+            "edits[0]': the 'clear_tool_uses_20250919' edit is not supported",
+        ),
+        (CLAUDE_CODE_EDITS, {"type": "disabled"}, "requires `thinking` to be enabled or adaptive"),
+        (CLAUDE_CODE_EDITS, None, "requires `thinking` to be enabled or adaptive"),
+        (
+            {"edits": [{"type": "clear_thinking_20251015", "keep": 2}]},
+            {"type": "adaptive"},
+            "edits[0].keep': expected 'all'",
+        ),
+        ({"edits": [], "mode": 1}, {"type": "adaptive"}, "context_management.mode'"),
+        ("all", {"type": "adaptive"}, "expected an object with 'edits'"),
+    ],
+)
+def test_context_management_this_server_cannot_do_is_a_400(
+    gateway: Gateway, management: Any, thinking: Any, says: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 16}
+    body["context_management"] = management
+    if thinking is not None:
+        body["thinking"] = thinking
+    response = gateway.http.post("/v1/messages", json=body)
+    assert response.status_code == 400, response.text
+    assert says in response.json()["error"]["message"], response.text

@@ -31,7 +31,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_worker_svc.gateway.anthropic.thinking import EXTRA, check_thinking, is_thinking
+from mlx_worker_svc.gateway.anthropic.thinking import (
+    EXTRA,
+    check_context_management,
+    check_thinking,
+    is_thinking,
+)
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import ParsedRequest
@@ -41,7 +46,10 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 MAX_STOP_SEQUENCES = 16
 _UINT32 = 2**32 - 1
-_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"}
+_COUNT_FIELDS = {
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
+    "context_management",
+}  # fmt: skip
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _CREATE_FIELDS = _COUNT_FIELDS | {
     "max_tokens",
@@ -58,7 +66,6 @@ _CREATE_FIELDS = _COUNT_FIELDS | {
 _UNSUPPORTED = {
     "container": "containers are not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
-    "context_management": "context management is not supported by this server",
 }
 # The fields of each block and object the messages take; others are refused by name.
 _EXTRA = EXTRA
@@ -131,6 +138,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
         raise invalid("messages", "a user message must come before the assistant's prefill")
     params = pb.SamplingParams() if count else _sampling(fields)
     check_thinking(fields.get("thinking"), None if count else params.max_tokens)
+    check_context_management(fields.get("context_management"), fields.get("thinking"))
     spec = None if count else _output_config(fields.get("output_config"))
     if prefill and (spec is not None or tools.forced):
         # The grammar would start after the prefill's text, which it does not know.

@@ -7,7 +7,11 @@ reasoning is not parsed into thinking blocks, so an answer has none, which
 the option allows; its shape is checked as Anthropic's API checks it.
 Thinking blocks an assistant turn carries back (from an answer elsewhere)
 are left out of the prompt, as Anthropic's API leaves earlier turns'
-thinking out of the context.
+thinking out of the context. So `context_management`'s
+`clear_thinking_20251015` edit (which Claude Code sends beside adaptive
+thinking) changes nothing here, and is taken; the edits that would rewrite
+the prompt (clearing tool results, compaction) are not done here, and are
+a 400 that says so.
 """
 
 from __future__ import annotations
@@ -59,3 +63,49 @@ def is_thinking(block: Any, where: str) -> bool:
         return False
     only_keys(block, THINKING_BLOCK_KEYS[kind], where, EXTRA)
     return True
+
+
+CLEAR_THINKING = "clear_thinking_20251015"
+
+
+def check_context_management(value: Any, thinking: Any) -> None:
+    """Takes `context_management` whose edits are all `clear_thinking_20251015`
+    (checked as Anthropic's API checks it); refuses the others, naming them."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("context_management", "expected an object with 'edits'")
+    only_keys(value, ("edits",), "context_management", EXTRA)
+    edits = value.get("edits")
+    if edits is None:
+        return
+    if not isinstance(edits, list):
+        raise invalid("context_management.edits", "expected an array of edits")
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != CLEAR_THINKING:
+            raise invalid(
+                where,
+                f"the {kind!r} edit is not supported by this server (only "
+                f"{CLEAR_THINKING!r}, which changes nothing here: thinking blocks never "
+                "reach the prompt)",
+            )
+        only_keys(edit, ("type", "keep"), where, EXTRA)
+        _check_keep(edit.get("keep"), f"{where}.keep")
+        mode = thinking.get("type") if isinstance(thinking, dict) else None
+        if mode not in ("enabled", "adaptive"):
+            raise invalid(
+                where, f"`{CLEAR_THINKING}` strategy requires `thinking` to be enabled or adaptive"
+            )
+
+
+def _check_keep(keep: Any, where: str) -> None:
+    if keep is None or keep == "all":
+        return
+    if isinstance(keep, dict) and keep.get("type") == "thinking_turns":
+        only_keys(keep, ("type", "value"), where, EXTRA)
+        value = keep.get("value")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return
+    raise invalid(where, "expected 'all' or {'type': 'thinking_turns', 'value': N >= 1}")

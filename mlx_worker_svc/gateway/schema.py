@@ -120,6 +120,7 @@ _KNOWN: dict[OpenAIKind, set[str]] = {
         "top_logprobs",
         "metadata",
         "store",
+        "modalities",
         *_HINTS,
         "tools",
         "tool_choice",
@@ -132,7 +133,6 @@ _UNSUPPORTED = {
     "functions": "function calls are not supported by this server",
     "function_call": "function calls are not supported by this server",
     "audio": "audio output is not supported by this server",
-    "modalities": "only text output is supported by this server",
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
 }
@@ -199,13 +199,17 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
 
 
 def _ignored(kind: OpenAIKind, fields: Fields) -> None:
-    """Type-checks the fields accepted and ignored: `user`, chat's `store` and `metadata`."""
+    """Type-checks the fields accepted and ignored: `user`, chat's `store` and `metadata`,
+    and `modalities` (["text"], what every answer is, or refused)."""
     user = fields.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user", f"expected a string, got {json_type(user)}")
     if kind != "chat":
         return
     fields.boolean("store")
+    modalities = fields.get("modalities")
+    if modalities is not None and modalities != ["text"]:  # text is the default output
+        raise invalid("modalities", "only text output is supported by this server: ['text']")
     for name, allowed in _HINTS.items():
         value = fields.get(name)
         if value is not None and not isinstance(value, str):

@@ -144,6 +144,7 @@ def test_fields_clients_send_on_every_call_are_accepted(
         "prompt_cache_retention": "24h",
         "reasoning_effort": "low",
         "verbosity": "low",
+        "modalities": ["text"],  # the text every answer is
     }
     done = chat(client, **everyday)
     assert done.choices[0].message.content == want
@@ -166,7 +167,11 @@ def test_fields_clients_send_on_every_call_are_accepted(
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
     suffix: object
-    for name, bad_value in (("service_tier", "fastest"), ("prompt_cache_key", 7)):
+    for name, bad_value in (
+        ("service_tier", "fastest"),
+        ("prompt_cache_key", 7),
+        ("modalities", ["text", "audio"]),
+    ):
         bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, name: bad_value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == name
     # An assistant's refusal part (as the SDK hands it back) is its text in the history,

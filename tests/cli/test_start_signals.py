@@ -16,6 +16,31 @@ from pathlib import Path
 import pytest
 
 
+def _wait_for_handlers(pid: int) -> None:
+    """Waits until the command has set its start-up handlers (Linux: /proc's SigCgt shows
+    SIGTERM caught, which Python itself never catches; it catches SIGINT from its own
+    start), so that a busy machine's slow interpreter start does not meet the signal
+    before the command runs; elsewhere, half a second."""
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        time.sleep(0.5)
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        caught = next(
+            (
+                line.split()[1]
+                for line in status.read_text().splitlines()
+                if line.startswith("SigCgt:")
+            ),
+            "0",
+        )
+        if int(caught, 16) >> (signal.SIGTERM - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the command never set its start-up signal handlers")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_during_start_up_exits_0_quietly(tiny_dir: Path, signum: int) -> None:
     serve = [sys.executable, "-m", "mlx_worker_svc", "serve", "--model", str(tiny_dir)]
@@ -25,7 +50,7 @@ def test_a_stop_signal_during_start_up_exits_0_quietly(tiny_dir: Path, signum: i
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(0.5)  # the command runs; its modules still import
+    _wait_for_handlers(proc.pid)  # the command runs; its modules still import
     proc.send_signal(signum)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output

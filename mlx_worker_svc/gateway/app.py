@@ -40,6 +40,7 @@ from mlx_worker_svc.gateway.calls import (
     CLIENT_CLOSED,
     Answer,
     ClientGone,
+    answer_error,
     api_error,
     event_stream,
     open_answer,
@@ -218,7 +219,7 @@ class Gateway:
                     yield sse(reply.chunk("", None, message.finish_reason))
         except (WorkerError, ClientError, ApiError) as exc:
             # The headers are out: the error travels as an event, as OpenAI sends it.
-            yield sse(api_error(exc).body())
+            yield sse(answer_error(answer.parsed, exc).body())
             return
         except asyncio.CancelledError:  # the client went away mid-stream
             self.metrics.disconnects.labels(route).inc()

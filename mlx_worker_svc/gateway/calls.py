@@ -72,6 +72,8 @@ class Answer:
         """Every message; raises ClientGone if the client disconnects first."""
         try:
             return await until_disconnect(request, fleet_call(_rest(self.first, self.stream)))
+        except ApiError as exc:
+            raise answer_error(self.parsed, exc) from exc
         finally:
             await self.stream.aclose()
 
@@ -96,9 +98,7 @@ async def open_answer(
         first = await until_disconnect(request, fleet_call(_first(parsed, stream)))
     except ApiError as exc:
         await stream.aclose()
-        constrained = parsed.tools.forced or parsed.answer_schema is not None
-        spec_from = parsed.structured_param or ("tools" if constrained else None)
-        raise request_error(exc, spec_from, anthropic=parsed.kind == "messages") from exc
+        raise answer_error(parsed, exc) from exc
     except BaseException:
         await stream.aclose()
         raise
@@ -195,6 +195,14 @@ async def fleet_call(work: Awaitable[T]) -> T:
         raise ApiError(
             500, "the fleet ended the request without an answer", kind="server_error"
         ) from exc
+
+
+def answer_error(parsed: ParsedRequest, exc: WorkerError | ClientError | ApiError) -> ApiError:
+    """The `ApiError` of a failed answer, first message or later: an error about a field
+    the gateway filled (a spec, the tools) reworded to name the request's field."""
+    constrained = parsed.tools.forced or parsed.answer_schema is not None
+    spec_from = parsed.structured_param or ("tools" if constrained else None)
+    return request_error(api_error(exc), spec_from, anthropic=parsed.kind == "messages")
 
 
 def api_error(exc: WorkerError | ClientError | ApiError) -> ApiError:

@@ -233,13 +233,16 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
     an OpenAI message's `tool_calls` are the worker's `messages[i].tool_calls_json`
     (Anthropic's `tool_use` blocks: `messages`, whose indices the system shifts).
     The fleet names a prompt's text too large for a worker `messages` or `prompt`, and
-    a request too large by its stop strings `sampling_params.stop`.
+    a request too large by its stop strings `sampling_params.stop`. It rewords the
+    first message's error and an error met later, mid-answer (a spec's grammar
+    reaching one of the engine's limits), alike.
     """
     fields = {
         "tools_json": "tools",
         "messages: ": "messages",
         "prompt: ": "prompt",
         "sampling_params.stop: ": "stop_sequences" if anthropic else "stop",
+        "sampling_params.ignore_eos ": "ignore_eos",
     }
     if param is not None:
         fields[WORKER_FIELD] = param
@@ -250,7 +253,8 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
         fields[calls.group(0)] = "messages" if anthropic else f"{calls.group(1)}.tool_calls"
     for worker_field, name in fields.items():
         if exc.message.startswith(worker_field):
-            detail = exc.message.split(": ", 1)[-1]
+            rest = exc.message[len(worker_field) :]
+            detail = rest if worker_field.endswith(" ") else exc.message.split(": ", 1)[-1]
             if name == "tools":  # the gateway's own grammar: not its text, only the cause
                 detail = _cause(detail)
             return ApiError(

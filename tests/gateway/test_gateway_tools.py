@@ -201,6 +201,41 @@ def test_a_strict_tool_the_engine_refuses_is_a_400_with_the_reason(gateway: Gate
     assert "%json" not in error["message"]  # the gateway's own grammar stays out
 
 
+def test_a_spec_failing_mid_answer_names_the_requests_field(
+    gateway: Gateway, worker: ServeProcess
+) -> None:
+    """A grammar that reaches the engine's limits only after its first token (a 2,500-way
+    alternation behind a "k" that logit_bias forces) fails mid-answer: the 400, or the
+    stream's error event, names the field the request gave it in, as a refusal up front
+    does; and ignore_eos beside a spec is a 400 naming ignore_eos."""
+    stub = pb_grpc.WorkerServiceStub(worker.channel())
+    k = stub.Tokenize(pb.TokenizeRequest(text="k")).token_ids[-1]
+    closed = stub.Tokenize(pb.TokenizeRequest(text="{}")).token_ids  # one token: no "k"
+    grammar = 'start: "{" b "}"\nb: "" | "k" c\nc: ' + " | ".join(
+        f'"c{i:04d}"' for i in range(2500)
+    )
+    body = {"model": "model", "messages": ASK, "max_tokens": 30, "temperature": 0}
+    bias = {str(k): 100} | {str(t): -100 for t in closed if len(closed) == 1}
+    body |= {"guided_grammar": grammar, "logit_bias": bias}
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_grammar", error
+    assert error["message"].startswith("Invalid value for 'guided_grammar': the grammar engine")
+    with gateway.http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as got:
+        events = [json.loads(line[6:]) for line in got.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["param"] == "guided_grammar", events[-1]
+    both = {"model": "model", "messages": ASK, "guided_choice": ["a", "b"], "ignore_eos": True}
+    response = gateway.http.post("/v1/chat/completions", json=both)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "ignore_eos", error
+    assert error["message"] == (
+        "Invalid value for 'ignore_eos': cannot be combined with structured_outputs: the "
+        "grammar decides where the output ends"
+    )
+
+
 def test_a_bad_spec_fails_alone_when_it_shares_a_step(gateway: Gateway) -> None:
     # Sent together, the good requests and the bad one start in the same Execute step.
     async def run() -> list[httpx.Response]:

@@ -29,7 +29,7 @@ from mlx_worker_svc.gateway.calls import (
     CLIENT_CLOSED,
     Answer,
     ClientGone,
-    api_error,
+    answer_error,
     event_stream,
     fleet_call,
     open_answer,
@@ -118,7 +118,7 @@ class MessagesApi:
                     yield _send(events)
         except (WorkerError, ClientError, ApiError) as exc:
             # The headers are out: the error travels as an event, as Anthropic sends it.
-            yield sse(api_error(exc).anthropic_body(), "error")
+            yield sse(answer_error(answer.parsed, exc).anthropic_body(), "error")
             return
         except asyncio.CancelledError:  # the client went away mid-stream
             self.metrics.disconnects.labels(route).inc()

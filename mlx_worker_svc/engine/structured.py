@@ -199,6 +199,7 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
                 schema = "{}"
             elif schema.strip() == "false":
                 raise InvalidArgument(f"{where} is the schema false: no JSON value matches it")
+            _check_exact_numbers(schema, where)
             options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
         if spec.kind == "regex":
@@ -210,6 +211,51 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         return str(llguidance.grammar_from("gbnf", spec.text))
     except ValueError as exc:  # not JSON, or GBNF that does not convert
         raise InvalidArgument(f"{where}: {exc}") from exc
+
+
+# Keywords whose numbers the output must hold exactly, which the engine reads as doubles.
+_EXACT = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_DOUBLE_EXACT = 2**53  # integers beyond it are rounded by a double
+
+
+def _check_exact_numbers(schema: str, where: str) -> None:
+    """Refuses an integer past 2^53 in a keyword the output is held to (const, enum,
+    bounds): the engine holds JSON numbers as doubles, so it would round the integer
+    and produce, or allow, another number than the schema says."""
+    try:
+        tree = json.loads(schema)
+    except ValueError:
+        return  # the engine names what does not parse
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _EXACT:
+                    big = _big_integer(value)
+                    if big is not None:
+                        raise InvalidArgument(
+                            f"{where}: {path}{key} holds {big}, past 2^53: the grammar "
+                            "engine reads JSON numbers as doubles and would round it "
+                            "(give it as a string, or a bound within 2^53)"
+                        )
+                walk(value, f"{path}{key}.")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path.rstrip('.')}[{i}].")
+
+    walk(tree, "")
+
+
+def _big_integer(value: Any) -> int | None:
+    """An integer in `value` (nested too) that a double does not hold exactly."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) > _DOUBLE_EXACT else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        found = _big_integer(item)
+        if found is not None:
+            return found
+    return None
 
 
 class Grammar:

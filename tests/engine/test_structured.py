@@ -329,6 +329,19 @@ BAD_SPECS = [
     ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "uniqueItems"),
     ({"json_schema": '{"type": "string", "minLength": 3, "maxLength": 2}'}, "minLength"),
     ({"json_schema": '{"type": "strnig"}'}, "strnig"),
+    # Integers a double cannot hold: the engine would round them (2^53 + 1 to 2^53).
+    ({"json_schema": '{"const": 9007199254740993}'}, "const holds 9007199254740993, past 2^53"),
+    (
+        {
+            "json_schema": '{"type": "object", "properties": '
+            '{"n": {"enum": [1, -18446744073709551616]}}}'
+        },
+        "properties.n.enum holds -18446744073709551616, past 2^53",
+    ),
+    (
+        {"json_schema": '{"type": "integer", "minimum": 9007199254740993}'},
+        "minimum holds 9007199254740993",
+    ),
     ({"regex": "a["}, "structured_outputs.regex"),
     ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
     ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),

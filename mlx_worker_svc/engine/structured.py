@@ -41,7 +41,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_worker_svc.core.domain import Origin
 from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.core.structured_outputs import StructuredOutputs
+from mlx_worker_svc.core.structured_outputs import (
+    StructuredOutputs,
+    inexact_number,
+    inexact_number_message,
+)
 
 RequestKey = tuple[Origin, str]
 
@@ -213,11 +217,6 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         raise InvalidArgument(f"{where}: {exc}") from exc
 
 
-# Keywords whose numbers the output must hold exactly, which the engine reads as doubles.
-_EXACT = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_DOUBLE_EXACT = 2**53  # integers beyond it are rounded by a double
-
-
 def _check_exact_numbers(schema: str, where: str) -> None:
     """Refuses an integer past 2^53 in a keyword the output is held to (const, enum,
     bounds): the engine holds JSON numbers as doubles, so it would round the integer
@@ -226,36 +225,9 @@ def _check_exact_numbers(schema: str, where: str) -> None:
         tree = json.loads(schema)
     except ValueError:
         return  # the engine names what does not parse
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in _EXACT:
-                    big = _big_integer(value)
-                    if big is not None:
-                        raise InvalidArgument(
-                            f"{where}: {path}{key} holds {big}, past 2^53: the grammar "
-                            "engine reads JSON numbers as doubles and would round it "
-                            "(give it as a string, or a bound within 2^53)"
-                        )
-                walk(value, f"{path}{key}.")
-        elif isinstance(node, list):
-            for i, value in enumerate(node):
-                walk(value, f"{path.rstrip('.')}[{i}].")
-
-    walk(tree, "")
-
-
-def _big_integer(value: Any) -> int | None:
-    """An integer in `value` (nested too) that a double does not hold exactly."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if abs(value) > _DOUBLE_EXACT else None
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    for item in items:
-        found = _big_integer(item)
-        if found is not None:
-            return found
-    return None
+    found = inexact_number(tree)
+    if found is not None:
+        raise InvalidArgument(f"{where}: {inexact_number_message(*found)}")
 
 
 class Grammar:

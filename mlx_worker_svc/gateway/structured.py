@@ -31,6 +31,7 @@ import json
 import re
 from typing import Any
 
+from mlx_worker_svc.core.structured_outputs import inexact_number, inexact_number_message
 from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -103,6 +104,15 @@ def _response_format(value: Any) -> pb.StructuredOutputs:
     if schema is None:
         return pb.StructuredOutputs(json_object=True)
     return _spec(f"{where}.schema", "json", schema)
+
+
+def check_exact_numbers(schema: Any, param: str) -> None:
+    """Refuses a schema the output is held to whose const, enum or bound has an integer
+    past 2^53 (the workers' engine would round it), naming its path under `param`."""
+    found = inexact_number(schema)
+    if found is not None:
+        path, value = found
+        raise invalid(f"{param}.{path}", inexact_number_message(path, value))
 
 
 def _vllm(value: Any) -> pb.StructuredOutputs:
@@ -190,6 +200,7 @@ def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
                 raise invalid(param, f"not JSON ({exc})") from exc
         if not isinstance(value, dict):
             raise invalid(param, "expected a JSON Schema (an object)")
+        check_exact_numbers(value, param)  # beside tools it reaches the engine as Lark
         return pb.StructuredOutputs(json_schema=json.dumps(value, ensure_ascii=False))
     if kind == "json_object":
         if value is not True:

@@ -25,6 +25,7 @@ from jsonschema import Draft202012Validator, FormatChecker, validators
 
 from mlx_worker_svc.gateway.body import only_keys
 from mlx_worker_svc.gateway.errors import invalid
+from mlx_worker_svc.gateway.structured import check_exact_numbers
 
 Choice = Literal["none", "auto", "required", "function"]
 _MODES = ("none", "auto", "required")
@@ -211,6 +212,8 @@ def check_function(
         if problem is not None:
             path, message = problem
             raise invalid(f"{where}.{schema_field}{_path(path)}", message)
+        if function.get("strict") is True:  # one that is not strict is relaxed instead
+            check_exact_numbers(parameters, f"{where}.{schema_field}")
 
 
 @functools.lru_cache(maxsize=1024)  # agents send the same tools with every call

@@ -73,6 +73,23 @@ def test_a_forced_call_of_a_tool_that_is_not_strict_leaves_out_what_cannot_be_en
         {"type": "object", "properties": {"p": {"type": "string", "pattern": "^(a)\\1$"}}},
         {"type": "object", "properties": {"l": {"type": "array", "minItems": 1.0}}},
         {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**64 - 1}}},
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2**53 + 1}}},
+        {"type": "object", "properties": {"n": {"const": 2**60 + 1}}},
+        {"type": "object", "properties": {"n": {"enum": [1, 2**53 + 1]}}},
+        # Branches that may overlap: taken as anyOf (beside an anyOf too).
+        {
+            "type": "object",
+            "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        },
+        {
+            "type": "object",
+            "properties": {
+                "n": {
+                    "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "oneOf": [{"type": "integer"}, {"type": "number"}],
+                }
+            },
+        },
         {"type": "object", "properties": {"r": {"$ref": "#/$defs/missing"}}},
         {"type": "object", "properties": {"r": {"$ref": "https://example.com/s.json"}}},
         {
@@ -249,3 +266,26 @@ def test_calls_answered_in_order_pass_and_a_call_left_open_is_a_400(gateway: Gat
         else:
             assert response.status_code == 400, response.text
             assert response.json()["error"]["param"] == param
+
+
+def test_an_integer_the_engine_would_round_is_a_400_naming_its_path(gateway: Gateway) -> None:
+    """The grammar engine reads JSON numbers as doubles: a const, enum or bound past 2^53
+    in a schema the answer is held to (a strict tool's, a response_format beside tools)
+    is a 400 naming its path, not a call with another number."""
+    big = {"type": "object", "properties": {"n": {"const": 2**53 + 1}}, "required": ["n"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": big, "strict": True}}
+    body = {"model": "model", "messages": ASK, "tools": [tool], "max_tokens": 8}
+    response = gateway.http.post("/v1/chat/completions", json=body | {"tool_choice": "required"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == (
+        "tools[0].function.parameters.properties.n.const"
+    ), error
+    assert f"holds {2**53 + 1}, past 2^53" in error["message"]
+    loose = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": big}}
+    body = {"model": "model", "messages": ASK, "tools": [loose], "response_format": answer}
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == (
+        "response_format.json_schema.schema.properties.n.const"
+    ), error

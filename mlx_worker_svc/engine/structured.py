@@ -62,11 +62,18 @@ class GrammarFailed(InvalidArgument):
     def __init__(self, key: RequestKey, field_name: str, error: str) -> None:
         self.key = key
         # Without the req_id: what a Generate caller, whose request it is, reads.
-        self.detail = (
-            f"{field_name}: the grammar engine (llguidance) reached one of its limits on "
-            f"this spec: {_first_line(error)}; simplify the spec (fewer alternatives, "
-            "shorter repetitions)"
-        )
+        if error.startswith("NoExtensionBias"):  # no token continues the output
+            self.detail = (
+                f"{field_name}: the output reached a point no text continues under this "
+                "spec (a dead end: a required part whose schema or rule only refers to "
+                "itself?); fix the spec"
+            )
+        else:
+            self.detail = (
+                f"{field_name}: the grammar engine (llguidance) reached one of its limits "
+                f"on this spec: {_first_line(error)}; simplify the spec (fewer "
+                "alternatives, shorter repetitions)"
+            )
         super().__init__(f"req_id {clip(key[1])!r}: {self.detail}")
 
 

@@ -591,3 +591,24 @@ def test_a_generate_request_past_a_limit_does_not_fail_the_step_it_rides(tiny_di
             f"sampling_params.structured_outputs.choice: {LIMIT}"
         )
         assert wait_until_idle(stub, 10).num_running_requests == 0
+
+
+def test_a_dead_end_deeper_in_the_spec_fails_saying_so(tiny_stub: Stub) -> None:
+    """A required property whose schema only refers to itself: the first mask has '{'
+    and the key, then no text continues. The request fails there, saying it is a dead
+    end of the spec, not one of the engine's limits."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/d"}},
+        "required": ["a"],
+        "$defs": {"d": {"$ref": "#/$defs/d"}},
+    }
+    params = constrained(50, json_schema=json.dumps(schema), disable_any_whitespace=True)
+    with pytest.raises(grpc.RpcError) as failed:
+        list(tiny_stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
+    assert code_of(failed.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert details_of(failed.value).startswith(
+        "sampling_params.structured_outputs.json_schema: the output reached a point no "
+        "text continues under this spec"
+    ), details_of(failed.value)
+    assert wait_until_idle(tiny_stub, 10).num_running_requests == 0

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,33 @@ from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
+
+
+def _start_one(
+    stub: pb_grpc.WorkerServiceStub, epoch: int, *, ignore_eos: bool = False
+) -> list[int]:
+    """Starts request "r" (2 prompt tokens, up to 40 greedy ones) through Execute; returns
+    the token its first step sampled."""
+    new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
+    new.sampling_params.ignore_eos = ignore_eos
+    step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
+    step.num_scheduled_tokens["r"] = 2
+    return list(stub.Execute(step).outputs[0].sampled_token_ids)
+
+
+@contextlib.contextmanager
+def _one_running(
+    tiny_dir: Path, *, ignore_eos: bool = False
+) -> Iterator[tuple[WorkerServer, pb_grpc.WorkerServiceStub, int, list[int]]]:
+    """A worker served in-process (grace 30 s) running request "r" (_start_one):
+    (the server, a stub, the epoch, r's first token)."""
+    server = WorkerServer(ServerConfig(port=0, grace_seconds=30.0))
+    port = server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stub = pb_grpc.WorkerServiceStub(chan)
+        bring_up(stub, tiny_dir)
+        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+        yield server, stub, epoch, _start_one(stub, epoch, ignore_eos=ignore_eos)
 
 
 def _wait_not_serving(health: health_pb2_grpc.HealthStub) -> None:
@@ -183,17 +211,8 @@ def test_shutdown_gives_a_schedulers_running_requests_the_grace_period(tiny_dir:
     """A request a scheduler runs through Execute is in flight as a Generate stream is:
     its steps still run while the worker drains, and the worker stops once it ends
     (within the grace), not as soon as the Generate streams are done."""
-    server = WorkerServer(ServerConfig(port=0, grace_seconds=30.0))
-    port = server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
-        stub = pb_grpc.WorkerServiceStub(chan)
-        bring_up(stub, tiny_dir)
-        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-        new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
-        new.sampling_params.ignore_eos = True
-        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
-        step.num_scheduled_tokens["r"] = 2
-        tokens = list(stub.Execute(step).outputs[0].sampled_token_ids)
+    with _one_running(tiny_dir, ignore_eos=True) as (server, stub, epoch, first):
+        tokens = list(first)
         assert stub.Shutdown(pb.ShutdownRequest(grace_seconds=30)).num_in_flight == 1
         finish = pb.FINISH_REASON_UNSPECIFIED
         while not finish:
@@ -217,10 +236,7 @@ def test_a_second_sigterm_cuts_the_grace_period_short(
     chan = worker.channel()
     stub = pb_grpc.WorkerServiceStub(chan)
     epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-    new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
-    step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
-    step.num_scheduled_tokens["r"] = 2
-    stub.Execute(step)  # running, and its scheduler never comes back
+    _start_one(stub, epoch)  # running, and its scheduler never comes back
     os.kill(worker.proc.pid, signal.SIGTERM)
     os.kill(worker.proc.pid, signal.SIGTERM)  # delivered twice (as GNU timeout does): one
     _wait_not_serving(health_pb2_grpc.HealthStub(chan))
@@ -247,16 +263,7 @@ def test_a_second_shutdown_cuts_the_drain_short_and_never_lengthens_it(
     """During a drain, Shutdown(abort) ends the grace at once (as a second SIGTERM), a
     shorter grace_seconds shortens it, and a longer one leaves it as it was; each
     answers DRAINING. A scheduler's running request that never ends holds the drain."""
-    server = WorkerServer(ServerConfig(port=0, grace_seconds=30.0))
-    port = server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
-        stub = pb_grpc.WorkerServiceStub(chan)
-        bring_up(stub, tiny_dir)
-        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-        new = pb.NewRequest(req_id="r", prompt_token_ids=[5, 6], sampling_params=greedy(40))
-        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
-        step.num_scheduled_tokens["r"] = 2
-        stub.Execute(step)  # running, and its scheduler never comes back
+    with _one_running(tiny_dir) as (server, stub, _, _):  # its scheduler never comes back
         assert stub.Shutdown(first).num_in_flight == 1
         started = time.monotonic()
         assert stub.Shutdown(second).state == pb.WORKER_STATE_DRAINING

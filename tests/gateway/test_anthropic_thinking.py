@@ -50,6 +50,7 @@ def _text(message: Any) -> str:
         {"type": "adaptive"},
         {"type": "adaptive", "budget_tokens": 0},  # as Claude Code sends it
         {"type": "enabled", "budget_tokens": 1024},
+        {"type": "adaptive", "display": "omitted"},
         {"type": "disabled"},
     ],
 )
@@ -79,6 +80,7 @@ def test_thinking_is_allowed_and_the_answer_is_the_same(
         ({"type": "sometimes"}, "'enabled', 'adaptive' or 'disabled'"),
         ({"type": "disabled", "budget_tokens": 5}, "thinking.budget_tokens': Extra inputs"),
         ({"type": "adaptive", "depth": 3}, "thinking.depth': Extra inputs"),
+        ({"type": "adaptive", "display": "full"}, "expected 'summarized' or 'omitted'"),
         ("yes", "'enabled', 'adaptive' or 'disabled'"),
     ],
 )
@@ -130,11 +132,15 @@ def test_claude_codes_context_management_is_taken(client: anthropic.Anthropic) -
     (thinking blocks never reach the prompt), so the answer and the count stay the same."""
     request: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 16}
     plain = _text(client.messages.create(**request, extra_body={"temperature": 0}))
-    body = {"temperature": 0, "thinking": {"type": "adaptive"}}
+    body = {"temperature": 0, "thinking": {"type": "adaptive"}, "speed": "fast"}
     body["context_management"] = CLAUDE_CODE_EDITS
+    assert _text(client.messages.create(**request, extra_body=body)) == plain
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "all"}}]}
+    body["context_management"] = keep_all
     assert _text(client.messages.create(**request, extra_body=body)) == plain
     counted = client.messages.count_tokens(model=MODEL, messages=ASK)
     extra = {"thinking": {"type": "adaptive"}, "context_management": CLAUDE_CODE_EDITS}
+    extra["output_config"] = {"effort": "high"}  # the answer's, not the prompt's
     assert client.messages.count_tokens(
         model=MODEL, messages=ASK, extra_body=extra
     ).input_tokens == (counted.input_tokens)

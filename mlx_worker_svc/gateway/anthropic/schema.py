@@ -48,7 +48,7 @@ MAX_STOP_SEQUENCES = 16
 _UINT32 = 2**32 - 1
 _COUNT_FIELDS = {
     "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
-    "context_management",
+    "context_management", "output_config",
 }  # fmt: skip
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _CREATE_FIELDS = _COUNT_FIELDS | {
@@ -60,6 +60,7 @@ _CREATE_FIELDS = _COUNT_FIELDS | {
     "top_k",
     "metadata",
     "service_tier",
+    "speed",
     "output_config",
 }
 # Known to Anthropic, not honoured here (None/absent is fine).
@@ -139,7 +140,9 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     params = pb.SamplingParams() if count else _sampling(fields)
     check_thinking(fields.get("thinking"), None if count else params.max_tokens)
     check_context_management(fields.get("context_management"), fields.get("thinking"))
-    spec = None if count else _output_config(fields.get("output_config"))
+    spec = _output_config(fields.get("output_config"))
+    if count:  # the answer's format is no part of the prompt
+        spec = None
     if prefill and (spec is not None or tools.forced):
         # The grammar would start after the prefill's text, which it does not know.
         where = "output_config.format" if spec is not None else "tool_choice"
@@ -194,6 +197,9 @@ def _sampling(fields: Fields) -> pb.SamplingParams:
     tier = fields.get("service_tier")
     if tier not in (None, "auto", "standard_only"):
         raise invalid("service_tier", f"{tier!r} is not one of ['auto', 'standard_only']")
+    speed = fields.get("speed")  # Claude Code's /fast: this server has one speed
+    if speed not in (None, "fast", "standard"):
+        raise invalid("speed", f"{speed!r} is not one of ['fast', 'standard']")
     return params
 
 

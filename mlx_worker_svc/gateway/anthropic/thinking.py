@@ -41,7 +41,9 @@ def check_thinking(value: Any, max_tokens: int | None) -> None:
     if kind == "disabled":
         only_keys(value, ("type",), "thinking", EXTRA)
         return
-    only_keys(value, ("type", "budget_tokens"), "thinking", EXTRA)
+    only_keys(value, ("type", "budget_tokens", "display"), "thinking", EXTRA)
+    if value.get("display") not in (None, "summarized", "omitted"):
+        raise invalid("thinking.display", "expected 'summarized' or 'omitted'")
     budget = value.get("budget_tokens")
     if kind == "adaptive" and budget is None:
         return
@@ -101,11 +103,13 @@ def check_context_management(value: Any, thinking: Any) -> None:
 
 
 def _check_keep(keep: Any, where: str) -> None:
-    if keep is None or keep == "all":
+    if keep is None or keep in ("all", {"type": "all"}):
         return
     if isinstance(keep, dict) and keep.get("type") == "thinking_turns":
         only_keys(keep, ("type", "value"), where, EXTRA)
         value = keep.get("value")
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return
-    raise invalid(where, "expected 'all' or {'type': 'thinking_turns', 'value': N >= 1}")
+    raise invalid(
+        where, "expected 'all', {'type': 'all'} or {'type': 'thinking_turns', 'value': N >= 1}"
+    )

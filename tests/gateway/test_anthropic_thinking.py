@@ -25,8 +25,8 @@ ASK: list[Any] = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_dir: Path) -> Iterator[Gateway]:
-    proc = ServeProcess(tiny_dir, 1.0)
+def gateway(tiny_tools_dir: Path) -> Iterator[Gateway]:
+    proc = ServeProcess(tiny_tools_dir, 1.0)
     gw = Gateway(proc.port)
     yield gw
     gw.close()
@@ -175,3 +175,37 @@ def test_context_management_this_server_cannot_do_is_a_400(
     response = gateway.http.post("/v1/messages", json=body)
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"], response.text
+
+
+def test_a_tools_image_is_a_line_of_text_saying_so(client: anthropic.Anthropic) -> None:
+    """Claude Code's Read tool returns images; the result stays in every later turn, so
+    the image is written as a line saying a text model cannot read it (the same prompt
+    as that line given as text), and a user's own image is still a 400."""
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
+    }
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "a.png"}}
+    tools: list[Any] = [{"name": "Read", "input_schema": {"type": "object"}}]
+
+    def turns(content: list[Any]) -> list[Any]:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
+        return [
+            *ASK,
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]},
+        ]
+
+    said = {"type": "text", "text": "[an image the tool returned: this model reads text only]"}
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "tools": tools}
+    greedy["extra_body"] = {"temperature": 0}
+    with_image = client.messages.create(messages=turns([image]), **greedy)
+    as_text = client.messages.create(messages=turns([said]), **greedy)
+    assert with_image.content == as_text.content
+    counted = client.messages.count_tokens(model=MODEL, messages=turns([image]), tools=tools)
+    assert counted.input_tokens == (
+        client.messages.count_tokens(model=MODEL, messages=turns([said]), tools=tools).input_tokens
+    )
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\].content\[0\]"):
+        own: list[Any] = [{"role": "user", "content": [image]}]
+        client.messages.create(messages=own, **greedy)

@@ -379,10 +379,35 @@ def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb
     if content is None or isinstance(content, str):
         text = content or ""
     else:
-        text = _texts(content, f"{where}.content")
+        text = _texts(_visible(content, f"{where}.content"), f"{where}.content")
     if not isinstance(block.get("is_error", False), bool):
         raise invalid(f"{where}.is_error", "expected a boolean")
     return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=name)
+
+
+# A tool's image or document, which a text model cannot read: the result says so in text.
+_UNSEEN = {
+    "image": "[an image the tool returned: this model reads text only]",
+    "document": "[a document the tool returned: this model reads text only]",
+}
+
+
+def _visible(content: Any, where: str) -> Any:
+    """A tool_result's content blocks with its images and documents written as a line of
+    text saying so: an agent's tool (Claude Code's Read) returns them, and the result
+    stays in every later turn's history, so a 400 would end the session."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _UNSEEN:
+            out.append(part)
+            continue
+        keys = ("type", "source", "cache_control", "title", "context", "citations")
+        only_keys(part, keys, f"{where}[{j}]", _EXTRA)
+        out.append({"type": "text", "text": _UNSEEN[kind]})
+    return out
 
 
 def _prefill(turn: dict[str, Any], where: str) -> str:

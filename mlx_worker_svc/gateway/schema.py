@@ -28,7 +28,7 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 OpenAIKind = Literal["chat", "completion"]
 Kind = OpenAIKind | Literal["messages"]  # messages: Anthropic's (anthropic/schema.py)
 MAX_LOGPROBS = 20  # the workers' bound on top-n
-MAX_STOP = 4  # OpenAI's bound on stop strings
+MAX_STOP = 16  # OpenAI allows 4; vLLM any: Continue sends its ~12 stop words
 _UINT32 = 2**32 - 1
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}

@@ -198,7 +198,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
         ({"n": 2}, 400, "n"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"top_logprobs": 5}, 400, "top_logprobs"),  # without logprobs=true
-        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
         ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),

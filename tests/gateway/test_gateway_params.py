@@ -167,10 +167,17 @@ def test_fields_clients_send_on_every_call_are_accepted(
     bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"50": 300}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.50"
     suffix: object
+    # Continue sends its dozen stop words on every request; 16 are taken, 17 are not.
+    stops = [
+        f"\n\n{word}" for word in ["def", "class", "if", "for", "while", "with", "try", "return"]
+    ]
+    stops += ["<|im_end|>", "\n```", "/src/", "#- coding", "\n# ", "<fim_", "</s>", "\n}"]
+    assert post(gateway, "/v1/completions", {"prompt": PROMPT, "stop": stops}).status_code == 200
     for name, bad_value in (
         ("service_tier", "fastest"),
         ("prompt_cache_key", 7),
         ("modalities", ["text", "audio"]),
+        ("stop", [*stops, "one more"]),
     ):
         bad = post(gateway, "/v1/chat/completions", {"messages": CHAT, name: bad_value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == name

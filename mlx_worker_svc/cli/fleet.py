@@ -153,7 +153,11 @@ async def _run_gateway(args: argparse.Namespace) -> int:
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         fleet_config = _fleet_config(args)
-        config = GatewayConfig(served_model_name=args.served_model_name, security=security)
+        config = GatewayConfig(
+            served_model_name=args.served_model_name,
+            security=security,
+            allowed_origins=tuple(args.allowed_origins),
+        )
         server = GatewayServer(
             FleetScheduler(args.worker, fleet_config),
             args.host,
@@ -377,6 +381,14 @@ def add_commands(sub: Any) -> None:
                 "--served-model-name",
                 help="the model id clients use when the fleet serves one model (default: the "
                 "workers' model directory name; with --models, the names given there)",
+            )
+            cmd.add_argument(
+                "--allowed-origins",
+                nargs="+",
+                default=[],
+                metavar="ORIGIN",
+                help="answer browsers' CORS requests from these origins ('*': any; default: "
+                "none, no CORS headers)",
             )
         else:
             cmd.add_argument("prompt", help="the user's message (with --raw: the prompt text)")

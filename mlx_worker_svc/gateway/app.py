@@ -26,6 +26,7 @@ from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -63,6 +64,8 @@ class GatewayConfig:
     served_model_name: str | None = None
     """The model id of a one-model fleet; default: the fleet's names for its models."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    allowed_origins: tuple[str, ...] = ()
+    """Origins whose browsers' CORS requests are answered ("*": any); none: no CORS."""
 
 
 class Gateway:
@@ -294,6 +297,15 @@ def create_app(fleet: FleetScheduler, config: GatewayConfig | None = None) -> St
     if check is not None:
         open_paths = [HEALTH_PATH] if config.security.allow_health_without_token else []
         middleware.append(Middleware(ApiKeyMiddleware, check=check, open_paths=open_paths))
+    if config.allowed_origins:  # outermost: a preflight carries no API key
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+        )
+        middleware.insert(0, cors)
     app = Starlette(
         routes=routes,
         middleware=middleware,

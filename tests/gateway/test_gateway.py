@@ -284,6 +284,39 @@ def test_api_keys(gateway: Gateway) -> None:
     assert bare.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_browsers_get_cors_answers_only_from_the_allowed_origins(
+    gateway: Gateway, worker: ServeProcess, tmp_path: Path
+) -> None:
+    """--allowed-origins answers a browser's preflight (which carries no API key) and
+    marks the answers for that origin; the API key is still required of the request
+    itself, and an origin not given, or a gateway without the flag, gets no CORS header."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY}\n")
+    app = "https://app.example"
+    preflight = {"origin": app, "access-control-request-method": "POST"}
+    preflight["access-control-request-headers"] = "authorization, content-type"
+    cors = Gateway(worker.port, "--api-key-file", str(keys), "--allowed-origins", app)
+    try:
+        answer = cors.http.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-origin"] == app
+        assert "POST" in answer.headers["access-control-allow-methods"]
+        keyed = {"origin": app, "authorization": f"Bearer {KEY}"}
+        body = {"messages": CHAT, "max_tokens": 2}
+        done = cors.http.post("/v1/chat/completions", json=body, headers=keyed)
+        assert done.status_code == 200 and done.headers["access-control-allow-origin"] == app
+        keyless = cors.http.post("/v1/chat/completions", json=body, headers={"origin": app})
+        assert keyless.status_code == 401
+        other = cors.http.options(
+            "/v1/chat/completions", headers=preflight | {"origin": "https://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        cors.close()
+    plain = gateway.http.options("/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in plain.headers
+
+
 def test_a_client_disconnect_mid_stream_frees_the_workers_kv(
     gateway: Gateway, client: openai.OpenAI, worker_stub: pb_grpc.WorkerServiceStub
 ) -> None:

@@ -7,8 +7,9 @@ under `"none"` are not shown to the model, which answers in text. Otherwise
 (`may_call`) the tools go to the chat template, and `"required"` or a named
 function constrains the output to a call (tool_calls.py). `history` reads the
 tool fields of earlier messages: an assistant's `tool_calls` (their JSON
-`arguments` parsed, as chat templates read them) and a tool message's
-`tool_call_id` and `name`.
+`arguments` parsed, as chat templates read them; arguments that are no JSON
+object go as the text they are, as OpenAI takes any string) and a tool
+message's `tool_call_id` and `name`.
 """
 
 from __future__ import annotations
@@ -150,16 +151,21 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise invalid(f"{where}.function", "expected an object with a 'name' string")
     arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise invalid(f"{where}.function.arguments", "expected a string (JSON text)")
     try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError as exc:
-        raise invalid(f"{where}.function.arguments", f"not JSON ({exc})") from exc
-    if not isinstance(parsed, dict):
-        raise invalid(f"{where}.function.arguments", "expected a JSON object in a string")
+        parsed: Any = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    # As OpenAI takes any string here: a model's malformed call (its tool answered with
+    # an error) stays in the history, and goes to the template as the text it was.
     return {
         "id": call["id"],
         "type": "function",
-        "function": {"name": function["name"], "arguments": parsed},
+        "function": {
+            "name": function["name"],
+            "arguments": parsed if isinstance(parsed, dict) else arguments,
+        },
     }
 
 

@@ -213,7 +213,7 @@ def test_a_tool_schema_valid_in_its_draft_is_offered(gateway: Gateway, schema: A
             {
                 "role": "assistant",
                 "tool_calls": [
-                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
                 ],
             },
             "messages[1].tool_calls[0].function.arguments",
@@ -289,3 +289,21 @@ def test_an_integer_the_engine_would_round_is_a_400_naming_its_path(gateway: Gat
     assert response.status_code == 400 and error["param"] == (
         "response_format.json_schema.schema.properties.n.const"
     ), error
+
+
+@pytest.mark.parametrize("arguments", ['{"path": "src', "", "null", "[1, 2]"])
+def test_a_malformed_call_in_the_history_goes_back_as_its_text(
+    gateway: Gateway, arguments: str
+) -> None:
+    """As OpenAI takes any string: a model's malformed call, answered by its tool with an
+    error as agents do, stays in the history instead of making every later turn a 400."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Error: arguments are not JSON"},
+    ]
+    body = {"model": "model", "messages": history, "tools": [tool], "max_tokens": 2}
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text

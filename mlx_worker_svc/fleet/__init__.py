@@ -16,6 +16,7 @@ from mlx_worker_svc.fleet.errors import (
     NoWorkers,
     OutOfVocabulary,
     Overloaded,
+    PromptTooLarge,
 )
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.scheduler import FleetScheduler
@@ -33,4 +34,5 @@ __all__ = [
     "NoWorkers",
     "OutOfVocabulary",
     "Overloaded",
+    "PromptTooLarge",
 ]

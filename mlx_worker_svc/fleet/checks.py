@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from mlx_worker_svc.client.sampling import sampling_params
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.fleet.errors import BadRequest, ContextTooLong, OutOfVocabulary
+from mlx_worker_svc.fleet.errors import (
+    BadRequest,
+    ContextTooLong,
+    OutOfVocabulary,
+    PromptTooLarge,
+)
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
@@ -49,17 +54,13 @@ def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
     return pb.TokenizeRequest(text=request.prompt, add_special_tokens=True)
 
 
-def check_size(ask: pb.TokenizeRequest, max_message: int) -> None:
-    """Raises BadRequest for prompt text past what a worker takes in one message (0:
+def check_size(ask: pb.TokenizeRequest, max_message: int, context_length: int) -> None:
+    """Raises PromptTooLarge for prompt text past what a worker takes in one message (0:
     unknown), which the worker's Tokenize would refuse as its own transport error."""
     size = ask.ByteSize()
     if max_message and size > max_message:
         field = "messages" if ask.messages else "prompt"
-        raise BadRequest(
-            f"{field}: {size} bytes of text, more than a worker of the model takes in one "
-            f"message ({max_message} bytes, sized to its context): longer than any prompt "
-            "it serves"
-        )
+        raise PromptTooLarge(field, size, max_message, context_length)
 
 
 # Room in a step's message beside one new request: its id, scheduled count, the step's own fields.

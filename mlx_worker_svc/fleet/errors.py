@@ -73,6 +73,22 @@ class ContextTooLong(BadRequest):
         self.context_length = context_length
 
 
+class PromptTooLarge(BadRequest):
+    """The prompt's text (`field`) is more bytes than a worker of the model takes in one
+    message, which is sized to its context: longer than any prompt it serves."""
+
+    def __init__(self, field: str, size: int, max_message: int, context_length: int) -> None:
+        super().__init__(
+            f"{field}: {size} bytes of text, more than a worker of the model takes in one "
+            f"message ({max_message} bytes, sized to its context): longer than any prompt "
+            "it serves"
+        )
+        self.field = field
+        self.size = size
+        self.max_message = max_message
+        self.context_length = context_length
+
+
 class OutOfVocabulary(BadRequest):
     """A token id of the request (`field` names where) is not in the model's vocabulary."""
 

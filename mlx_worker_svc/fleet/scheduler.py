@@ -255,7 +255,7 @@ class FleetScheduler:
                 self.adapters.require(self._up(model), request.lora_name)
                 prompt = list(request.prompt_token_ids)
                 if ask is not None:
-                    check_size(ask, link.max_message)
+                    check_size(ask, link.max_message, link.max_context)
                     prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
                 field = (

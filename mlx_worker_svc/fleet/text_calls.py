@@ -49,7 +49,7 @@ class TextCalls:
                 raise NoWorkers(f"no worker of the fleet could answer: {last}")
             link = min(fresh, key=lambda candidate: candidate.load)
             if method == "tokenize":  # not the worker's transport error (RESOURCE_EXHAUSTED)
-                check_size(request, link.max_message)
+                check_size(request, link.max_message, link.max_context)
             try:
                 return await getattr(link.client, method)(request, timeout=self.budget)
             except ClientError as exc:

@@ -31,7 +31,7 @@ from starlette.types import Receive
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary
+from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary, PromptTooLarge
 from mlx_worker_svc.gateway.errors import ApiError, from_grpc
 from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
@@ -143,7 +143,7 @@ async def _tools(fleet: FleetScheduler, parsed: ParsedRequest) -> ToolCallParser
 async def _first(parsed: ParsedRequest, stream: Stream) -> pb.GenerateResponse:
     try:
         return await anext(stream)
-    except (ContextTooLong, OutOfVocabulary) as exc:
+    except (ContextTooLong, OutOfVocabulary, PromptTooLarge) as exc:
         raise limit_error(parsed.kind, exc) from exc
 
 

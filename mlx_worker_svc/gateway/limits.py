@@ -15,7 +15,7 @@ the vocabulary (`OutOfVocabulary`) names the request field that holds it.
 
 from __future__ import annotations
 
-from mlx_worker_svc.fleet import ContextTooLong, OutOfVocabulary
+from mlx_worker_svc.fleet import ContextTooLong, OutOfVocabulary, PromptTooLarge
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gateway.schema import Kind
 
@@ -27,11 +27,13 @@ _PARAMS = {
 }
 
 
-def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary) -> ApiError:
+def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary | PromptTooLarge) -> ApiError:
     """The OpenAI error for a request past the model's context or vocabulary."""
     if isinstance(exc, OutOfVocabulary):
         param = _PARAMS.get(exc.field, exc.field)
         return invalid(param, f"token {exc.token} is out of the vocabulary (size {exc.vocab_size})")
+    if isinstance(exc, PromptTooLarge):
+        return _too_large(kind, exc)
     if kind == "messages":  # Anthropic's words; its max_tokens is not reserved
         most = exc.context_length - 1
         return ApiError(
@@ -53,4 +55,24 @@ def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary) -> ApiError:
             f"({exc.prompt_tokens} in the {where}, {exc.max_tokens} in the completion). "
             f"Please reduce the length of the {where} or completion."
         )
+    return ApiError(400, message, param=where, code="context_length_exceeded")
+
+
+def _too_large(kind: Kind, exc: PromptTooLarge) -> ApiError:
+    """A prompt's text past what a worker takes in one message, worded as the context
+    error each API's clients compact on ("prompt is too long", context_length_exceeded):
+    it is longer than any prompt the model's context holds."""
+    where = "prompt" if kind == "completion" else "messages"
+    past = (
+        f"{exc.size} bytes of text, more than a worker takes in one message "
+        f"({exc.max_message} bytes, sized to the model's context of {exc.context_length} "
+        "tokens)"
+    )
+    if kind == "messages":
+        return ApiError(400, f"prompt is too long: {past}", param="messages")
+    message = (
+        f"This model's maximum context length is {exc.context_length} tokens. However, "
+        f"your {where} {'is' if where == 'prompt' else 'are'} {past}. Please reduce the "
+        f"length of the {where}."
+    )
     return ApiError(400, message, param=where, code="context_length_exceeded")

@@ -527,9 +527,12 @@ def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert f"in one message ({limit} bytes" in error["message"], error
+        if route == "/v1/messages":  # the words agents compact the conversation on
+            assert error["message"].startswith("prompt is too long: "), error
     body = {"model": MODEL, "messages": ask, "max_tokens": 4}
     response = gateway.http.post("/v1/chat/completions", json=body, headers={"x-api-key": KEY})
     assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
+    assert response.json()["error"]["code"] == "context_length_exceeded"
     # Too large by its stop strings: named as each API names them.
     stops = ["s" * (limit // 4 + 64) + str(i) for i in range(4)]
     body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stop": stops}

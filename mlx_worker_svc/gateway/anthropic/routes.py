@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
-from mlx_worker_svc.fleet import FleetScheduler
+from mlx_worker_svc.fleet import FleetScheduler, PromptTooLarge
 from mlx_worker_svc.gateway.anthropic.reply import Blocks, MessageReply, Sse
 from mlx_worker_svc.gateway.anthropic.schema import MessagesRequest, parse_messages
 from mlx_worker_svc.gateway.body import parse_body
@@ -36,6 +36,7 @@ from mlx_worker_svc.gateway.calls import (
     sse,
 )
 from mlx_worker_svc.gateway.errors import ApiError
+from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
 from mlx_worker_svc.gateway.schema import ParsedRequest
 from mlx_worker_svc.gateway.structured import request_error
@@ -56,6 +57,8 @@ async def prompt_tokens(fleet: FleetScheduler, request: MessagesRequest) -> list
         whole = pb.TokenizeRequest(text=rendered.text + request.prefill)
         return list((await fleet_call(fleet.tokenize(whole, model))).token_ids)
     except ApiError as exc:
+        if isinstance(exc.__cause__, PromptTooLarge):  # what agents compact the chat on
+            raise limit_error("messages", exc.__cause__) from exc
         raise request_error(exc, None, anthropic=True) from exc  # names `tools` (or `messages`)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -108,16 +109,22 @@ class Gateway:
         return self._texts_by_model[model]
 
     def _model_card(self, name: str) -> dict[str, Any]:
-        """OpenAI's model object, with vLLM's `root` and `parent` (an adapter's base model)."""
+        """OpenAI's model object, with vLLM's `root` and `parent` (an adapter's base model)
+        and Anthropic's `type`, `display_name` and `created_at` (its SDK's models.list)."""
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "mlx-worker"}
         parent = self.adapter_parents().get(name)
         root = self.fleet.adapters.configured.get(name, name) if parent is not None else name
-        return {**card, "root": root, "parent": parent}
+        when = datetime.datetime.fromtimestamp(self.created, datetime.UTC).isoformat()
+        anthropic = {"type": "model", "display_name": name, "created_at": when}
+        return {**card, "root": root, "parent": parent, **anthropic}
 
     async def list_models(self, request: Request) -> JSONResponse:
-        return JSONResponse(
-            {"object": "list", "data": [self._model_card(n) for n in self.model_names()]}
-        )
+        names = self.model_names()
+        cards = [self._model_card(n) for n in names]
+        # OpenAI's list, with Anthropic's paging fields (one page: every model).
+        paging = {"has_more": False, "first_id": names[0] if names else None}
+        paging["last_id"] = names[-1] if names else None
+        return JSONResponse({"object": "list", "data": cards, **paging})
 
     async def get_model(self, request: Request) -> JSONResponse:
         name = request.path_params["model"]

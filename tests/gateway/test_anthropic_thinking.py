@@ -209,3 +209,15 @@ def test_a_tools_image_is_a_line_of_text_saying_so(client: anthropic.Anthropic) 
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\].content\[0\]"):
         own: list[Any] = [{"role": "user", "content": [image]}]
         client.messages.create(messages=own, **greedy)
+
+
+def test_the_anthropic_sdk_lists_the_models(client: anthropic.Anthropic, gateway: Gateway) -> None:
+    """/v1/models answers both SDKs: OpenAI's fields and Anthropic's (type, display_name,
+    created_at, the paging ids)."""
+    page = client.models.list()
+    assert [(m.id, m.type, m.display_name) for m in page.data] == [(MODEL, "model", MODEL)]
+    assert page.data[0].created_at.year >= 2025
+    assert (page.first_id, page.last_id, page.has_more) == (MODEL, MODEL, False)
+    assert client.models.retrieve(MODEL).display_name == MODEL
+    openai_view = gateway.http.get("/v1/models").json()
+    assert openai_view["object"] == "list" and openai_view["data"][0]["object"] == "model"

@@ -164,24 +164,39 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
 _NETWORK_ERRORS = frozenset(
     {"ConnectError", "ConnectionError", "ConnectTimeout", "NetworkError", "TimeoutException"}
 )
+# huggingface_hub's word for a file it could not fetch and has no copy of (no network,
+# or HF_HUB_OFFLINE): a FileNotFoundError, wrapping the connection error when there is one.
+_NOT_FETCHED = frozenset({"LocalEntryNotFoundError", "OfflineModeIsEnabled"})
+
+
+def _kinds(exc: BaseException) -> set[str]:
+    """The class names of `exc`, and of the errors it was raised from or during."""
+    names: set[str] = set()
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names |= {kind.__name__ for kind in type(current).__mro__}
+        current = current.__cause__ or current.__context__
+    return names
 
 
 def _load_error(spec: LoadSpec, exc: Exception) -> WorkerError:
     """What a failed `mlx_lm.load` means to the caller: a network failure fetching a
     hub id is UNAVAILABLE (not the caller's mistake), an unknown repository NOT_FOUND,
     anything else about the files INVALID_ARGUMENT (naming adapter_path when given)."""
-    names = {kind.__name__ for kind in type(exc).__mro__}
+    names = _kinds(exc)
     what = f"model {clip(spec.model)!r}"
     if spec.adapter_path:
         what += f" with LoadModel.adapter_path {clip(spec.adapter_path)!r}"
-    if names & _NETWORK_ERRORS:
+    if names & (_NETWORK_ERRORS | _NOT_FETCHED):
         return Unavailable(
             f"{what} could not be fetched (no connection to the model hub?): {exc}; "
             "retry, or give a local model directory"
         )
     if isinstance(exc, FileNotFoundError):  # a file of the model directory
         return InvalidArgument(f"{what} could not be loaded: {exc}")
-    if any("NotFound" in name for name in names):  # RepositoryNotFoundError, ...
+    if any("NotFound" in name for name in names - {"FileNotFoundError"}):  # RepositoryNotFound
         return NotFound(f"{what} was not found: {exc}")
     if isinstance(exc, OSError):
         return Unavailable(f"{what} could not be fetched: {exc}")

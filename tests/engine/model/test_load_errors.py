@@ -16,6 +16,20 @@ class ConnectError(Exception):
     """Named as httpx's is (the hub client's failed connection)."""
 
 
+class LocalEntryNotFoundError(FileNotFoundError):
+    """Named as huggingface_hub's is: no copy, and the hub could not be reached."""
+
+
+def _wrapped_connect_error() -> Exception:
+    try:
+        try:
+            raise ConnectError("[Errno -3] Temporary failure in name resolution")
+        except ConnectError as inner:
+            raise LocalEntryNotFoundError("cannot find the requested files") from inner
+    except LocalEntryNotFoundError as outer:
+        return outer
+
+
 class RepositoryNotFoundError(OSError):
     """Named as huggingface_hub's is; an OSError, as its HTTP errors are."""
 
@@ -26,6 +40,8 @@ class RepositoryNotFoundError(OSError):
         (ConnectError("[Errno -3] name resolution"), Unavailable, "no connection to the model"),
         (ConnectionResetError("reset by peer"), Unavailable, "no connection to the model"),
         (RepositoryNotFoundError("404"), NotFound, "was not found"),
+        (_wrapped_connect_error(), Unavailable, "no connection to the model"),
+        (LocalEntryNotFoundError("HF_HUB_OFFLINE is set"), Unavailable, "no connection"),
         (OSError("disk quota"), Unavailable, "could not be fetched"),
         (FileNotFoundError("model.safetensors"), InvalidArgument, "could not be loaded"),
         (ValueError("bad shapes"), InvalidArgument, "could not be loaded"),

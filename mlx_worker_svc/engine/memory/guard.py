@@ -66,7 +66,8 @@ def check_budget(
         f"KV ({per_block} bytes a block) beside {profile.weight_bytes} bytes of weights and "
         f"{step} bytes for a one-token step's activations, more than {limit_field} "
         f"({limit} bytes): at most {fits} blocks fit; lower num_blocks (DetermineMemory "
-        f"suggests one) or raise the limit (to at least {profile.weight_bytes + kv + step})"
+        f"suggests one) or raise the limit (past {profile.weight_bytes + kv + step}, what "
+        "those take; requests' KV is allocated 256 tokens at a time, so leave room beyond)"
     )
 
 

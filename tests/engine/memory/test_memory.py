@@ -299,7 +299,7 @@ def test_a_kv_budget_over_the_memory_limit_is_refused_with_the_bytes(
     message = _refused_budget(
         stub, pb.InitCacheRequest(num_blocks=10, memory_limit_bytes=weights + 10 * per_block)
     )
-    assert f"raise the limit (to at least {weights + 10 * per_block + step})" in message
+    assert f"raise the limit (past {weights + 10 * per_block + step}, what those take" in message
     # A limit that holds the weights, exactly 10 blocks and a step takes 10 and refuses 11.
     limit = weights + 10 * per_block + step
     message = _refused_budget(stub, pb.InitCacheRequest(num_blocks=11, memory_limit_bytes=limit))

@@ -102,6 +102,17 @@ def add_worker_client_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _flags_of(args: argparse.Namespace, said: str) -> str:
+    """ "--worker-ca: " (the flags whose file `said` names), for a worker-client error."""
+    given = {
+        "--worker-ca": args.worker_ca,
+        "--worker-client-cert": args.worker_client_cert,
+        "--worker-client-key": args.worker_client_key,
+    }
+    named = [flag for flag, path in given.items() if path and path in said]
+    return f"{', '.join(named)}: " if named else ""
+
+
 def worker_client_from_args(
     args: argparse.Namespace,
 ) -> tuple[grpc.ChannelCredentials | None, str | None]:
@@ -116,10 +127,11 @@ def worker_client_from_args(
             )
         except OSError as exc:
             raise SecurityError(
-                f"cannot read {exc.filename or 'a --worker-* file'}: {exc.strerror or exc}"
+                f"{_flags_of(args, str(exc.filename))}cannot read "
+                f"{exc.filename or 'a --worker-* file'}: {exc.strerror or exc}"
             ) from exc
         except ValueError as exc:
-            raise SecurityError(str(exc)) from exc
+            raise SecurityError(f"{_flags_of(args, str(exc))}{exc}") from exc
     tokens = load_tokens(
         args.worker_token_file, env_var=MLX_WORKER_CLIENT_TOKEN, flag="--worker-token-file"
     )

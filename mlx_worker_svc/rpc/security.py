@@ -124,11 +124,11 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
     """The server's TLS credentials (client certificates required with a CA); None: plaintext."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    chain = _read_pem(config.tls_cert, "TLS certificate")
-    key = _read_pem(config.tls_key, "TLS key")
+    chain = _read_pem(config.tls_cert, "TLS certificate (--tls-cert)")
+    key = _read_pem(config.tls_key, "TLS key (--tls-key)")
     client_ca = None
     if config.tls_client_ca is not None:
-        client_ca = _read_pem(config.tls_client_ca, "client CA file")
+        client_ca = _read_pem(config.tls_client_ca, "client CA file (--tls-client-ca)")
     try:
         check_tls_files(
             config.tls_client_ca,

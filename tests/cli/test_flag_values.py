@@ -154,7 +154,7 @@ def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
     garbage.write_text("not a certificate")
     done = _run("fleet", *WORKER, "--port", "0", "--worker-ca", str(garbage))
     assert done.returncode == 2
-    assert done.stderr.strip() == f"mlx-worker fleet: {garbage} is not a PEM file"
+    assert done.stderr.strip() == f"mlx-worker fleet: --worker-ca: {garbage} is not a PEM file"
 
 
 def test_every_flag_with_a_default_says_it_in_its_help() -> None:

@@ -107,7 +107,7 @@ def test_config_validation(pki: Pki, tmp_path: Path) -> None:
     done = _cli("fleet", "--worker", "127.0.0.1:1", "--port", "0", "--worker-ca", pki.server_key)
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        f"mlx-worker fleet: the CA file {pki.server_key} holds no certificate "
+        f"mlx-worker fleet: --worker-ca: the CA file {pki.server_key} holds no certificate "
         "(NO_CERTIFICATE_OR_CRL_FOUND)"
     )
 

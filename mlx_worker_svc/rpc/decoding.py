@@ -83,6 +83,8 @@ def _unknown(descriptor: Descriptor | None, data: bytes) -> Undecodable | None:
     path = None if descriptor is None else unknown_field_path(descriptor, data)
     if descriptor is None or path is None:
         return None
+    if "(wire type" in path:  # a known field written as another type: a corrupt request
+        return Undecodable(f"the request bytes do not decode as {descriptor.full_name}: {path}")
     return Undecodable(
         f"{descriptor.full_name}: {path} is not a field this server knows (a client "
         f"built from a newer proto?): leave it unset, or upgrade the server",
@@ -131,15 +133,16 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     raise _Corrupt
 
 
-Visit = Callable[[FieldDescriptor | None, int, bytes | None, int], str | None]
+Visit = Callable[[FieldDescriptor | None, int, bytes | None, int, int], str | None]
+_GROUP = (3, 4)  # start and end of a group: no field of these protocols is one
 
 
 def _walk(descriptor: Descriptor, data: bytes, visit: Visit) -> str | None:
     """Walks the wire format of `data` by `descriptor`, calling `visit(field, number,
-    chunk, index)` on each field (`field` None for a number the descriptor lacks,
-    `chunk` None but for length-delimited ones, `index` its count so far); returns
-    the first path a visit gives, or None when none does before the bytes end or
-    stop making sense."""
+    chunk, index, wire_type)` on each field (`field` None for a number the descriptor
+    lacks, `chunk` None but for length-delimited ones, `index` its count so far); returns
+    the first path a visit gives, or None when none does before the bytes end or stop
+    making sense. A group is visited, then the walk stops (these protocols have none)."""
     seen: Counter[int] = Counter()
     pos = 0
     try:
@@ -154,15 +157,15 @@ def _walk(descriptor: Descriptor, data: bytes, visit: Visit) -> str | None:
             elif wire_type == 2:
                 size, pos = _varint(data, pos)
                 chunk, pos = data[pos : pos + size], pos + size
-            else:
-                return None  # groups or garbage: nothing these protocols use
+            elif wire_type not in _GROUP:
+                return None  # garbage
             if pos > len(data):
                 return None
             field = descriptor.fields_by_number.get(number)
             index = seen[number]
             seen[number] += 1
-            found = visit(field, number, chunk, index)
-            if found is not None:
+            found = visit(field, number, chunk, index, wire_type)
+            if found is not None or wire_type in _GROUP:
                 return found
     except _Corrupt:
         return None
@@ -173,7 +176,9 @@ def bad_utf8_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | 
     """The path of the first `string` field in `data` that is not UTF-8, if any
     ("new_requests[2].req_id", "a key of num_scheduled_tokens")."""
 
-    def visit(field: FieldDescriptor | None, _n: int, chunk: bytes | None, index: int) -> Any:
+    def visit(
+        field: FieldDescriptor | None, _n: int, chunk: bytes | None, index: int, _wire: int
+    ) -> Any:
         if field is None or chunk is None:
             return None
         found = _bad_utf8_in(field, chunk, depth)
@@ -182,13 +187,33 @@ def bad_utf8_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | 
     return _walk(descriptor, data, visit)
 
 
+# The wire type of each field type (a repeated number may also come packed: 2).
+_WIRE = {
+    FieldDescriptor.TYPE_DOUBLE: 1, FieldDescriptor.TYPE_FIXED64: 1,
+    FieldDescriptor.TYPE_SFIXED64: 1, FieldDescriptor.TYPE_FLOAT: 5,
+    FieldDescriptor.TYPE_FIXED32: 5, FieldDescriptor.TYPE_SFIXED32: 5,
+    FieldDescriptor.TYPE_STRING: 2, FieldDescriptor.TYPE_BYTES: 2,
+    FieldDescriptor.TYPE_MESSAGE: 2,
+}  # fmt: skip
+
+
+def _fits_wire(field: FieldDescriptor, wire_type: int) -> bool:
+    expected = _WIRE.get(field.type, 0)  # the varints: ints, bools, enums
+    return wire_type == expected or (wire_type == 2 and expected != 2 and field.is_repeated)
+
+
 def unknown_field_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | None:
     """The path of the first field in `data` that `descriptor` does not define
-    ("new_requests[0].sampling_params.field 42"), if any."""
+    ("new_requests[0].sampling_params.field 42"), or that comes in another wire type
+    than its type's (protobuf keeps it aside, unread, as it keeps an unknown one), if any."""
 
-    def visit(field: FieldDescriptor | None, number: int, chunk: bytes | None, index: int) -> Any:
+    def visit(
+        field: FieldDescriptor | None, number: int, chunk: bytes | None, index: int, wire: int
+    ) -> Any:
         if field is None:
             return f"field {number}"
+        if not _fits_wire(field, wire):
+            return f"{field.name} (wire type {wire}, not its type's)"
         message = field.message_type
         if chunk is None or message is None or depth >= _MAX_DEPTH:
             return None

@@ -225,9 +225,14 @@ def test_a_field_unknown_here_is_unimplemented_naming_it(stack: Stack) -> None:
     nested.sampling_params.ParseFromString(params + _varint(999 << 3) + _varint(7))
     unpacked = b"".join(_varint(3 << 3) + _varint(t) for t in PROMPT)
     unpacked += _varint(4 << 3 | 2) + _varint(len(params)) + params
-    for port, service in (
-        (stack.worker_port, "mlx_worker.v1.WorkerService"),
-        (stack.fleet_port, "mlx_worker.v1.FleetService"),
+    # A group (wire types 3 and 4; these protocols have none), and a known field in
+    # another wire type than its own (protobuf keeps both aside, unread).
+    grouped = generate.SerializeToString() + _varint(30 << 3 | 3) + _varint(30 << 3 | 4)
+    wrong_type = pb.GenerateRequest(prompt_token_ids=PROMPT).SerializeToString()
+    wrong_type += _varint(4 << 3 | 0) + _varint(2)  # sampling_params as a number
+    for name, port, service in (
+        ("worker", stack.worker_port, "mlx_worker.v1.WorkerService"),
+        ("fleet", stack.fleet_port, "mlx_worker.v1.FleetService"),
     ):
         code, details = _unary(port, f"/{service}/Generate", newer)
         assert code == Code.UNIMPLEMENTED, (service, code, details)
@@ -237,6 +242,16 @@ def test_a_field_unknown_here_is_unimplemented_naming_it(stack: Stack) -> None:
         code, details = _unary(port, f"/{service}/Generate", nested.SerializeToString())
         assert code == Code.UNIMPLEMENTED, (service, code, details)
         assert "sampling_params.field 999 is not a field this server knows" in details
+        code, details = _unary(port, f"/{service}/Generate", grouped)
+        assert code == Code.UNIMPLEMENTED, (service, code, details)
+        assert details.startswith("mlx_worker.v1.GenerateRequest: field 30 is not a field")
+        code, details = _unary(port, f"/{service}/Generate", wrong_type)
+        stack.sent[name] += 1  # a refusal that does not decode: its log line is counted
+        assert code == Code.INVALID_ARGUMENT, (service, code, details)
+        assert details == (
+            "the request bytes do not decode as mlx_worker.v1.GenerateRequest: "
+            "sampling_params (wire type 0, not its type's)"
+        )
         assert _unary(port, f"/{service}/Generate", unpacked) == (Code.OK, "")
 
 

@@ -21,7 +21,7 @@ JSON numbers: a schema's const, enum and bounds must stay within it."""
 _EXACT = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def inexact_number(schema: Any, path: str = "") -> tuple[str, int] | None:
+def inexact_number(schema: Any, path: str = "") -> tuple[str, int | float] | None:
     """(the keyword's path, the integer) of the first integer past DOUBLE_EXACT in a
     keyword the output is held to (const, enum, a bound) of a JSON Schema, if any."""
     if isinstance(schema, dict):
@@ -40,7 +40,7 @@ def inexact_number(schema: Any, path: str = "") -> tuple[str, int] | None:
     return None
 
 
-def inexact_number_message(path: str, value: int) -> str:
+def inexact_number_message(path: str, value: float) -> str:
     """Why a schema with `value` at `path` (inexact_number's answer) is refused."""
     return (
         f"{path} holds {value}, past 2^53: the grammar engine reads JSON numbers as "
@@ -48,10 +48,14 @@ def inexact_number_message(path: str, value: int) -> str:
     )
 
 
-def big_integer(value: Any) -> int | None:
-    """An integer in `value` (a JSON value, nested too) past DOUBLE_EXACT, if any."""
+def big_integer(value: Any) -> int | float | None:
+    """An integer in `value` (a JSON value, nested too) past DOUBLE_EXACT, if any; a
+    number written with a fraction or exponent counts from DOUBLE_EXACT on, as the
+    parser has rounded it already (9007199254740993.0 reads as 2^53)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value if abs(value) > DOUBLE_EXACT else None
+    if isinstance(value, float):
+        return value if abs(value) >= DOUBLE_EXACT else None
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     for item in items:
         found = big_integer(item)

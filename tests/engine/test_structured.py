@@ -342,6 +342,8 @@ BAD_SPECS = [
         {"json_schema": '{"type": "integer", "minimum": 9007199254740993}'},
         "minimum holds 9007199254740993",
     ),
+    # Written with a fraction it is rounded as it is read: refused from 2^53 on.
+    ({"json_schema": '{"const": 9007199254740993.0}'}, "const holds 9007199254740992.0"),
     ({"regex": "a["}, "structured_outputs.regex"),
     ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
     ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),

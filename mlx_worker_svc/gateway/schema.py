@@ -209,7 +209,9 @@ def _ignored(kind: OpenAIKind, fields: Fields) -> None:
     fields.boolean("store")
     modalities = fields.get("modalities")
     if modalities is not None and modalities != ["text"]:  # text is the default output
-        raise invalid("modalities", "only text output is supported by this server: ['text']")
+        raise invalid(
+            "modalities", 'only text output is supported by this server: give ["text"] or none'
+        )
     for name, allowed in _HINTS.items():
         value = fields.get(name)
         if value is not None and not isinstance(value, str):

@@ -178,7 +178,7 @@ class StepStream:
                 raise NotFound(
                     f"cached_requests (req_id {clip(cached.req_id)!r}): step {failed} of "
                     "this stream was to create it and failed, so this stream has no such "
-                    "request (a live one under the id is another scheduler's)"
+                    "request (a live one under the id is not the one the step means)"
                 )
         meant = {r for r in plan.finished_req_ids if r in self._uncreated and r not in new}
         for req_id in meant:

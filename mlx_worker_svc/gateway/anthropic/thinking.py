@@ -47,8 +47,10 @@ def check_thinking(value: Any, max_tokens: int | None) -> None:
     budget = value.get("budget_tokens")
     if kind == "adaptive" and budget is None:
         return
-    if not isinstance(budget, int) or isinstance(budget, bool):
+    if budget is None:
         raise invalid("thinking.budget_tokens", "Field required (an integer)")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise invalid("thinking.budget_tokens", "expected an integer")
     least = MIN_BUDGET if kind == "enabled" else 0
     if budget < least:
         raise invalid("thinking.budget_tokens", f"Input should be greater than or equal to {least}")

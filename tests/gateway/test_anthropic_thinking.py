@@ -118,6 +118,14 @@ def test_thinking_blocks_sent_back_are_left_out_of_the_prompt(
         return int(message.usage.input_tokens + message.usage.cache_read_input_tokens)
 
     assert prompt(answer) == prompt(plain)
+    # A prefill (a final assistant turn) with thinking blocks: they are left out too.
+    prefill = [
+        *ASK,
+        {"role": "assistant", "content": [*thought[:2], {"type": "text", "text": "The sea"}]},
+    ]
+    continued = client.messages.create(messages=prefill, **greedy)
+    plain_prefill = [*ASK, {"role": "assistant", "content": "The sea"}]
+    assert _text(continued) == _text(client.messages.create(messages=plain_prefill, **greedy))
     with pytest.raises(anthropic.BadRequestError, match=r"content\[0\].extra"):
         bad: list[Any] = [{**thought[0], "extra": 1}, thought[2]]
         turns: list[Any] = [*history[:1], {"role": "assistant", "content": bad}, *history[2:]]

@@ -265,6 +265,8 @@ def _texts(value: Any, where: str, *, assistant: bool = False) -> str:
         raise invalid(where, "expected a string or an array of text blocks")
     texts = []
     for j, block in enumerate(value):
+        if assistant and is_thinking(block, f"{where}[{j}]"):  # a prefill's: left out
+            continue
         if not isinstance(block, dict) or block.get("type") != "text":
             raise invalid(
                 f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"

@@ -260,7 +260,8 @@ class WorkerServer:
             log.exception("drain: the worker could not drain cleanly")
         finally:
             self.worker.close()
-            left = 0.0 if abort or self._cut.is_set() else self._deadline - time.monotonic()
+            # Calls ended by close() still send their status within what is left.
+            left = 0.0 if self._cut.is_set() else self._deadline - time.monotonic()
             stopped = self._server.stop(max(left, 0.0))  # no call starts from here on
             self._health.end_watches()  # a probe's open Watch would hold up the stop
             stopped.wait()

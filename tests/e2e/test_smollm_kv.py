@@ -46,12 +46,9 @@ def test_8bit_kv_matches_mlx_lm_on_smollm2(smollm_dir: Path) -> None:
     assert got == expected
 
 
-QUESTIONS = [  # float16 runs without BLAS on a CPU: a few prompts keep it short
-    "Write a haiku about the sea.",
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "What does a thermometer measure?",
-]
+# float16 runs without BLAS on a CPU (about 0.4 s a decode step): two short prompts,
+# the least batch that attends dequantized, keep it short.
+QUESTIONS = ["The capital of France is", "Write a haiku about the sea:"]
 
 
 def _forced_share(model: nn.Module, prompts: list[list[int]], alone: list[list[int]]) -> float:
@@ -82,14 +79,7 @@ def test_a_float16_batch_attends_dequantized_and_agrees_with_alone(
     # request alone keeps mlx-lm's quantized attention.
     source = dequantized_copy(smollm_dir, tmp_path / "smollm-f16", mx.float16)
     model, tokenizer = load(str(source))
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-            )
-        )
-        for q in QUESTIONS
-    ]
+    prompts = [list(tokenizer.encode(q)) for q in QUESTIONS]
     kv = {"kv_bits": 8, "kv_group_size": 64, "quantized_kv_start": 0}
     alone = [
         [t for t, _ in generate_step(mx.array(p), model, max_tokens=TOKENS, **kv)] for p in prompts
@@ -98,7 +88,7 @@ def test_a_float16_batch_attends_dequantized_and_agrees_with_alone(
         stub.InitDevice(pb.InitDeviceRequest())
         epoch = int(stub.LoadModel(pb.LoadModelRequest(model=str(source))).worker_epoch)
         stub.DetermineMemory(
-            pb.DetermineMemoryRequest(max_num_batched_tokens=64, kv_bits=8, kv_group_size=64)
+            pb.DetermineMemoryRequest(max_num_batched_tokens=16, kv_bits=8, kv_group_size=64)
         )
         stub.InitCache(pb.InitCacheRequest(num_blocks=512, kv_bits=8, kv_group_size=64))
         params = greedy(TOKENS, ignore_eos=True)

@@ -368,24 +368,24 @@ def test_an_address_it_cannot_listen_on_names_its_flags(gateway: Gateway) -> Non
 
 @pytest.mark.smollm
 def test_greedy_chat_through_the_gateway_is_mlx_lm_generate(
-    server: WorkerServer, stub: pb_grpc.WorkerServiceStub, smollm_dir: Path
+    server: WorkerServer, stub: pb_grpc.WorkerServiceStub, smollm_f32_dir: Path
 ) -> None:
     from mlx_lm import generate, load
 
     question: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "What is the capital of France?"}
     ]
-    # An in-process worker, profiled small: SmolLM2's 4-bit forwards are slow on a CPU.
-    bring_up(stub, smollm_dir, num_blocks=256, profile_tokens=16)
+    # SmolLM2 expanded to float32 (its 4-bit forwards take 0.1 s a token on a CPU).
+    bring_up(stub, smollm_f32_dir, num_blocks=256, profile_tokens=16)
     gw = Gateway(server.port)
     try:
         with gw.client() as client:
             done = client.chat.completions.create(
-                model=smollm_dir.name, messages=question, temperature=0, max_tokens=24
+                model=smollm_f32_dir.name, messages=question, temperature=0, max_tokens=24
             )
     finally:
         gw.close()
-    model, tokenizer = load(str(smollm_dir))
+    model, tokenizer = load(str(smollm_f32_dir))
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
     want = generate(model, tokenizer, prompt=prompt, max_tokens=24)
     assert done.choices[0].message.content == want

@@ -86,10 +86,10 @@ def test_sleep_level_1_aborts_live_requests_and_wake_up_restores_service(
 
 
 def test_sleep_level_2_gives_back_the_weights_and_wake_up_reloads_them(
-    stub: Stub, smollm_dir: Path
+    stub: Stub, smollm_f32_dir: Path
 ) -> None:
     stub.InitDevice(pb.InitDeviceRequest())
-    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(smollm_dir)))
+    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(smollm_f32_dir)))
     stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32, block_size=16))
     stub.InitCache(pb.InitCacheRequest(num_blocks=64, block_size=16))
     prompt = list(stub.Tokenize(pb.TokenizeRequest(text="The capital of France is")).token_ids)

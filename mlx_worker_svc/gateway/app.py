@@ -48,6 +48,7 @@ from mlx_worker_svc.gateway.calls import (
     open_answer,
     sse,
 )
+from mlx_worker_svc.gateway.choices import all_or_none, combine, combined_usage, fan_out, merge
 from mlx_worker_svc.gateway.errors import ApiError, error_body, invalid
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
@@ -196,50 +197,73 @@ class Gateway:
         parsed = parse_request(kind, parse_body(await request.body()))
         model = self.model_for(parsed)
         try:
-            answer = await open_answer(self.fleet, request, parsed, self.metrics)
-            reply = Reply(parsed, model, answer.tools)
-            reply.cached_tokens = answer.first.num_cached_prompt_tokens
+            opening = [open_answer(self.fleet, request, c, self.metrics) for c in fan_out(parsed)]
+            answers = await all_or_none(opening, _close)
+            replies = []
+            for index, answer in enumerate(answers):
+                reply = Reply(answer.parsed, model, answer.tools, index)
+                reply.cached_tokens = answer.first.num_cached_prompt_tokens
+                replies.append(reply)
             if parsed.stream:
-                return event_stream(self._events(reply, answer, route))
-            messages = await answer.collect(request)
+                return event_stream(self._events(parsed, replies, answers, route))
+            collected = await all_or_none([answer.collect(request) for answer in answers])
         except ClientGone:
             self.metrics.disconnects.labels(route).inc()
             return Response(status_code=CLIENT_CLOSED)
-        texts = await self._texts(parsed, messages)
-        self.count(messages[-1])
-        return JSONResponse(reply.complete(messages, texts))
+        bodies = []
+        for reply, messages in zip(replies, collected, strict=True):
+            texts = await self._texts(parsed, messages)
+            self.count(messages[-1])
+            bodies.append(reply.complete(messages, texts))
+        return JSONResponse(combine(bodies))
 
-    async def _events(self, reply: Reply, answer: Answer, route: str) -> AsyncIterator[bytes]:
-        last = answer.first
+    async def _events(
+        self, parsed: ParsedRequest, replies: list[Reply], answers: list[Answer], route: str
+    ) -> AsyncIterator[bytes]:
+        """The stream of every choice's chunks, interleaved as they come (choices.merge)."""
+        lasts = [answer.first for answer in answers]
+        chunks = [self._chunks(r, a, lasts) for r, a in zip(replies, answers, strict=True)]
         try:
-            async for message in answer.messages():
-                last = message
-                texts = await self._texts(reply.parsed, [message])
-                logprobs = shown_logprobs(message, texts)
-                if reply.tools is not None:
-                    found = reply.tools.feed(message.text)
-                    if message.finish_reason:
-                        found += reply.tools.finish()
-                    shown = reply.logprobs(logprobs, texts) if logprobs else None
-                    for chunk in reply.events(found, shown):
-                        yield sse(chunk)
-                elif message.text or logprobs:
-                    yield sse(reply.chunk(message.text, reply.logprobs(logprobs, texts)))
-                if message.finish_reason:
-                    yield sse(reply.chunk("", None, message.finish_reason))
+            async for chunk in merge(chunks):
+                yield sse(chunk)
         except (WorkerError, ClientError, ApiError) as exc:
             # The headers are out: the error travels as an event, as OpenAI sends it.
-            yield sse(answer_error(answer.parsed, exc).body())
+            yield sse(answer_error(parsed, exc).body())
             return
         except asyncio.CancelledError:  # the client went away mid-stream
             self.metrics.disconnects.labels(route).inc()
             raise
         finally:
-            await answer.stream.aclose()  # the fleet frees the request now, whatever ended it
-        self.count(last)
-        if reply.parsed.include_usage:
-            yield sse(reply.usage_chunk(last))
+            for answer in answers:  # the fleet frees each request now, whatever ended it
+                await answer.stream.aclose()
+        for last in lasts:
+            self.count(last)
+        if parsed.include_usage:
+            usage = replies[0].usage_chunk(lasts[0])
+            usages = [r.usage(m) for r, m in zip(replies, lasts, strict=True)]
+            usage["usage"] = combined_usage(usages)
+            yield sse(usage)
         yield b"data: [DONE]\n\n"
+
+    async def _chunks(
+        self, reply: Reply, answer: Answer, lasts: list[pb.GenerateResponse]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One choice's chunks; its last message goes to `lasts[reply.index]`."""
+        async for message in answer.messages():
+            lasts[reply.index] = message
+            texts = await self._texts(reply.parsed, [message])
+            logprobs = shown_logprobs(message, texts)
+            if reply.tools is not None:
+                found = reply.tools.feed(message.text)
+                if message.finish_reason:
+                    found += reply.tools.finish()
+                shown = reply.logprobs(logprobs, texts) if logprobs else None
+                for chunk in reply.events(found, shown):
+                    yield chunk
+            elif message.text or logprobs:
+                yield reply.chunk(message.text, reply.logprobs(logprobs, texts))
+            if message.finish_reason:
+                yield reply.chunk("", None, message.finish_reason)
 
     async def _texts(
         self, parsed: ParsedRequest, messages: list[pb.GenerateResponse]
@@ -256,6 +280,11 @@ class Gateway:
         """Counts a finished answer's prompt and completion tokens."""
         self.metrics.tokens.labels("prompt").inc(last.prompt_tokens)
         self.metrics.tokens.labels("completion").inc(last.completion_tokens)
+
+
+async def _close(answer: Answer) -> None:
+    """Frees an opened choice whose request failed as a whole."""
+    await answer.stream.aclose()
 
 
 def _no_such_model(name: str) -> ApiError:

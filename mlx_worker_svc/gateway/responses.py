@@ -114,11 +114,16 @@ class Reply:
     """Builds the OpenAI objects of one request from the fleet's messages."""
 
     def __init__(
-        self, parsed: ParsedRequest, model: str, tools: ToolCallParser | None = None
+        self,
+        parsed: ParsedRequest,
+        model: str,
+        tools: ToolCallParser | None = None,
+        index: int = 0,
     ) -> None:
         self.parsed = parsed
         self.model = model
         self.tools = tools  # set when the answer may hold tool calls
+        self.index = index  # the choice's (n > 1: choices.py)
         self.created = int(time.time())
         self.chat = parsed.kind == "chat"
         self._role_sent = False
@@ -161,7 +166,7 @@ class Reply:
 
     def chunk(self, text: str, logprobs: dict[str, Any] | None, finish: int = 0) -> dict[str, Any]:
         """One streamed chunk: text (and its tokens' logprobs), or the finish reason."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             delta: dict[str, Any] = {} if finish else {"content": text}
             if not self._role_sent:
@@ -226,7 +231,7 @@ class Reply:
         text = "".join(m.text for m in messages)
         logprobs = self.logprobs([lp for m in messages for lp in shown_logprobs(m, texts)], texts)
         last = messages[-1]
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             if self.tools is not None:

@@ -7,10 +7,10 @@ fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids) are honoured too, since the workers take vLLM's parameters,
 and so are the structured-output fields (structured.py) and chat's tool fields
 (tools.py). Like OpenAI, an argument the endpoint does not know is a 400, and
-one it knows but cannot honour (n > 1, echo) is a 400 that says so, never
-silently ignored. A body that is not JSON in UTF-8 (RFC 8259), nests
-past the parser's depth or holds a lone surrogate escape is a 400 too
-(`body.parse_body`).
+one it knows but cannot honour (echo, suffix) is a 400 that says so, never
+silently ignored (`n` choices are n fleet requests: choices.py). A body that
+is not JSON in UTF-8 (RFC 8259), nests past the parser's depth or holds a lone
+surrogate escape is a 400 too (`body.parse_body`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ OpenAIKind = Literal["chat", "completion"]
 Kind = OpenAIKind | Literal["messages"]  # messages: Anthropic's (anthropic/schema.py)
 MAX_LOGPROBS = 20  # the workers' bound on top-n
 MAX_STOP = 16  # OpenAI allows 4; vLLM any: Continue sends its ~12 stop words
+MAX_N = 128  # OpenAI's bound on `n` (each choice is a fleet request: choices.py)
 _UINT32 = 2**32 - 1
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -75,6 +76,7 @@ class ParsedRequest:
     structured_param: str | None = None  # the request field of sampling_params.structured_outputs
     # A JSON answer's schema beside tools the model may call (it calls them or answers so).
     answer_schema: dict[str, Any] | None = None
+    n: int = 1  # choices, each a fleet request of its own (choices.fan_out)
 
 
 # Chat fields OpenAI takes that change nothing here, each with the values it takes:
@@ -156,8 +158,7 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", f"expected a string, got {json_type(model)}")
-    if fields.integer("n", 1, 1_000_000) not in (None, 1):
-        raise ApiError(400, "Only n = 1 is supported", param="n", code="invalid_value")
+    n = fields.integer("n", 1, MAX_N) or 1
     _ignored(kind, fields)
     stream = fields.boolean("stream")
     include_usage = _stream_options(fields, stream)
@@ -172,8 +173,7 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
         logprobs = fields.integer("logprobs", 0, MAX_LOGPROBS)
         if fields.boolean("echo"):
             raise ApiError(400, "'echo' is not supported by this server", param="echo")
-        if fields.integer("best_of", 1, 1_000_000) not in (None, 1):
-            raise ApiError(400, "Only best_of = 1 is supported", param="best_of")
+        _best_of(fields.integer("best_of", 1, MAX_N), n)
         suffix = fields.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise invalid("suffix", f"expected a string, got {json_type(suffix)}")
@@ -195,6 +195,22 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
         tools=tools,
         structured_param=structured_param,
         answer_schema=answer_schema,
+        n=n,
+    )
+
+
+def _best_of(best_of: int | None, n: int) -> None:
+    """Legacy `best_of`: answers made to return the best `n` of; only all of them can be."""
+    if best_of is None or best_of == n:
+        return
+    if best_of < n:
+        raise invalid("best_of", f"must be at least n ({n}), got {best_of}")
+    raise ApiError(
+        400,
+        f"Only best_of = n is supported (every answer is returned; got best_of {best_of}, "
+        f"n {n}): ranking answers is not",
+        param="best_of",
+        code="invalid_value",
     )
 
 

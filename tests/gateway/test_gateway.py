@@ -195,7 +195,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     [
         ({"temperature": 3.5}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 129}, 400, "n"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"top_logprobs": 5}, 400, "top_logprobs"),  # without logprobs=true
         ({"stop": [f"s{i}" for i in range(17)]}, 400, "stop"),

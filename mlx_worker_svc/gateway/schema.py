@@ -281,12 +281,10 @@ def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
     if max_tokens is not None:
         params.max_tokens = max_tokens
     # OpenAI's default temperature is 1, which is also the workers'.
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = fields.number(name, low, high)
-        if value is not None:
-            setattr(params, name, value)
-    if params.HasField("top_p") and params.top_p == 0:
-        raise invalid("top_p", "must be greater than 0")
+    temperature = fields.number("temperature", 0.0, 2.0)
+    if temperature is not None:
+        params.temperature = temperature
+    top_p = fields.number("top_p", 0.0, 1.0)
     params.presence_penalty = fields.number("presence_penalty", -2.0, 2.0) or 0.0
     params.frequency_penalty = fields.number("frequency_penalty", -2.0, 2.0) or 0.0
     seed = fields.integer("seed", -(2**63), 2**64 - 1)
@@ -296,6 +294,7 @@ def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
     params.logit_bias.update(_logit_bias(fields.get("logit_bias")))
     # vLLM's extras.
     params.top_k = fields.integer("top_k", -1, _UINT32 >> 1) or 0
+    apply_top_p(params, top_p)
     params.min_p = fields.number("min_p", 0.0, 1.0) or 0.0
     penalty = fields.number("repetition_penalty", 0.0, _FLOAT32_MAX)
     if penalty is not None:
@@ -317,6 +316,16 @@ def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
         raise invalid("stop_token_ids", "expected an array of token ids")
     params.stop_token_ids.extend(stop_ids)
     return params
+
+
+def apply_top_p(params: pb.SamplingParams, top_p: float | None) -> None:
+    """Sets `top_p`, after `params.top_k`: 0, which OpenAI and Anthropic take, keeps only
+    the most likely token (the smallest nucleus), which is top_k 1 to the workers (whose
+    top_p must be above 0)."""
+    if top_p == 0:
+        params.top_k = 1
+    elif top_p is not None:
+        params.top_p = top_p
 
 
 def _stop(value: Any) -> list[str]:

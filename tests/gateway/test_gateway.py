@@ -156,6 +156,22 @@ def test_the_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
     assert sample(4321) != first
 
 
+def test_top_p_0_keeps_the_most_likely_token_on_both_apis(
+    client: openai.OpenAI, gateway: Gateway
+) -> None:
+    # OpenAI and Anthropic take top_p 0 (the smallest nucleus): sampled, it is greedy.
+    greedy = chat(client, max_tokens=12).choices[0].message.content
+    for seed in (1, 2):
+        done = chat(client, temperature=1.0, top_p=0, seed=seed, max_tokens=12)
+        assert done.choices[0].message.content == greedy
+    body = {"model": "model", "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    headers = {"x-api-key": KEY}
+    want = gateway.http.post("/v1/messages", json=body, headers=headers).json()
+    sampled = body | {"temperature": 1.0, "top_p": 0}
+    got = gateway.http.post("/v1/messages", json=sampled, headers=headers).json()
+    assert got["content"] == want["content"], got
+
+
 def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     done = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
     logprobs = done.choices[0].logprobs
@@ -194,7 +210,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     ("options", "status", "param"),
     [
         ({"temperature": 3.5}, 400, "temperature"),
-        ({"top_p": 0}, 400, "top_p"),
+        ({"top_p": 1.5}, 400, "top_p"),
         ({"n": 129}, 400, "n"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"top_logprobs": 5}, 400, "top_logprobs"),  # without logprobs=true

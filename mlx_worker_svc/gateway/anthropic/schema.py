@@ -39,7 +39,7 @@ from mlx_worker_svc.gateway.anthropic.thinking import (
 )
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.schema import ParsedRequest
+from mlx_worker_svc.gateway.schema import ParsedRequest, apply_top_p
 from mlx_worker_svc.gateway.structured import apply_spec, json_schema_spec
 from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -111,8 +111,10 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
             raise ApiError(400, f"{name}: Extra inputs are not permitted", param=name)
     fields = Fields(body)
     model = fields.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":  # required, as Anthropic's API has it
         raise invalid("model", "Field required (a non-empty string)")
+    if not isinstance(model, str):
+        raise invalid("model", f"expected a string, got {json_type(model)}")
     tools = _tools(fields.get("tools"), fields.get("tool_choice"))
     messages = _system(fields.get("system"))
     turns = fields.get("messages")
@@ -182,11 +184,8 @@ def _sampling(fields: Fields) -> pb.SamplingParams:
     if temperature is not None:
         params.temperature = temperature
     top_p = fields.number("top_p", 0.0, 1.0)
-    if top_p is not None:
-        if top_p == 0:
-            raise invalid("top_p", "must be greater than 0")
-        params.top_p = top_p
     params.top_k = fields.integer("top_k", 0, _UINT32 >> 1) or 0
+    apply_top_p(params, top_p)
     stops = fields.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("stop_sequences", "expected an array of non-empty strings")

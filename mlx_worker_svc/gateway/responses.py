@@ -152,7 +152,7 @@ class Reply:
                 | {"top_logprobs": [_token(t.token_id, t.logprob, texts) for t in lp.top]}
                 for lp in logprobs
             ]
-            return {"content": content}
+            return {"content": content, "refusal": None}  # OpenAI's shape: no refusals here
         offsets = []
         for lp in logprobs:  # where the character a token's first byte is in begins
             offsets.append(self._offset)

@@ -176,6 +176,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     done = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
     logprobs = done.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
+    assert logprobs.model_extra == {} and "refusal" in logprobs.model_fields_set  # as OpenAI's
     assert len(logprobs.content) == 6
     assert "".join(t.token for t in logprobs.content) == done.choices[0].message.content
     for token in logprobs.content:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlx_worker_svc.core.domain import DeviceKind
-from mlx_worker_svc.core.flag_values import count, fraction, port, seconds, within
+from mlx_worker_svc.core.flag_values import context_cap, count, fraction, port, seconds, within
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
 
 
@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-model-len",
-        type=count(0),
+        type=context_cap,
         default=0,
-        help="cap the context length (default 0: the model's)",
+        help="cap the context length, at least 2 (default 0: the model's)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",

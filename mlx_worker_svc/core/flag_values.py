@@ -36,6 +36,17 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def context_cap(text: str) -> int:
+    """A context length cap: 0 (none) or at least 2 (a prompt is shorter than the context)."""
+    value = _int(text)
+    if value < 0 or value == 1:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (the model's context) or >= 2 (a prompt is shorter than the "
+            f"context), got {value}"
+        )
+    return value
+
+
 def within(low: int, high: int) -> Callable[[str], int]:
     """An integer from `low` to `high`."""
 

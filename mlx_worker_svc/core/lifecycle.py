@@ -12,7 +12,11 @@ from dataclasses import dataclass, fields
 
 from mlx_worker_svc.core.domain import DeviceKind
 from mlx_worker_svc.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.reports import WorkerState
+
+# mx.distributed's backends (InitDeviceRequest.distributed_init_method).
+BACKENDS = ("ring", "jaccl", "mpi", "nccl")
 
 S = WorkerState
 ORDER = (S.NEW, S.DEVICE_READY, S.MODEL_LOADED, S.MEMORY_PROFILED, S.READY, S.SERVING)
@@ -60,11 +64,17 @@ class DeviceArgs:
         return ", ".join(changed)
 
     def check_rank(self) -> None:
-        """Raises InvalidArgument unless the ranks are 0 (a mistake in any state)."""
+        """Raises InvalidArgument unless the ranks are 0 and the backend one MLX has (a
+        mistake in any state)."""
         if self.rank or self.local_rank:
             raise InvalidArgument(
                 f"InitDevice.rank is {self.rank} and local_rank {self.local_rank}: only rank 0 "
                 "of a worker group serves gRPC (the other ranks follow it), so both must be 0"
+            )
+        if self.distributed_init_method not in ("", *BACKENDS):
+            raise InvalidArgument(
+                f"InitDevice.distributed_init_method {clip(self.distributed_init_method)!r} "
+                f'is no mx.distributed backend: "" or one of {", ".join(BACKENDS)}'
             )
 
     def check(self, world_size: int, backend: str) -> None:

@@ -19,6 +19,7 @@ from mlx_worker_svc.core.generate import ChatMessage, GenerateChunk, GenerateSpe
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.reports import WorkerState
 from mlx_worker_svc.engine import text
+from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.worker.core import WorkerCore
 from mlx_worker_svc.worker.generation import GenerateStream
 
@@ -113,9 +114,13 @@ class GenerateCalls:
         return stream.chunks(), cancel
 
     def _check_model(self, asked: str) -> None:
-        """Raises NotFound unless `asked` is empty or names the loaded model."""
+        """Raises NotFound unless `asked` is empty or names the loaded model: as LoadModel
+        gave it, the last component of its path, or the same path written another way
+        ("m", "./m/" and its absolute path are one, as to LoadModel)."""
         held = self.core.load_spec.model if self.core.load_spec is not None else ""
-        if asked and asked not in (held, held.rstrip("/").rsplit("/", 1)[-1]):
+        if not asked or asked in (held, held.rstrip("/").rsplit("/", 1)[-1]):
+            return
+        if not held or loader.local_path(asked) != loader.local_path(held):
             raise NotFound(
                 f"model: this worker does not serve {clip(asked)!r}; it serves {held!r} "
                 "(leave model empty for it)"

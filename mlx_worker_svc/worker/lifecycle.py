@@ -107,6 +107,11 @@ class Lifecycle:
         self, spec: LoadSpec, *, gave_up: GaveUp = None
     ) -> tuple[loader.LoadedModel, int]:
         core = self.core
+        if spec.max_model_len == 1:  # a mistake in any state
+            raise InvalidArgument(
+                "LoadModelRequest.max_model_len is 1: a prompt must be shorter than the "
+                "context, so no request would fit (0 keeps the model's context)"
+            )
 
         def job() -> tuple[loader.LoadedModel, int]:
             # Asleep at level 2 the weights are gone: any model may be loaded,

@@ -32,7 +32,11 @@ WORKER = ["--worker", "127.0.0.1:9"]
         (["serve", "--memory-utilization", "nan"], "--memory-utilization: must be in (0, 1]"),
         (["serve", "--block-size", "0"], "--block-size: must be >= 1, got 0"),
         (["serve", "--num-blocks", "-1"], "--num-blocks: must be >= 0, got -1"),
-        (["serve", "--max-model-len", "-5"], "--max-model-len: must be >= 0, got -5"),
+        (["serve", "--max-model-len", "-5"], "--max-model-len: must be 0 (the model's context)"),
+        (
+            ["serve", "--max-model-len", "1"],
+            "or >= 2 (a prompt is shorter than the context), got 1",
+        ),
         (["serve", "--max-num-batched-tokens", "-1"], "--max-num-batched-tokens: must be >="),
         (["serve", "--memory-limit-bytes", "-1"], "--memory-limit-bytes: must be >= 0"),
         (["serve", "--grace-seconds", "-1"], "--grace-seconds: must be a number of seconds >="),

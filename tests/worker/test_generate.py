@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -47,6 +48,21 @@ def test_generate_streams_mlx_lm_greedy_tokens(tiny_stub: Stub, tiny_dir: Path) 
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert (last.prompt_tokens, last.completion_tokens) == (5, 12)
     assert last.request_id
+
+
+def test_model_names_the_loaded_model_however_its_path_is_written(
+    tiny_stub: Stub, tiny_dir: Path
+) -> None:
+    # The tiny model was loaded as str(tiny_dir): LoadModel takes these forms as the same.
+    relative = os.path.relpath(tiny_dir)
+    for name in (str(tiny_dir), f"{tiny_dir}/", tiny_dir.name, relative, f"./{relative}/"):
+        request = pb.GenerateRequest(prompt_token_ids=[1, 2], model=name, sampling_params=greedy(2))
+        assert len(_collect(tiny_stub, request)[0]) == 2, name
+    request = pb.GenerateRequest(prompt_token_ids=[1, 2], model=f"{tiny_dir}-other")
+    with pytest.raises(grpc.RpcError) as refused:
+        _collect(tiny_stub, request)
+    assert code_of(refused.value) == grpc.StatusCode.NOT_FOUND
+    assert details_of(refused.value).startswith("model: this worker does not serve")
 
 
 @pytest.mark.parametrize("skip", [None, True, False])

@@ -109,6 +109,12 @@ def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> No
     for spelled in (f"{tiny_dir}/", os.path.relpath(tiny_dir)):
         same = stub.LoadModel(pb.LoadModelRequest(model=spelled))
         assert same.worker_epoch == loaded.worker_epoch, spelled
+    # A context of one token takes no prompt: refused, and the model stays.
+    request = pb.LoadModelRequest(model=str(tiny_dir), max_model_len=1)
+    code, message = _code(lambda: stub.LoadModel(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message.startswith("LoadModelRequest.max_model_len is 1")
+    assert stub.GetInfo(pb.GetInfoRequest()).worker_epoch == loaded.worker_epoch
 
     memory = stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32))
     assert memory.bytes_per_block > 0 and memory.block_size == 16
@@ -222,9 +228,14 @@ def test_init_device_changes_and_world_size(stub: Stub) -> None:
     code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(world_size=2)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "asks for world_size 2 (initialised with 1)" in message
-    # A rank past 0 is the caller's mistake in any state (worker.proto's InitDeviceRequest).
+    # A rank past 0 is the caller's mistake in any state (worker.proto's InitDeviceRequest),
+    # and so is a backend mx.distributed does not have.
     code, message = _code(lambda: stub.InitDevice(pb.InitDeviceRequest(rank=3)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "only rank 0" in message
+    request = pb.InitDeviceRequest(distributed_init_method="bogus")
+    code, message = _code(lambda: stub.InitDevice(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message.startswith("InitDevice.distributed_init_method 'bogus' is no mx.distributed")
 
 
 @pytest.mark.parametrize(

@@ -410,7 +410,8 @@ class ModelRunner:
                 break
             num_tokens += len(sampling)
             self.decoder.decode(sampling, outputs)
-        forward_ns = time.perf_counter_ns() - forward_start
+        # A step that computed nothing ran no forward (only its bookkeeping, in total_ns).
+        forward_ns = time.perf_counter_ns() - forward_start if num_tokens else 0
         for key, output in outputs.items():
             live = self.state.seqs.get(key)
             if live is not None:

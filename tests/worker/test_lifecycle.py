@@ -149,6 +149,10 @@ def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> No
     timings = step.timings
     assert timings.total_ns >= timings.forward_ns > 0
     assert (timings.num_tokens, timings.decode_batch_size) == (3, 1)
+    # A step that computes nothing (it only finishes a request) runs no forward.
+    done = stub.Execute(pb.ExecuteRequest(worker_epoch=loaded.worker_epoch, finished_req_ids=["a"]))
+    assert done.timings.num_tokens == 0 and done.timings.forward_ns == 0
+    assert done.timings.total_ns > 0
 
 
 def test_health_service_follows_the_lifecycle(

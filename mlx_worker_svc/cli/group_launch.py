@@ -62,6 +62,41 @@ def launched_backend() -> str:
     return "ring"
 
 
+def hostfile_problem(hostfile: str, world_size: int, backend: str) -> str:
+    """Why `hostfile` cannot start a group of `world_size` ("" if it can): mlx.launch's
+    format (a JSON list of hosts, or an object whose `hosts` is one), one rank a host,
+    and for the ring backend each host's `ips` (mlx.launch refuses host names there)."""
+    try:
+        data = json.loads(Path(hostfile).read_text(encoding="utf-8"))
+    except OSError as exc:
+        return f"--hostfile {hostfile}: cannot read it ({exc.strerror})"
+    except ValueError as exc:
+        return f"--hostfile {hostfile}: not JSON ({exc})"
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if not (
+        isinstance(hosts, list)
+        and hosts
+        and all(isinstance(h, dict) and isinstance(h.get("ssh"), str) for h in hosts)
+    ):
+        return (
+            f"--hostfile {hostfile}: not an mlx.launch hostfile (a JSON list of hosts, or an "
+            'object with one under "hosts", each {"ssh": NAME, "ips": [IP, ...]})'
+        )
+    if len(hosts) != world_size:
+        return (
+            f"--hostfile {hostfile} lists {len(hosts)} hosts, one rank each, but --world-size "
+            f"is {world_size}"
+        )
+    if not backend and isinstance(data, dict):
+        backend = str(data.get("backend") or "")
+    if (backend or "ring") == "ring" and not all(h.get("ips") for h in hosts):
+        return (
+            f'--hostfile {hostfile}: the ring backend needs each host\'s "ips" (it connects '
+            "to addresses, not host names)"
+        )
+    return ""
+
+
 def _hostfile_backend(hostfile: str) -> str:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return str(json.loads(Path(hostfile).read_text()).get("backend") or "")

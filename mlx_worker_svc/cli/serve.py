@@ -264,6 +264,11 @@ def _flag_problem(args: argparse.Namespace) -> str:
         )
     if (args.hostfile or args.backend) and args.world_size < 2 and not args.group:
         return "--hostfile and --backend start a worker group: give --world-size N (N >= 2)"
+    if args.hostfile and not args.group:
+        from mlx_worker_svc.cli.group_launch import hostfile_problem
+
+        if problem := hostfile_problem(args.hostfile, args.world_size, args.backend or ""):
+            return problem
     if problem := named_twice("--lora-modules", [name for name, _ in args.lora_modules]):
         return problem
     if len(args.lora_modules) > args.max_loras:

@@ -4,6 +4,7 @@ launch, and the command exits with rank 0 even when another rank cannot be stopp
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -45,6 +46,45 @@ def test_serve_over_nccl_without_gpus_fails_at_once_with_one_line(tiny_dir: Path
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("mlx-worker serve: --backend nccl needs")
     assert f"MLX sees {device.cuda_gpu_count()} on this machine" in lines[0]
+
+
+HOSTS = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
+
+
+@pytest.mark.parametrize(
+    ("text", "world_size", "says"),
+    [
+        (None, 2, "cannot read it (No such file or directory)"),
+        ("export A=1", 2, "not JSON (Expecting value"),
+        ('{"hosts": "mac1"}', 2, "not an mlx.launch hostfile"),
+        ('[{"ips": ["10.0.0.1"]}]', 1, "not an mlx.launch hostfile"),
+        (json.dumps(HOSTS), 3, "lists 2 hosts, one rank each, but --world-size is 3"),
+        (json.dumps([{"ssh": "mac1"}, {"ssh": "mac2"}]), 2, "the ring backend needs each host"),
+        (json.dumps({"backend": "jaccl", "hosts": [{"ssh": "a"}, {"ssh": "b"}]}), 2, ""),
+        (json.dumps(HOSTS), 2, ""),
+        (json.dumps({"hosts": HOSTS}), 2, ""),
+    ],
+)
+def test_a_hostfile_is_checked_before_launch(
+    tmp_path: Path, text: str | None, world_size: int, says: str
+) -> None:
+    hostfile = tmp_path / "hosts.json"
+    if text is not None:
+        hostfile.write_text(text)
+    problem = group_launch.hostfile_problem(str(hostfile), world_size, "")
+    assert (says in problem) if says else problem == "", problem
+    assert problem == "" or problem.startswith(f"--hostfile {hostfile}")
+
+
+def test_serve_with_a_bad_hostfile_exits_2_on_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    command = [sys.executable, "-m", "mlx_worker_svc", "serve", "--world-size", "2"]
+    command += ["--hostfile", str(missing), "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == [
+        f"mlx-worker serve: --hostfile {missing}: cannot read it (No such file or directory)"
+    ]
 
 
 # Stands in for mlx.launch: starts a "rank" that SIGTERM cannot end (as a stopped one),

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 COMMANDS = ("serve", "fleet", "gateway")
 _SUFFIXES = (".toml", ".yaml", ".yml")
 _NOT_KEYS = {"help", "config", "config-section"}
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +79,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         if option.startswith("--")
     }
     spelled: dict[str, str] = {}
+    sources: dict[str, str] = {}  # --flag -> where the file set it (usage_error names it)
     for key, value in values.items():
         flag = key.replace("_", "-")
         if flag in spelled:  # grace_seconds and grace-seconds: one key
@@ -95,6 +99,21 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             command.error(f"{path}: [{origins[key]}] {key} = {value!r}: {exc}")
         command.set_defaults(**{action.dest: converted})
         action.required = False
+        sources[f"--{flag}"] = f"{path}: [{origins[key]}] {key} = {value!r}"
+    command.set_defaults(config_values=sources)
+
+
+def usage_error(args: argparse.Namespace, message: object) -> int:
+    """Prints a problem with flags found once they parsed, `mlx-worker COMMAND: MESSAGE` on
+    one line, naming the --config file and key of each flag it names that the file set;
+    returns the exit status of a usage error, 2."""
+    text = str(message)
+    sources: dict[str, str] = getattr(args, "config_values", {})
+    named = [sources[f] for f in dict.fromkeys(_FLAG.findall(text)) if f in sources]
+    if named:
+        text += f" (set in {'; '.join(named)})"
+    print(f"mlx-worker {args.command}: {text}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+from mlx_worker_svc.cli.config_file import usage_error
 from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
@@ -100,8 +101,7 @@ async def _run_fleet(args: argparse.Namespace) -> int:
         security = server_security_from_args(args)
         config = _fleet_config(args)
     except (SecurityError, ValueError, WorkerError) as exc:
-        print(f"mlx-worker fleet: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     endpoint = MetricsEndpoint(fleet.metrics.registry)
@@ -143,13 +143,11 @@ async def _run_gateway(args: argparse.Namespace) -> int:
     from mlx_worker_svc.rpc.security import SecurityError
 
     if args.served_model_name and args.models:
-        print(
-            "mlx-worker gateway: --served-model-name names the fleet's only model; with "
-            "--models each model is served by the name given there",
-            file=sys.stderr,
-            flush=True,
+        return usage_error(
+            args,
+            "--served-model-name names the fleet's only model; with --models each model "
+            "is served by the name given there",
         )
-        return 2
     try:  # before any worker is contacted
         security = server_security_from_args(args)
         fleet_config = _fleet_config(args)
@@ -167,8 +165,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
         )
         await server.start()  # the app's lifespan starts the fleet
     except (OSError, SecurityError, ValueError, WorkerError) as exc:
-        print(f"mlx-worker gateway: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     print(f"mlx-worker gateway listening on {args.host}:{server.port}", flush=True)
     signals = Signals()
 
@@ -191,8 +188,7 @@ async def _run_generate(args: argparse.Namespace) -> int:
     try:
         config = _fleet_config(args)
     except (SecurityError, ValueError, WorkerError) as exc:
-        print(f"mlx-worker generate: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     fleet = FleetScheduler(args.worker, config)
     await fleet.start()
     sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

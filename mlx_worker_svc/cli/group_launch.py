@@ -30,6 +30,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from mlx_worker_svc.cli.config_file import usage_error
+
 # Every rank prints RANK_LINE once it has joined the group; rank 0 prints
 # EXIT_LINE just before it exits.
 RANK_LINE = "mlx-worker group rank {rank} of {size} ({backend}) pid {pid} on {host}"
@@ -185,13 +187,11 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     """Starts the group, relays its output, returns rank 0's exit status."""
     problem = backend_problem(args)
     if problem:
-        print(f"mlx-worker serve: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, problem)
     try:
         command = launch_command(args, argv)
     except (FileNotFoundError, OSError) as exc:
-        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     group = subprocess.Popen(
         command,
         stdin=subprocess.PIPE,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from mlx_worker_svc.cli.config_file import usage_error
 from mlx_worker_svc.core.domain import DeviceKind
 
 if TYPE_CHECKING:
@@ -83,19 +84,16 @@ def _serve_status(args: argparse.Namespace) -> int:
     try:  # before anything slow: an unsafe or broken setup exits at once
         security = server_security_from_args(args)
     except SecurityError as exc:
-        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     from mlx_worker_svc.cli.engine_flags import engine_options, kv_format
 
     try:
         kv_format(args)
     except WorkerError as exc:
-        print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc.message)
     problem = _flag_problem(args)
     if problem:
-        print(f"mlx-worker serve: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, problem)
     model = args.model
     if model is None:
         from mlx_worker_svc.cli.envs import cache_root
@@ -109,13 +107,11 @@ def _serve_status(args: argparse.Namespace) -> int:
             max_steps_in_flight=args.max_steps_in_flight,
         )
     except WorkerError as exc:
-        print(f"mlx-worker serve: {exc.message}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc.message)
     try:
         engine_options(args)
     except ValueError as exc:
-        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     if args.world_size > 1 and not args.group:
         from mlx_worker_svc.cli.group_launch import run_group
 

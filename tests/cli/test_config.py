@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,7 +84,7 @@ SAME_FLAGS = {
 
 def parsed(argv: list[str]) -> dict[str, Any]:
     """The arguments as the commands see them, less the ones that name the file."""
-    skip = {"argv", "config", "config_section", "func"}
+    skip = {"argv", "config", "config_section", "config_values", "func"}
     return {k: v for k, v in vars(parse_args(argv)).items() if k not in skip}
 
 
@@ -175,6 +177,31 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
     path.write_text(text)
     command = "fleet" if "[fleet]" in text else "serve"
     assert message in refusal(capsys, [command, "--config", str(path), *argv])
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[serve]\nkv-bits = 7\n", "--kv-bits 7 is not a width MLX quantizes to"),
+        ("[serve]\nkv-group-size = 32\n", "--kv-group-size 32 needs --kv-bits"),
+        ("[serve]\nlora-modules = ['a=/no/such/dir']\n", "no such adapter directory"),
+        ("[serve]\nworld-size = 2\nhostfile = '/no/hosts.json'\n", "cannot read it"),
+        ("[fleet]\nworker = ['a:1']\nkv-bits = 7\n", "--kv-bits 7 is not a width"),
+    ],
+)
+def test_a_flag_problem_found_after_parsing_names_the_files_key(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    command = "fleet" if "[fleet]" in text else "serve"
+    argv = [sys.executable, "-m", "mlx_worker_svc", command, "--config", str(path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"mlx-worker {command}: ") and says in line, line
+    key = text.splitlines()[-1].split(" = ")[0]
+    assert f"(set in {path}: [{command}] {key} = " in line, line
 
 
 def test_a_missing_or_unknown_kind_of_file_is_refused(

@@ -177,7 +177,12 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DetermineMemory(self, request, context):
-        """Profiles memory and reports how much is left for the KV cache.
+        """Profiles memory and reports how much is left for the KV cache. Called
+        again once the cache is up (READY or SERVING, no request live), it
+        measures anew (for another kv_bits, say) and changes nothing the cache
+        uses: its budget and KV format stay until an InitCache with the new
+        values, which must then match this call's (GetInfo.kv says the format in
+        force).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,8 +43,9 @@ def render_chat(
         raise FailedPrecondition("the loaded model has no chat template; send plain text")
     payload = [_message(i, m) for i, m in enumerate(messages)]
     options: dict[str, Any] = {}
-    if tools_json:
-        options["tools"] = _objects(tools_json, "tools_json")
+    tools = _objects(tools_json, "tools_json") if tools_json else []
+    if tools:  # an empty array offers no tools, as none does
+        options["tools"] = tools
         if not renders_tools(tokenizer):
             raise InvalidArgument(
                 "tools_json: the model's chat template does not render tools "

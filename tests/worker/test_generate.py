@@ -250,6 +250,10 @@ def test_a_template_without_tools_refuses_them(tiny_stub: Stub) -> None:
         assert details_of(caught.value) == (
             "tools_json: the model's chat template does not render tools (it never reads `tools`)"
         )
+    # An empty array offers no tools: the same prompt as none.
+    none = tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat)).token_ids
+    empty = tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat, tools_json="[]")).token_ids
+    assert list(empty) == list(none)
 
 
 def test_a_template_without_tool_calls_refuses_a_history_with_them(tiny_stub: Stub) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
+from mlx_worker_svc.gateway.sampling import UINT32, openai_sampling
 from mlx_worker_svc.gateway.structured import FIELDS, apply_spec, parse_structured
 from mlx_worker_svc.gateway.tools import ToolRequest, check_tool_answers, history, parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -28,10 +29,7 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 OpenAIKind = Literal["chat", "completion"]
 Kind = OpenAIKind | Literal["messages"]  # messages: Anthropic's (anthropic/schema.py)
 MAX_LOGPROBS = 20  # the workers' bound on top-n
-MAX_STOP = 16  # OpenAI allows 4; vLLM any: Continue sends its ~12 stop words
 MAX_N = 128  # OpenAI's bound on `n` (each choice is a fleet request: choices.py)
-_UINT32 = 2**32 - 1
-_FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of a proto float
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 # A message's fields: what OpenAI takes, and what clients send back of an answer, read
 # as nothing: `annotations`, the openai SDK's `parsed` (its parse() and stream()
@@ -162,7 +160,9 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     _ignored(kind, fields)
     stream = fields.boolean("stream")
     include_usage = _stream_options(fields, stream)
-    request = pb.GenerateRequest(sampling_params=_sampling(kind, fields), request_id=_new_id(kind))
+    request = pb.GenerateRequest(
+        sampling_params=openai_sampling(kind, fields), request_id=_new_id(kind)
+    )
     tools = ToolRequest()
     if kind == "chat":
         request.messages.extend(_messages(fields.get("messages")))
@@ -270,92 +270,6 @@ def _stream_options(fields: Fields, stream: bool) -> bool:
     return fields.boolean("include_usage")
 
 
-def _sampling(kind: OpenAIKind, fields: Fields) -> pb.SamplingParams:
-    params = pb.SamplingParams()
-    max_tokens = fields.integer("max_tokens", 1, _UINT32)
-    if kind == "chat":
-        # The newer name wins; chat has no default (up to the context length).
-        max_tokens = fields.integer("max_completion_tokens", 1, _UINT32) or max_tokens
-    elif max_tokens is None:
-        max_tokens = 16  # OpenAI's default for legacy completions
-    if max_tokens is not None:
-        params.max_tokens = max_tokens
-    # OpenAI's default temperature is 1, which is also the workers'.
-    temperature = fields.number("temperature", 0.0, 2.0)
-    if temperature is not None:
-        params.temperature = temperature
-    top_p = fields.number("top_p", 0.0, 1.0)
-    params.presence_penalty = fields.number("presence_penalty", -2.0, 2.0) or 0.0
-    params.frequency_penalty = fields.number("frequency_penalty", -2.0, 2.0) or 0.0
-    seed = fields.integer("seed", -(2**63), 2**64 - 1)
-    if seed is not None:
-        params.seed = seed % 2**64  # OpenAI seeds are signed; the workers' unsigned
-    params.stop.extend(_stop(fields.get("stop")))
-    params.logit_bias.update(_logit_bias(fields.get("logit_bias")))
-    # vLLM's extras.
-    params.top_k = fields.integer("top_k", -1, _UINT32 >> 1) or 0
-    apply_top_p(params, top_p)
-    params.min_p = fields.number("min_p", 0.0, 1.0) or 0.0
-    penalty = fields.number("repetition_penalty", 0.0, _FLOAT32_MAX)
-    if penalty is not None:
-        if penalty == 0:
-            raise invalid("repetition_penalty", "must be greater than 0")
-        params.repetition_penalty = penalty
-    params.min_tokens = fields.integer("min_tokens", 0, _UINT32) or 0
-    if params.HasField("max_tokens") and params.min_tokens > params.max_tokens:
-        raise invalid(
-            "min_tokens",
-            f"{params.min_tokens} must not exceed max_tokens ({params.max_tokens})",
-        )
-    params.ignore_eos = fields.boolean("ignore_eos")
-    stop_ids = fields.get("stop_token_ids")
-    stop_ids = [] if stop_ids is None else stop_ids
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32 for t in stop_ids
-    ):
-        raise invalid("stop_token_ids", "expected an array of token ids")
-    params.stop_token_ids.extend(stop_ids)
-    return params
-
-
-def apply_top_p(params: pb.SamplingParams, top_p: float | None) -> None:
-    """Sets `top_p`, after `params.top_k`: 0, which OpenAI and Anthropic take, keeps only
-    the most likely token (the smallest nucleus), which is top_k 1 to the workers (whose
-    top_p must be above 0)."""
-    if top_p == 0:
-        params.top_k = 1
-    elif top_p is not None:
-        params.top_p = top_p
-
-
-def _stop(value: Any) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if stops is None:
-        return []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("stop", "expected a non-empty string or an array of them")
-    if len(stops) > MAX_STOP:
-        raise invalid("stop", f"at most {MAX_STOP} stop sequences, got {len(stops)}")
-    return stops
-
-
-def _logit_bias(value: Any) -> dict[int, float]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("logit_bias", f"expected an object, got {json_type(value)}")
-    bias: dict[int, float] = {}
-    for key in value:
-        # ASCII digits only: str.isdigit() also takes '²' (no int) and '٣' (int 3).
-        if not (key.isascii() and key.isdigit() and int(key) <= _UINT32):
-            raise invalid("logit_bias", f"{key!r} is not a token id")
-        number = Fields(value, "logit_bias").number(key, -100.0, 100.0)
-        if number is None:
-            raise invalid("logit_bias", f"no bias given for token {key}")
-        bias[int(key)] = number
-    return bias
-
-
 def _messages(value: Any) -> list[pb.ChatMessage]:
     if not isinstance(value, list) or not value:
         raise invalid("messages", "expected a non-empty array of messages")
@@ -424,7 +338,7 @@ def _completion_prompt(value: Any, request: pb.GenerateRequest) -> None:
     if (
         isinstance(value, list)
         and value
-        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32 for t in value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32 for t in value)
     ):
         request.prompt_token_ids.extend(value)
         return

@@ -39,13 +39,13 @@ from mlx_worker_svc.gateway.anthropic.thinking import (
 )
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
-from mlx_worker_svc.gateway.schema import ParsedRequest, apply_top_p
+from mlx_worker_svc.gateway.sampling import UINT32, apply_top_p
+from mlx_worker_svc.gateway.schema import ParsedRequest
 from mlx_worker_svc.gateway.structured import apply_spec, json_schema_spec
 from mlx_worker_svc.gateway.tools import Choice, ToolRequest, check_function
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 MAX_STOP_SEQUENCES = 16
-_UINT32 = 2**32 - 1
 _COUNT_FIELDS = {
     "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
     "context_management", "output_config",
@@ -175,7 +175,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
 
 def _sampling(fields: Fields) -> pb.SamplingParams:
     params = pb.SamplingParams()
-    max_tokens = fields.integer("max_tokens", 1, _UINT32)
+    max_tokens = fields.integer("max_tokens", 1, UINT32)
     if max_tokens is None:
         raise invalid("max_tokens", "Field required")
     params.max_tokens = max_tokens
@@ -184,7 +184,7 @@ def _sampling(fields: Fields) -> pb.SamplingParams:
     if temperature is not None:
         params.temperature = temperature
     top_p = fields.number("top_p", 0.0, 1.0)
-    params.top_k = fields.integer("top_k", 0, _UINT32 >> 1) or 0
+    params.top_k = fields.integer("top_k", 0, UINT32 >> 1) or 0
     apply_top_p(params, top_p)
     stops = fields.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

@@ -197,8 +197,10 @@ class Gateway:
         parsed = parse_request(kind, parse_body(await request.body()))
         model = self.model_for(parsed)
         try:
-            opening = [open_answer(self.fleet, request, c, self.metrics) for c in fan_out(parsed)]
+            start = time.monotonic()  # the answer begins once every choice has its first token
+            opening = [open_answer(self.fleet, request, c, None) for c in fan_out(parsed)]
             answers = await all_or_none(opening, _close)
+            self.metrics.ttft.labels(route).observe(time.monotonic() - start)
             replies = []
             for index, answer in enumerate(answers):
                 reply = Reply(answer.parsed, model, answer.tools, index)

@@ -79,14 +79,15 @@ class Answer:
 
 
 async def open_answer(
-    fleet: FleetScheduler, request: Request, parsed: ParsedRequest, metrics: GatewayMetrics
+    fleet: FleetScheduler, request: Request, parsed: ParsedRequest, metrics: GatewayMetrics | None
 ) -> Answer:
     """Starts `parsed` on the fleet; returns once its first message is in (see the module doc).
 
     Raises `ApiError` for what the fleet refuses (a forced call's or a
     structured output's spec reworded to name the request's field) and
     `ClientGone` when the client disconnects meanwhile. The time to the first
-    message is observed in `metrics.ttft` under the request's route.
+    message is observed in `metrics.ttft` under the request's route (unless
+    `metrics` is None: a request of several choices observes it once, itself).
     """
     start = time.monotonic()
     tools = await fleet_call(_tools(fleet, parsed))
@@ -102,7 +103,8 @@ async def open_answer(
     except BaseException:
         await stream.aclose()
         raise
-    metrics.ttft.labels(request.url.path).observe(time.monotonic() - start)
+    if metrics is not None:
+        metrics.ttft.labels(request.url.path).observe(time.monotonic() - start)
     return Answer(parsed, first, stream, tools)
 
 

@@ -23,8 +23,13 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 SAMPLED = {"temperature": 1.0, "max_tokens": 8}
 
 
-def test_choices_are_the_requests_with_seed_plus_their_index(client: openai.OpenAI) -> None:
+def test_choices_are_the_requests_with_seed_plus_their_index(
+    client: openai.OpenAI, gateway: Gateway
+) -> None:
+    ttft = 'mlx_gateway_time_to_first_token_seconds_count{route="/v1/chat/completions"}'
+    before = gateway.metric(ttft)
     both = chat(client, n=3, seed=7, **SAMPLED)
+    assert gateway.metric(ttft) == before + 1  # one answer: its first token once
     assert [c.index for c in both.choices] == [0, 1, 2]
     texts = [c.message.content for c in both.choices]
     alone = [chat(client, seed=7 + i, **SAMPLED) for i in range(3)]

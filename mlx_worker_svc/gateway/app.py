@@ -215,8 +215,8 @@ class Gateway:
         bodies = []
         for reply, messages in zip(replies, collected, strict=True):
             texts = await self._texts(parsed, messages)
-            self.count(messages[-1])
             bodies.append(reply.complete(messages, texts))
+        self.count(*(messages[-1] for messages in collected))
         return JSONResponse(combine(bodies))
 
     async def _events(
@@ -238,8 +238,7 @@ class Gateway:
         finally:
             for answer in answers:  # the fleet frees each request now, whatever ended it
                 await answer.stream.aclose()
-        for last in lasts:
-            self.count(last)
+        self.count(*lasts)
         if parsed.include_usage:
             usage = replies[0].usage_chunk(lasts[0])
             usages = [r.usage(m) for r, m in zip(replies, lasts, strict=True)]
@@ -278,10 +277,12 @@ class Gateway:
         except (WorkerError, ClientError) as exc:
             raise api_error(exc) from exc
 
-    def count(self, last: pb.GenerateResponse) -> None:
-        """Counts a finished answer's prompt and completion tokens."""
+    def count(self, last: pb.GenerateResponse, *more: pb.GenerateResponse) -> None:
+        """Counts a finished answer's prompt and completion tokens, from the last message
+        of each of its choices (the prompt once, as the answer's usage does)."""
         self.metrics.tokens.labels("prompt").inc(last.prompt_tokens)
-        self.metrics.tokens.labels("completion").inc(last.completion_tokens)
+        completion = sum(m.completion_tokens for m in (last, *more))
+        self.metrics.tokens.labels("completion").inc(completion)
 
 
 async def _close(answer: Answer) -> None:

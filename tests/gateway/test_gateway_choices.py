@@ -27,9 +27,16 @@ def test_choices_are_the_requests_with_seed_plus_their_index(
     client: openai.OpenAI, gateway: Gateway
 ) -> None:
     ttft = 'mlx_gateway_time_to_first_token_seconds_count{route="/v1/chat/completions"}'
-    before = gateway.metric(ttft)
+    counters = [
+        ttft,
+        *(f'mlx_gateway_tokens_total{{kind="{k}"}}' for k in ("prompt", "completion")),
+    ]
+    before = [gateway.metric(line) for line in counters]
     both = chat(client, n=3, seed=7, **SAMPLED)
-    assert gateway.metric(ttft) == before + 1  # one answer: its first token once
+    assert both.usage is not None
+    # One answer: its first token once, its tokens as its usage counts them.
+    added = [gateway.metric(line) - was for line, was in zip(counters, before, strict=True)]
+    assert added == [1, both.usage.prompt_tokens, both.usage.completion_tokens]
     assert [c.index for c in both.choices] == [0, 1, 2]
     texts = [c.message.content for c in both.choices]
     alone = [chat(client, seed=7 + i, **SAMPLED) for i in range(3)]

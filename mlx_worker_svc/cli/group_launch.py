@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -91,12 +92,30 @@ def hostfile_problem(hostfile: str, world_size: int, backend: str) -> str:
         )
     if not backend and isinstance(data, dict):
         backend = str(data.get("backend") or "")
-    if (backend or "ring") == "ring" and not all(h.get("ips") for h in hosts):
+    for i, host in enumerate(hosts):
+        ips = host.get("ips", [])
+        if not isinstance(ips, list) or not all(_is_ip(ip) for ip in ips):
+            return f"--hostfile {hostfile}: hosts[{i}].ips must be a list of IP addresses"
+    # The ring connects every rank to addresses; JACCL rank 0's (mlx.launch's rules).
+    backend = backend or "ring"
+    needs = hosts if backend == "ring" else hosts[:1] if backend == "jaccl" else []
+    if not all(h.get("ips") for h in needs):
+        which = "each host" if backend == "ring" else "the first host (rank 0)"
         return (
-            f'--hostfile {hostfile}: the ring backend needs each host\'s "ips" (it connects '
-            "to addresses, not host names)"
+            f'--hostfile {hostfile}: the {backend} backend needs "ips" for {which} (it '
+            "connects to addresses, not host names)"
         )
     return ""
+
+
+def _is_ip(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _hostfile_backend(hostfile: str) -> str:

@@ -196,6 +196,13 @@ class Gateway:
         route = request.url.path
         parsed = parse_request(kind, parse_body(await request.body()))
         model = self.model_for(parsed)
+        capacity = self.fleet.config.queue_capacity
+        if parsed.n > capacity:  # every choice passes through the queue: it could never fit
+            raise invalid(
+                "n",
+                f"{parsed.n} choices are {parsed.n} requests, more than the fleet's queue "
+                f"holds ({capacity}, the gateway's --queue)",
+            )
         try:
             start = time.monotonic()  # the answer begins once every choice has its first token
             opening = [open_answer(self.fleet, request, c, None) for c in fan_out(parsed)]

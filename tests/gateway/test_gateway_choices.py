@@ -105,6 +105,20 @@ def test_a_bad_n_or_best_of_is_a_400_naming_it(
     assert response.json()["error"]["param"] == param
 
 
+def test_more_choices_than_the_queue_holds_is_a_400_naming_n(worker: ServeProcess) -> None:
+    small = Gateway(worker.port, "--queue", "2")
+    try:
+        body = {"model": "model", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+        refused = small.http.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "n"
+        assert "more than the fleet's queue holds (2" in refused.json()["error"]["message"]
+        done = small.http.post("/v1/chat/completions", json=body | {"n": 2, "max_tokens": 2})
+        assert done.status_code == 200 and len(done.json()["choices"]) == 2
+    finally:
+        small.close()
+
+
 def _running(worker: ServeProcess) -> int:
     stub = pb_grpc.WorkerServiceStub(worker.channel())
     return stub.CheckHealth(pb.CheckHealthRequest(), timeout=30).num_running_requests

@@ -81,7 +81,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     spelled: dict[str, str] = {}
     sources: dict[str, str] = {}  # --flag -> where the file set it (usage_error names it)
     for key, value in values.items():
-        flag = key.replace("_", "-")
+        flag = _flag_name(key)
         if flag in spelled:  # grace_seconds and grace-seconds: one key
             command.error(f"{path}: '{spelled[flag]}' and '{key}' are the same key; give it once")
         spelled[flag] = key
@@ -188,8 +188,16 @@ def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dic
     for key, value in subs[sub].items():
         if isinstance(value, dict):
             raise ValueError(f"[{name}.{sub}] {key}: sections do not nest further")
+    # The sub-section's key replaces the section's, however either spells it.
+    replaced = {_flag_name(key) for key in subs[sub]}
+    keys = {k: v for k, v in keys.items() if _flag_name(k) not in replaced}
     origins = dict.fromkeys(keys, name) | dict.fromkeys(subs[sub], f"{name}.{sub}")
     return keys | subs[sub], origins
+
+
+def _flag_name(key: str) -> str:
+    """A key as its flag spells it: `max_num_seqs` and `max-num-seqs` are one."""
+    return key.replace("_", "-")
 
 
 def _on_command_line(action: argparse.Action, argv: list[str]) -> bool:

@@ -111,6 +111,16 @@ def test_a_file_gives_what_the_same_flags_give(
     assert from_file["port"] == ports[section]
 
 
+@pytest.mark.parametrize("spelled", ["grace_seconds", "grace-seconds"])
+def test_a_sub_section_replaces_its_sections_key_however_spelled(
+    tmp_path: Path, spelled: str
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f"[serve]\ngrace-seconds = 1\n\n[serve.w1]\n{spelled} = 3\n")
+    args = parse_args(["serve", "--config", str(path), "--config-section", "w1"])
+    assert args.grace_seconds == 3
+
+
 def test_flags_on_the_command_line_win(fleet_file: Path) -> None:
     args = parsed(with_file(fleet_file, "serve", "w2", "--port", "7", "--max-running-requests=3"))
     assert (args["port"], args["max_running_requests"], args["auto_init"]) == (7, 3, True)

@@ -21,6 +21,7 @@ from mlx_worker_svc.cli.envs import MLX_GATEWAY_API_KEY
 from mlx_worker_svc.core.domain import MAX_DECODE_STEPS
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.flag_values import count, non_negative, seconds, target, within
+from mlx_worker_svc.core.flag_values import host as host_value
 from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.core.signals import Signals
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -357,6 +358,7 @@ def add_commands(sub: Any) -> None:
             port = 50050 if name == "fleet" else 8000
             cmd.add_argument(
                 "--host",
+                type=host_value,
                 default="127.0.0.1",
                 help="default 127.0.0.1; any other needs TLS, a token or --insecure",
             )

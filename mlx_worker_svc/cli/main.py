@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlx_worker_svc.core.domain import DeviceKind
-from mlx_worker_svc.core.flag_values import context_cap, count, fraction, port, seconds, within
+from mlx_worker_svc.core.flag_values import (
+    context_cap,
+    count,
+    fraction,
+    host,
+    port,
+    seconds,
+    within,
+)
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
 
 
@@ -98,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--host",
+        type=host,
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; any other needs TLS, a token or --insecure)",
     )

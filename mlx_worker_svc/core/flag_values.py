@@ -36,6 +36,15 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def host(text: str) -> str:
+    """An address to bind: not empty (gRPC and HTTP servers need one)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty (127.0.0.1: this machine only; 0.0.0.0 or ::: every interface)"
+        )
+    return text
+
+
 def context_cap(text: str) -> int:
     """A context length cap: 0 (none) or at least 2 (a prompt is shorter than the context)."""
     value = _int(text)

@@ -27,6 +27,7 @@ import grpc.aio
 from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, start_http_server
 
+from mlx_worker_svc.core.flag_values import host as host_value
 from mlx_worker_svc.core.flag_values import port as port_value
 from mlx_worker_svc.core.metrics import RpcMetrics
 from mlx_worker_svc.rpc.security import is_loopback
@@ -233,6 +234,7 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-host",
+        type=host_value,
         default="127.0.0.1",
         help="address of the metrics endpoint (default 127.0.0.1)",
     )

@@ -26,6 +26,10 @@ WORKER = ["--worker", "127.0.0.1:9"]
     [
         (["serve", "--port", "70000"], "--port: must be a port, 0 to 65535, got 70000"),
         (["serve", "--port", "-1"], "--port: must be a port, 0 to 65535, got -1"),
+        (["serve", "--host", ""], "--host: must not be empty (127.0.0.1: this machine only"),
+        (["serve", "--metrics-host", " "], "--metrics-host: must not be empty"),
+        (["fleet", *WORKER, "--host", ""], "--host: must not be empty"),
+        (["gateway", *WORKER, "--host", ""], "--host: must not be empty"),
         (["serve", "--metrics-port", "65536"], "--metrics-port: must be a port"),
         (["serve", "--group-port", "-1"], "--group-port: must be a port"),
         (["serve", "--memory-utilization", "0"], "--memory-utilization: must be in (0, 1]"),

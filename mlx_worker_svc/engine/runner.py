@@ -141,6 +141,14 @@ class ModelRunner:
         """Live requests per adapter (ListLoras; RemoveLora and eviction refuse adapters in use)."""
         return Counter(seq.adapter for seq in list(self.state.seqs.values()) if seq.adapter)
 
+    def detach(self) -> None:
+        """Unhooks the runner from its model's adapters once another runner, or none (asleep),
+        takes its place: their callbacks would otherwise keep it, and its KV, alive."""
+        if self.adapters.in_use == self.adapter_users:
+            self.adapters.in_use = Counter
+        if self.adapters.on_drop == self._drop_adapter_kv:
+            self.adapters.on_drop = lambda _root: None
+
     # ------------------------------------------------------------ admission
     def plan(self, plan: StepPlan) -> Work:
         """Validates a scheduler step (Admission.plan)."""

@@ -112,6 +112,29 @@ def test_sleep_level_2_gives_back_the_weights_and_wake_up_reloads_them(
     assert drive(stub, woke.worker_epoch, [prompt], max_tokens=5) == before_tokens
 
 
+def test_sleep_level_1_gives_back_the_memory_of_the_kv_it_frees(stub: Stub, tiny_dir: Path) -> None:
+    bring_up(stub, tiny_dir, num_blocks=20)
+    for _ in range(2):  # a first Sleep, and one after a WakeUp (a runner replaced)
+        idle = stub.CheckHealth(pb.CheckHealthRequest()).memory.active_bytes
+        epoch = stub.GetInfo(pb.GetInfoRequest()).worker_epoch
+        new = pb.NewRequest(
+            req_id="r", prompt_token_ids=list(range(5, 305)), sampling_params=greedy(20)
+        )
+        stub.Execute(
+            pb.ExecuteRequest(
+                worker_epoch=epoch, new_requests=[new], num_scheduled_tokens={"r": 300}
+            )
+        )
+        busy = stub.CheckHealth(pb.CheckHealthRequest()).memory.active_bytes
+        assert busy > idle + 300 * 512  # 300 tokens of KV: 2 layers x 2 heads x 16 x K,V x 4 B
+        slept = stub.Sleep(pb.SleepRequest(level=1))
+        after = stub.CheckHealth(pb.CheckHealthRequest()).memory.active_bytes
+        # The runner's KV is gone, not kept alive by the model's adapter callbacks.
+        assert after <= idle + 4096, (idle, busy, after)
+        assert slept.freed_bytes > 300 * 512, (slept.freed_bytes, idle, busy, after)
+        stub.WakeUp(pb.WakeUpRequest())
+
+
 def test_sleep_and_wake_up_rules(stub: Stub, tiny_dir: Path) -> None:
     code, message = _fails(lambda: stub.Sleep(pb.SleepRequest(level=1)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitDevice" in message

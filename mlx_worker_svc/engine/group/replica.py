@@ -218,6 +218,8 @@ class Replica:
     ) -> ModelRunner:
         if seed is not None:
             mx.random.seed(seed)
+        if self.runner is not None:
+            self.runner.detach()
         if self.channel.leads:
             self.runner = MirroredRunner(self._model(), config, profile, self.options, self.channel)
         else:
@@ -236,6 +238,8 @@ class Replica:
         return self._together(lambda: memory.deep_check(model), bool)[0]
 
     def _release(self, *, model: bool) -> None:
+        if self.runner is not None:
+            self.runner.detach()
         self.runner = None
         if model:
             self.loaded = None

@@ -249,7 +249,9 @@ def _path(field: FieldDescriptor, index: int, inner: str) -> str:
 
 
 def _log(method: str, request: Undecodable) -> None:
-    fields = {"rpc": method, "code": request.code.name, "error": request.details}
+    # `rpc` as the servicer's own failure lines name it: the method alone.
+    name = method.rsplit("/", 1)[-1]
+    fields = {"rpc": name, "code": request.code.name, "error": request.details}
     log.info("rpc failed", extra=fields)
 
 

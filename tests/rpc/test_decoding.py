@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import time
@@ -45,6 +46,7 @@ from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.fleet.server import serve_fleet
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
+from mlx_worker_svc.rpc import decoding
 from mlx_worker_svc.rpc.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
@@ -353,3 +355,12 @@ async def _fleet_counts(pki: Pki) -> None:
     finally:
         await server.stop(0)
         await fleet.stop()
+
+
+def test_a_refusal_is_logged_under_the_methods_name(caplog: pytest.LogCaptureFixture) -> None:
+    # As the servicer's own `rpc failed` lines name it: the method, not its path.
+    with caplog.at_level(logging.INFO, logger="mlx_worker_svc.rpc.decoding"):
+        decoding._log("/mlx_worker.v1.WorkerService/GetInfo", decoding.Undecodable("bad bytes"))
+    [record] = [r for r in caplog.records if r.getMessage() == "rpc failed"]
+    fields = tuple(getattr(record, name) for name in ("rpc", "code", "error"))
+    assert fields == ("GetInfo", "INVALID_ARGUMENT", "bad bytes")

@@ -64,7 +64,8 @@ class Admission:
             plan, work, state.seqs, lambda key: spans[key][1] == spans[key][2], self.grammars
         )
         what = f"step {plan.step_id}"
-        state.budget.check(self.projected(work, spans).values(), what)
+        after = self.projected(work, spans)
+        state.budget.check(after.values(), what, lambda: self._growth(after))
         self.check_memory(work, what, spans)
         return work
 
@@ -118,6 +119,20 @@ class Admission:
         for key, (_, end, length) in (spans or self._spans(work)).items():
             tokens[key] = end + more if end == length else end
         return tokens
+
+    def _growth(self, after: Mapping[RequestKey, int]) -> str:
+        """Which requests a refused step would give more blocks, the most first (at most 4)."""
+        budget, seqs = self.state.budget, self.state.seqs
+        grows = []
+        for key, tokens in after.items():
+            held = seqs[key].num_computed if key in seqs and not seqs[key].preempted else 0
+            more = budget.blocks_for(tokens) - budget.blocks_for(held)
+            if more > 0:
+                grows.append((more, key[1]))
+        grows.sort(key=lambda g: -g[0])
+        shown = ", ".join(f"{n} for req_id {clip(r)!r}" for n, r in grows[:4])
+        rest = f" and {len(grows) - 4} more requests" if len(grows) > 4 else ""
+        return f" (it adds {sum(n for n, _ in grows)}: {shown}{rest})" if grows else ""
 
     def check_memory(self, work: Work, what: str, spans: Spans | None = None) -> None:
         """Refuses `work` if its largest forward would not fit under the memory limit.

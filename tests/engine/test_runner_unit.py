@@ -155,8 +155,12 @@ def test_admission_refuses_a_step_over_the_kv_budget_and_changes_nothing(
     fits = StepPlan(1, 1, (NewRequest("a", tuple(range(1, 9)), GREEDY),), (), {"a": 8})
     runner.run(runner.plan(fits))
     too_many = StepPlan(2, 1, (NewRequest("b", tuple(range(1, 9)), GREEDY),), (), {"b": 8})
-    with pytest.raises(ResourceExhausted, match="step 2 needs 4 KV blocks but the budget is 3"):
+    with pytest.raises(
+        ResourceExhausted, match="step 2 needs 4 KV blocks but the budget is 3"
+    ) as refused:
         runner.plan(too_many)
+    # The message names what the step would add, and for which request: what to preempt.
+    assert refused.value.message.endswith("first (it adds 2: 2 for req_id 'b')")
     assert list(runner.state.seqs) == [(Origin.EXECUTE, "a")]
     assert runner.kv_usage().used_blocks == 2
 

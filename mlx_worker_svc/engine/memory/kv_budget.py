@@ -8,7 +8,7 @@ blocks are inside the budget too, but evictable, so they never refuse a step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlx_worker_svc.core.errors import ResourceExhausted
@@ -26,11 +26,15 @@ class KVBudget:
         """Blocks that requests holding `kv_tokens` tokens each take."""
         return sum(self.blocks_for(t) for t in kv_tokens)
 
-    def check(self, kv_tokens_after: Iterable[int], what: str) -> None:
-        """Raises ResourceExhausted if holding `kv_tokens_after` exceeds the budget."""
+    def check(
+        self, kv_tokens_after: Iterable[int], what: str, detail: Callable[[], str] = str
+    ) -> None:
+        """Raises ResourceExhausted if holding `kv_tokens_after` exceeds the budget; the
+        message ends with `detail()` (which requests grow), computed only then."""
         needed = self.used(kv_tokens_after)
         if needed > self.num_blocks:
             raise ResourceExhausted(
                 f"{what} needs {needed} KV blocks but the budget is {self.num_blocks} "
                 f"blocks of {self.block_size} tokens; finish or preempt requests first"
+                f"{detail()}"
             )

@@ -303,9 +303,15 @@ def _no_such_model(name: str) -> ApiError:
     )
 
 
+# A 429's Retry-After: the fleet's queue drains as answers end, in about a second under load
+# (the SDKs wait this long before their retry instead of their own backoff).
+RETRY_AFTER_SECONDS = 1
+
+
 async def _api_error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 429 else None
+    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:

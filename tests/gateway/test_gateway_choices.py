@@ -2,12 +2,14 @@
 
 As vLLM's parallel sampling: choice i of a seeded request is the request with
 `seed + i` and n = 1, streamed or not; the usage counts the prompt once and
-every choice's tokens; a refused choice refuses the request, and a client
-that leaves frees every choice on the worker.
+every choice's tokens; a refused choice refuses the request (a full queue's
+429 says when to retry), and a client that leaves frees every choice on the
+worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
 from typing import Any
@@ -16,7 +18,10 @@ import openai
 import pytest
 from driver import ServeProcess
 from gateway_process import Gateway, chat, complete
+from starlette.requests import Request
 
+from mlx_worker_svc.gateway import app
+from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -147,3 +152,14 @@ def test_every_choice_is_refused_or_freed_together(gateway: Gateway, worker: Ser
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _running(worker) == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_429_says_when_to_retry(path: str) -> None:
+    # A full queue is a 429 on both APIs (errors.py); the SDKs wait for Retry-After.
+    request = Request({"type": "http", "method": "POST", "path": path, "headers": []})
+    full = ApiError(429, "the fleet's queue is full", kind="rate_limit_error")
+    answer = asyncio.run(app._api_error_response(request, full))
+    assert (answer.status_code, answer.headers["retry-after"]) == (429, "1")
+    bad = asyncio.run(app._api_error_response(request, ApiError(400, "no")))
+    assert "retry-after" not in bad.headers

@@ -36,43 +36,57 @@ def limit_error(kind: Kind, exc: ContextTooLong | OutOfVocabulary | PromptTooLar
         return _too_large(kind, exc)
     if kind == "messages":  # Anthropic's words; its max_tokens is not reserved
         most = exc.context_length - 1
-        return ApiError(
-            400,
-            f"prompt is too long: {exc.prompt_tokens} tokens > {most} maximum (the model's "
-            f"context is {exc.context_length} tokens, one of them for the answer)",
-            param="messages",
+        return _context_error(
+            kind,
+            exc.context_length,
+            f"{exc.prompt_tokens} tokens > {most} maximum (the model's context is "
+            f"{exc.context_length} tokens, one of them for the answer)",
         )
-    where = "prompt" if kind == "completion" else "messages"
-    message = f"This model's maximum context length is {exc.context_length} tokens. However, "
+    where = _where(kind)
     if exc.max_tokens is None:
-        message += (
+        return _context_error(
+            kind,
+            exc.context_length,
             f"your {where} resulted in {exc.prompt_tokens} tokens. "
-            f"Please reduce the length of the {where}."
+            f"Please reduce the length of the {where}.",
         )
-    else:
-        message += (
-            f"you requested {exc.prompt_tokens + exc.max_tokens} tokens "
-            f"({exc.prompt_tokens} in the {where}, {exc.max_tokens} in the completion). "
-            f"Please reduce the length of the {where} or completion."
-        )
-    return ApiError(400, message, param=where, code="context_length_exceeded")
+    return _context_error(
+        kind,
+        exc.context_length,
+        f"you requested {exc.prompt_tokens + exc.max_tokens} tokens "
+        f"({exc.prompt_tokens} in the {where}, {exc.max_tokens} in the completion). "
+        f"Please reduce the length of the {where} or completion.",
+    )
 
 
 def _too_large(kind: Kind, exc: PromptTooLarge) -> ApiError:
     """A prompt's text past what a worker takes in one message, worded as the context
     error each API's clients compact on ("prompt is too long", context_length_exceeded):
     it is longer than any prompt the model's context holds."""
-    where = "prompt" if kind == "completion" else "messages"
     past = (
         f"{exc.size} bytes of text, more than a worker takes in one message "
         f"({exc.max_message} bytes, sized to the model's context of {exc.context_length} "
         "tokens)"
     )
     if kind == "messages":
-        return ApiError(400, f"prompt is too long: {past}", param="messages")
-    message = (
-        f"This model's maximum context length is {exc.context_length} tokens. However, "
-        f"your {where} {'is' if where == 'prompt' else 'are'} {past}. Please reduce the "
-        f"length of the {where}."
+        return _context_error(kind, exc.context_length, past)
+    where = _where(kind)
+    verb = "is" if where == "prompt" else "are"
+    return _context_error(
+        kind,
+        exc.context_length,
+        f"your {where} {verb} {past}. Please reduce the length of the {where}.",
     )
-    return ApiError(400, message, param=where, code="context_length_exceeded")
+
+
+def _where(kind: Kind) -> str:
+    return "prompt" if kind == "completion" else "messages"
+
+
+def _context_error(kind: Kind, context_length: int, detail: str) -> ApiError:
+    """The context error in the words each API's clients compact on: Anthropic's
+    "prompt is too long: DETAIL", OpenAI's context_length_exceeded."""
+    if kind == "messages":
+        return ApiError(400, f"prompt is too long: {detail}", param="messages")
+    message = f"This model's maximum context length is {context_length} tokens. However, {detail}"
+    return ApiError(400, message, param=_where(kind), code="context_length_exceeded")

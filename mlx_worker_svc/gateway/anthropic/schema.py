@@ -5,20 +5,14 @@ Anthropic's API requires them), `system` (a string or text blocks),
 `stop_sequences`, `stream`, `temperature` (0 to 1), `top_p`, `top_k`,
 `metadata` (`user_id`), `tools`, `tool_choice` and `output_config` (a JSON
 Schema the answer follows); `/v1/messages/count_tokens` takes `model`,
-`messages`, `system`, `tools` and `tool_choice`. Content is a
-string or an array of blocks: `text` (with `cache_control`, which changes
-nothing: the workers' prefix cache reuses every prompt), `tool_use` (an
-assistant's calls) and `tool_result` (a user's answers to them, their
-content text). A final assistant message is a prefill: the answer continues
-its text. As with the OpenAI routes, a field the endpoint does not know is a
-400 naming it, and one it knows but cannot honour (images, documents,
-server tools) is a 400 that says so; `thinking` and thinking blocks are
-thinking.py's.
+`messages`, `system`, `tools` and `tool_choice`. The messages' content
+(text, tool_use and tool_result blocks) is content.py's; a final assistant
+message is a prefill: the answer continues its text. As with the OpenAI
+routes, a field the endpoint does not know is a 400 naming it, and one it
+knows but cannot honour (images, documents, server tools) is a 400 that
+says so; `thinking` and thinking blocks are thinking.py's.
 
-The chat becomes the workers' `ChatMessage`s: a user's `tool_result` blocks
-become `tool` messages (`tool_call_id`, and the `name` of the call they
-answer), an assistant's `tool_use` blocks its `tool_calls_json`. Tools map
-onto the OpenAI routes' `ToolRequest`: `input_schema` is a function's
+Tools map onto the OpenAI routes' `ToolRequest`: `input_schema` is a function's
 `parameters`, and `tool_choice` `auto`, `any`, `tool` and `none` are OpenAI's
 `auto`, `required`, a named function and `none`
 (`disable_parallel_tool_use`: `parallel_tool_calls: false`).
@@ -26,16 +20,19 @@ onto the OpenAI routes' `ToolRequest`: `input_schema` is a function's
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_worker_svc.gateway.anthropic.content import (
+    prefill_text,
+    system_messages,
+    turn_messages,
+)
 from mlx_worker_svc.gateway.anthropic.thinking import (
     EXTRA,
     check_context_management,
     check_thinking,
-    is_thinking,
 )
 from mlx_worker_svc.gateway.body import Fields, json_type, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
@@ -68,17 +65,8 @@ _UNSUPPORTED = {
     "container": "containers are not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
 }
-# The fields of each block and object the messages take; others are refused by name.
 _EXTRA = EXTRA
-# A tool_use's `caller` and `toolset_name` (the anthropic SDK's, for programmatic calls
-# and tool sets) and a tool's opt-in beta hints change nothing here.
-_BLOCK_KEYS = {
-    "text": ("type", "text", "cache_control", "citations"),
-    "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
-    "tool_result": (
-        "type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name",
-    ),
-}  # fmt: skip
+# The fields a tool takes (others are refused by name); its opt-in beta hints change nothing.
 _TOOL_KEYS = (
     "type", "name", "description", "input_schema", "cache_control", "strict",
     "eager_input_streaming", "input_examples", "defer_loading", "allowed_callers",
@@ -116,7 +104,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     if not isinstance(model, str):
         raise invalid("model", f"expected a string, got {json_type(model)}")
     tools = _tools(fields.get("tools"), fields.get("tool_choice"))
-    messages = _system(fields.get("system"))
+    messages = system_messages(fields.get("system"))
     turns = fields.get("messages")
     if not isinstance(turns, list) or not turns:
         raise invalid("messages", "expected a non-empty array of messages")
@@ -127,9 +115,9 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     for i, turn in enumerate(turns):
         asked, calls = calls, {}
         if i == len(turns) - 1 and isinstance(turn, dict) and turn.get("role") == "assistant":
-            prefill = _prefill(turn, f"messages[{i}]")
+            prefill = prefill_text(turn, f"messages[{i}]")
         else:
-            messages += _turn(turn, f"messages[{i}]", asked, calls)
+            messages += turn_messages(turn, f"messages[{i}]", asked, calls)
         if asked:  # left unanswered
             raise invalid(
                 f"messages[{i - 1}]",
@@ -248,181 +236,6 @@ def _cache_control(value: Any, where: str) -> None:
     its shape is checked as Anthropic's API checks it."""
     if value is not None and (not isinstance(value, dict) or value.get("type") != "ephemeral"):
         raise invalid(where, "expected an object with 'type': 'ephemeral'")
-
-
-def _system(value: Any) -> list[pb.ChatMessage]:
-    if value is None:
-        return []
-    text = value if isinstance(value, str) else _texts(value, "system")
-    return [pb.ChatMessage(role="system", content=text)] if text else []
-
-
-def _texts(value: Any, where: str, *, assistant: bool = False) -> str:
-    """The text of an array of text blocks, joined by newlines (an assistant's empty
-    ones left out: see `_empty_answer`)."""
-    if not isinstance(value, list):
-        raise invalid(where, "expected a string or an array of text blocks")
-    texts = []
-    for j, block in enumerate(value):
-        if assistant and is_thinking(block, f"{where}[{j}]"):  # a prefill's: left out
-            continue
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise invalid(
-                f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"
-            )
-        only_keys(block, _BLOCK_KEYS["text"], f"{where}[{j}]", _EXTRA)
-        if not (assistant and _empty_answer(block)):
-            texts.append(_text(block, f"{where}[{j}]"))
-    return "\n".join(texts)
-
-
-def _empty_answer(block: dict[str, Any]) -> bool:
-    """An assistant's empty text block: an answer cut to nothing has one (gateway.md)."""
-    return block.get("type") == "text" and block.get("text") == ""
-
-
-def _text(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise invalid(f"{where}.text", "expected a string")
-    if not text:
-        raise invalid(f"{where}.text", "text content blocks must be non-empty")
-    if block.get("citations"):  # null or [] (as the SDK dumps a text block) is none
-        raise invalid(f"{where}.citations", "citations are not supported by this server")
-    return text
-
-
-def _kind(block: Any) -> str:
-    """What a content block is, for an error: its type, or what it lacks."""
-    if not isinstance(block, dict):
-        return json_type(block)
-    kind = block.get("type")
-    return "untyped" if kind is None else repr(kind)
-
-
-def _turn(
-    turn: Any, where: str, asked: dict[str, str], calls: dict[str, str]
-) -> list[pb.ChatMessage]:
-    """The ChatMessages of one user or assistant message.
-
-    Its tool_result blocks answer (and take out of) `asked`, the tool_use
-    blocks of the message before; its tool_use blocks go into `calls`.
-    """
-    if not isinstance(turn, dict):
-        raise invalid(where, f"expected an object, got {json_type(turn)}")
-    only_keys(turn, ("role", "content"), where, _EXTRA)
-    role = turn.get("role")
-    if role not in ("user", "assistant"):
-        raise invalid(f"{where}.role", f"{role!r} is not one of ['assistant', 'user']")
-    content = turn.get("content")
-    if content in ("", []):
-        raise invalid(
-            f"{where}.content",
-            "all messages must have non-empty content except for the optional final "
-            "assistant message",
-        )
-    if isinstance(content, str):
-        return [pb.ChatMessage(role=role, content=content)]
-    if not isinstance(content, list):
-        raise invalid(f"{where}.content", "expected a string or an array of content blocks")
-    texts: list[str] = []
-    uses: list[dict[str, Any]] = []
-    out: list[pb.ChatMessage] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in _BLOCK_KEYS:
-            only_keys(block, _BLOCK_KEYS[kind], at, _EXTRA)
-        if role == "assistant" and (_empty_answer(block) or is_thinking(block, at)):
-            continue
-        if kind == "text":
-            texts.append(_text(block, at))
-        elif kind == "tool_use" and role == "assistant":
-            uses.append(_tool_use(block, at, calls))
-        elif kind == "tool_result" and role == "user":
-            out.append(_tool_result(block, at, asked))
-        else:
-            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
-            raise invalid(at, f"{_kind(block)} blocks are not supported here ({allowed} are)")
-    if texts or uses or not out:
-        message = pb.ChatMessage(role=role, content="\n".join(texts))
-        if uses:
-            message.tool_calls_json = json.dumps(uses, ensure_ascii=False)
-        out.append(message)
-    return out
-
-
-def _tool_use(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
-    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
-    if not isinstance(call_id, str) or not call_id:
-        raise invalid(f"{where}.id", "expected a non-empty string")
-    if not isinstance(name, str) or not name:
-        raise invalid(f"{where}.name", "expected a non-empty string")
-    if not isinstance(arguments, dict):
-        raise invalid(f"{where}.input", "expected an object")
-    if call_id in names:
-        raise invalid(f"{where}.id", f"`tool_use` ids must be unique: {call_id!r} is repeated")
-    names[call_id] = name
-    # OpenAI's shape, the arguments parsed, as chat templates read them (ChatMessage).
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb.ChatMessage:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str) or call_id not in asked:
-        raise invalid(
-            f"{where}.tool_use_id",
-            f"unexpected tool_use_id found in tool_result blocks: {call_id}. Each tool_result "
-            "block must have a corresponding tool_use block in the previous message.",
-        )
-    name = asked.pop(call_id)
-    content = block.get("content")
-    if content is None or isinstance(content, str):
-        text = content or ""
-    else:
-        text = _texts(_visible(content, f"{where}.content"), f"{where}.content")
-    if not isinstance(block.get("is_error", False), bool):
-        raise invalid(f"{where}.is_error", "expected a boolean")
-    return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=name)
-
-
-# A tool's image or document, which a text model cannot read: the result says so in text.
-_UNSEEN = {
-    "image": "[an image the tool returned: this model reads text only]",
-    "document": "[a document the tool returned: this model reads text only]",
-}
-
-
-def _visible(content: Any, where: str) -> Any:
-    """A tool_result's content blocks with its images and documents written as a line of
-    text saying so: an agent's tool (Claude Code's Read) returns them, and the result
-    stays in every later turn's history, so a 400 would end the session."""
-    if not isinstance(content, list):
-        return content
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _UNSEEN:
-            out.append(part)
-            continue
-        keys = ("type", "source", "cache_control", "title", "context", "citations")
-        only_keys(part, keys, f"{where}[{j}]", _EXTRA)
-        out.append({"type": "text", "text": _UNSEEN[kind]})
-    return out
-
-
-def _prefill(turn: dict[str, Any], where: str) -> str:
-    """The text a final assistant message starts the answer with."""
-    only_keys(turn, ("role", "content"), where, _EXTRA)
-    content = turn.get("content")
-    text = (
-        content if isinstance(content, str) else _texts(content, f"{where}.content", assistant=True)
-    )
-    if text != text.rstrip():
-        raise invalid(
-            f"{where}.content", "final assistant content cannot end with trailing whitespace"
-        )
-    return text
 
 
 def _tools(value: Any, choice: Any) -> ToolRequest:

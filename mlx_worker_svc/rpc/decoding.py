@@ -12,10 +12,14 @@ INVALID_ARGUMENT and a single log line, no traceback:
     the request bytes do not decode as mlx_worker.v1.ExecuteRequest:
     new_requests[0].req_id is not valid UTF-8
 
-A request stream is checked message by message. The message type is the
-method's input type in the default descriptor pool (the handler's own class
-otherwise). Install the interceptor after the metrics one, so that the refusal
-is counted with its code.
+A request stream is checked message by message: one that does not decode
+ends the call, but on the synchronous server one that parsed and sets a
+field this server does not know reaches the handler as an `Undecodable`
+carrying the message (`parsed`), so that a stream answering each message
+(ExecuteStream) can refuse that one message and go on; such a handler must
+check for it. The message type is the method's input type in the default
+descriptor pool (the handler's own class otherwise). Install the interceptor
+after the metrics one, so that the refusal is counted with its code.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Undecodable:
     details: str
     """The status message: the message type and what is wrong."""
     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    parsed: Any = None
+    """The message, its unknown fields dropped, when the bytes parsed (an unknown field)."""
 
 
 OWN_PACKAGE = "/mlx_worker."
@@ -71,7 +77,7 @@ def check_deserializer(method: str, deserializer: Callable[[bytes], Any]) -> Cal
         if strict:
             message.DiscardUnknownFields()
             if message.ByteSize() != len(data):  # unknown fields, or an unusual encoding
-                unknown = _unknown(_input_type(method, deserializer), data)
+                unknown = _unknown(_input_type(method, deserializer), data, message)
                 if unknown is not None:
                     return unknown
         return message
@@ -79,7 +85,7 @@ def check_deserializer(method: str, deserializer: Callable[[bytes], Any]) -> Cal
     return deserialize
 
 
-def _unknown(descriptor: Descriptor | None, data: bytes) -> Undecodable | None:
+def _unknown(descriptor: Descriptor | None, data: bytes, message: Any) -> Undecodable | None:
     path = None if descriptor is None else unknown_field_path(descriptor, data)
     if descriptor is None or path is None:
         return None
@@ -89,6 +95,7 @@ def _unknown(descriptor: Descriptor | None, data: bytes) -> Undecodable | None:
         f"{descriptor.full_name}: {path} is not a field this server knows (a client "
         f"built from a newer proto?): leave it unset, or upgrade the server",
         grpc.StatusCode.UNIMPLEMENTED,
+        parsed=message,
     )
 
 
@@ -282,9 +289,9 @@ class DecodeInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             for request in requests:
-                if isinstance(request, Undecodable):
+                if isinstance(request, Undecodable) and request.parsed is None:
                     _refuse(method, context, request)
-                yield request
+                yield request  # one that parsed: the handler refuses that message alone
 
         def wrap(behavior: Callable[..., Any], _streaming: bool) -> Callable[..., Any]:
             def call(request: Any, context: grpc.ServicerContext) -> Any:

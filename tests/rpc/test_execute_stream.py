@@ -191,6 +191,36 @@ def test_message_without_its_step_fails_only_itself(
     assert (second.step_id, second.WhichOneof("outcome")) == (5, "result")
 
 
+def test_a_field_unknown_here_fails_only_its_step(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """A step from a client built from a newer proto sets a field this server lacks: that
+    step is refused UNIMPLEMENTED naming it (as unary Execute refuses it), the request it
+    was to create counts as never created, and the stream and its requests go on."""
+    stub, epoch, _ = worker
+    newer = pb.ExecuteRequest()  # protobuf keeps the unknown field 40 and sends it on
+    newer.ParseFromString(
+        _starting("u", [5, 6], epoch, step_id=2).SerializeToString() + b"\xc0\x02\x01"
+    )
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(_starting("k", [5, 6, 7], epoch))
+        stream.send(newer)
+        stream.send(_decoding(3, epoch, {"k": 3}))
+        stream.send(_decoding(4, epoch, {"u": 2}))
+        first, refused, decoded, ahead = [stream.receive() for _ in range(4)]
+        stream.close()
+    assert raise_for_error(first).outputs[0].req_id == "k"
+    assert (refused.step_id, refused.error.code) == (2, grpc.StatusCode.UNIMPLEMENTED.value[0])
+    assert refused.error.message.startswith(
+        "mlx_worker.v1.ExecuteStreamRequest: step.field 40 is not a field this server knows"
+    )
+    [out] = raise_for_error(decoded).outputs
+    assert (out.req_id, out.num_computed_tokens, len(out.sampled_token_ids)) == ("k", 4, 1)
+    assert ahead.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "step 2 of this stream was to create it and failed" in ahead.error.message
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_cancelled_stream_frees_its_requests(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:

@@ -232,7 +232,8 @@ class WorkerServiceServicer:
         and not listed; so is a live request created under it since by Execute
         or another stream, which a later step schedules as usual.
         - A failing step changes nothing (as a failed Execute) and gets its error
-        in its own response (error); the stream goes on. A later step that
+        in its own response (error); the stream goes on. So does a step that
+        sets a field this server does not know (UNIMPLEMENTED, naming it). A later step that
         counted on the failed step's tokens (its num_computed_tokens includes
         them) fails with INVALID_ARGUMENT naming the request and both counts, and
         a later step naming a request the failed step would have created fails

@@ -176,6 +176,13 @@ class StepPlan:
     num_decode_steps: int = 1
     # req_id -> packed allowed-token mask of its next token; see ExecuteRequest.grammar_bitmask.
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    # Where each cached_requests entry was in the message sent, for errors, when some were
+    # left out (ExecuteStream's already finished requests); empty: where it is.
+    cached_positions: tuple[int, ...] = ()
+
+    def cached_position(self, i: int) -> int:
+        """The index the scheduler sent `cached_requests[i]` at."""
+        return self.cached_positions[i] if self.cached_positions else i
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 
 from mlx_worker_svc.core.domain import Origin, SamplingParams, StepPlan
 from mlx_worker_svc.core.errors import InvalidArgument
+from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.engine.structured import Grammar, GrammarCompiler, RequestKey, mask_words
 
 
@@ -188,8 +189,8 @@ def plan_structured(
         seq.grammar.sync(seq.tokens)
         if not seq.grammar.accepts(cached.new_token_ids):
             raise InvalidArgument(
-                f"cached_requests[{i}] (req_id {cached.req_id!r}).new_token_ids: the "
-                "request's structured_outputs does not allow these tokens here"
+                f"cached_requests[{plan.cached_position(i)}] (req_id {clip(cached.req_id)!r})"
+                ".new_token_ids: the request's structured_outputs does not allow these tokens here"
             )
     params = {new.req_id: new.sampling for new in plan.new_requests}
     appended = {c.req_id: len(c.new_token_ids) for c in plan.cached_requests}

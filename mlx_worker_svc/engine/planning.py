@@ -189,9 +189,10 @@ def _cached_requests(
             or seq.preempted != cached.resumed_from_preemption
             or cached.num_computed_tokens != seq.num_computed
         ):
-            _refuse_cached(_cached(i, cached.req_id), cached, seq, new_ids, gone)
+            where = _cached(plan.cached_position(i), cached.req_id)
+            _refuse_cached(where, cached, seq, new_ids, gone)
         if cached.new_token_ids:
-            where = _cached(i, cached.req_id)
+            where = _cached(plan.cached_position(i), cached.req_id)
             check_token_ids(cached.new_token_ids, f"{where}.new_token_ids", limits.vocab_size)
             scheduled = plan.num_scheduled_tokens.get(cached.req_id, 0)
             check_new_tokens(seq, cached.new_token_ids, scheduled, f"{where}.new_token_ids")

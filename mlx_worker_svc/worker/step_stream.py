@@ -153,9 +153,11 @@ class StepStream:
         gone = {r for r in named if r in done and r not in new and self._identify(r) is None}
         if not gone and not leaving:
             return plan, []
+        kept = [(i, c) for i, c in enumerate(plan.cached_requests) if c.req_id not in gone]
         plan = replace(
             plan,
-            cached_requests=tuple(c for c in plan.cached_requests if c.req_id not in gone),
+            cached_requests=tuple(c for _, c in kept),
+            cached_positions=tuple(plan.cached_position(i) for i, _ in kept),
             num_scheduled_tokens={
                 r: n for r, n in plan.num_scheduled_tokens.items() if r not in gone
             },

@@ -335,6 +335,63 @@ def test_a_live_request_under_a_finished_id_is_scheduled(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_a_finish_sent_for_a_finished_id_never_frees_anothers_request_under_it(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """The stream's finish (or preemption) of the request it saw finish meant that one:
+    it is dropped and listed, and the live request Execute made since under the id runs on."""
+    stub, epoch, _ = worker
+    prompt = [5, 6, 7]
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("g", prompt, 1)],  # finishes at once
+                num_scheduled_tokens={"g": 3},
+            )
+        )
+        assert raise_for_error(stream.receive()).outputs[0].finish_reason
+        theirs = stub.Execute(_starting("g", prompt, epoch)).outputs[0]  # a new, live "g"
+        stream.send(pb.ExecuteRequest(step_id=2, worker_epoch=epoch, finished_req_ids=["g"]))
+        stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, preempted_req_ids=["g"]))
+        for _ in range(2):
+            reply = stream.receive()
+            assert list(reply.already_finished_req_ids) == ["g"]
+            raise_for_error(reply)
+        stream.close()
+    [out] = stub.Execute(_decoding(4, epoch, {"g": theirs.num_computed_tokens})).outputs
+    assert (out.req_id, out.num_computed_tokens) == ("g", 4)
+    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["g"]))
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
+def test_an_error_names_the_index_the_scheduler_sent(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """A step's already finished requests are left out of it; an error about the others
+    still names each at the index it had in the step as sent."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("m", [5, 6], 1), _new("n", [7, 8], 50)],
+                num_scheduled_tokens={"m": 2, "n": 2},
+            )
+        )
+        stream.send(_decoding(2, epoch, {"m": 2, "n": 7}))  # n's count is wrong
+        raise_for_error(stream.receive())
+        with pytest.raises(StepFailed) as refused:
+            raise_for_error(stream.receive())
+        stream.close()
+    assert refused.value.message.startswith(
+        "cached_requests[1] (req_id 'n').num_computed_tokens is 7"
+    ), refused.value.message
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def _failed_to_create(stream: ExecuteStreamCall, step: int) -> None:
     """Step `step`, which was to create a request, fails INVALID_ARGUMENT; the next, sent
     ahead for that request, NOT_FOUND naming the failed step."""

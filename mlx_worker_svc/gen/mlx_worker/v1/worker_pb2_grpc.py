@@ -230,7 +230,10 @@ class WorkerServiceServicer:
         step's new_requests entry under it is a new request, run as Execute
         would (a finished_req_ids entry for the old one beside it is dropped),
         and not listed; so is a live request created under it since by Execute
-        or another stream, which a later step schedules as usual.
+        or another stream, which a later step schedules as usual (but a later
+        finished_req_ids or preempted_req_ids entry for the id means the one this
+        stream saw finish: it is dropped and listed, and never frees or preempts
+        the other). Errors name a request at its index in the step as sent.
         - A failing step changes nothing (as a failed Execute) and gets its error
         in its own response (error); the stream goes on. So does a step that
         sets a field this server does not know (UNIMPLEMENTED, naming it). A later step that

@@ -48,6 +48,8 @@ FIELDS = (
 # vLLM's keys of `structured_outputs` that pick the constraint.
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _OPTIONS = ("disable_any_whitespace",)
+# llguidance's JSON without whitespace (what disable_any_whitespace asks the workers for).
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 # The prefix of the workers' messages about the spec, which the gateway rewrites.
 WORKER_FIELD = "sampling_params.structured_outputs"
 
@@ -174,14 +176,16 @@ def _answer_beside_tools(spec: pb.StructuredOutputs, param: str) -> dict[str, An
     """The JSON Schema an answer follows when the model may also call tools (its grammar:
     calls or such an answer, tool_calls.call_grammar); only JSON specs combine so."""
     kind = spec.WhichOneof("kind")
-    if kind == "json_object":
-        return {"type": "object"}
-    schema = json.loads(spec.json_schema) if kind == "json_schema" else None
+    schema: object = {"type": "object"} if kind == "json_object" else None
+    if kind == "json_schema":
+        schema = json.loads(spec.json_schema)
     if not isinstance(schema, dict):
         raise invalid(
             param,
             "only a JSON Schema or a JSON object can be combined with tools the model may call",
         )
+    if spec.disable_any_whitespace:  # the worker's compact JSON, in the gateway's grammar
+        schema = {"x-guidance": COMPACT_JSON, **schema}
     return schema
 
 

@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load
 
 from mlx_worker_svc.gateway.errors import ApiError
-from mlx_worker_svc.gateway.structured import parse_structured
+from mlx_worker_svc.gateway.structured import apply_spec, parse_structured
 from mlx_worker_svc.gateway.tool_calls import (
     Call,
     Event,
@@ -303,3 +303,26 @@ def test_a_bad_structured_field_is_a_400_naming_it(body: dict[str, Any], param: 
         parse_structured(body)
     assert (caught.value.status, caught.value.param) == (400, param)
     assert f"'{param}'" in caught.value.message
+
+
+def test_a_compact_answer_beside_tools_stays_compact(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    """disable_any_whitespace (and Anthropic's output_config, which sets it) holds the JSON
+    answer the model may give instead of a call, as it does without tools."""
+    body = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+        "structured_outputs": {"disable_any_whitespace": True},
+    }
+    spec, param = parse_structured(body)
+    assert spec is not None and param is not None
+    answer = apply_spec(pb.SamplingParams(), spec, param, tools=True)
+    compact = call_grammar((WEATHER,), "hermes", parallel=False, answer=answer)
+    assert accepts(compact, '{"a":1}', ll_tokenizer)
+    assert not accepts(compact, '{"a": 1}', ll_tokenizer)
+    spec.disable_any_whitespace = False
+    spaced = call_grammar(
+        (WEATHER,),
+        "hermes",
+        parallel=False,
+        answer=apply_spec(pb.SamplingParams(), spec, param, tools=True),
+    )
+    assert accepts(spaced, '{"a": 1}', ll_tokenizer)

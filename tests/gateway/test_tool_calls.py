@@ -18,6 +18,7 @@ import llguidance.hf
 import pytest
 from mlx_lm.tokenizer_utils import load
 
+from mlx_worker_svc.gateway.anthropic.schema import parse_messages
 from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gateway.structured import apply_spec, parse_structured
 from mlx_worker_svc.gateway.tool_calls import (
@@ -28,6 +29,7 @@ from mlx_worker_svc.gateway.tool_calls import (
     call_grammar,
     tool_format,
 )
+from mlx_worker_svc.gateway.tools import parse_tools
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 WEATHER = {
@@ -326,3 +328,17 @@ def test_a_compact_answer_beside_tools_stays_compact(ll_tokenizer: llguidance.LL
         answer=apply_spec(pb.SamplingParams(), spec, param, tools=True),
     )
     assert accepts(spaced, '{"a": 1}', ll_tokenizer)
+
+
+@pytest.mark.parametrize("strict", ["yes", 1, "false"])
+def test_a_tool_strict_that_is_not_a_boolean_is_a_400_naming_it(strict: Any) -> None:
+    tool = {"name": "f", "parameters": {"type": "object"}, "strict": strict}
+    with pytest.raises(ApiError) as openai_route:
+        parse_tools({"tools": [{"type": "function", "function": tool}]})
+    assert openai_route.value.param == "tools[0].function.strict"
+    anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, "strict": strict}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError) as anthropic_route:
+        parse_messages(body | {"tools": [anthropic_tool]})
+    assert anthropic_route.value.param == "tools[0].strict"
+    assert "expected a boolean" in anthropic_route.value.message

@@ -250,9 +250,6 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         if tool.get("type", "custom") not in ("custom", None):
             raise invalid(f"{where}.type", f"server tools ({tool['type']!r}) are not supported")
         only_keys(tool, _TOOL_KEYS, where, _EXTRA)
-        strict = tool.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise invalid(f"{where}.strict", "expected a boolean")
         check_function(tool, where, "input_schema", names)
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
@@ -263,7 +260,7 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         function = {"name": tool["name"], "parameters": schema}
         if description:
             function["description"] = description
-        if strict:  # the whole schema holds the input, as OpenAI's strict function's
+        if tool.get("strict"):  # the whole schema holds the input, as OpenAI's strict function's
             function["strict"] = True
         tools.append(function)
     return _tool_choice(choice, tuple(tools))

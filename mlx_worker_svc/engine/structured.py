@@ -158,7 +158,8 @@ class GrammarCompiler:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed or messages:
             # Warnings too: a keyword the engine would ignore is refused, never dropped.
-            raise InvalidArgument(f"{field_name}: {'; '.join(messages).strip()}")
+            said = "; ".join(_ONE_OF.get(m, m) for m in messages).strip()
+            raise InvalidArgument(f"{field_name}: {said}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise InvalidArgument(f"{field_name}: {matcher.get_error().strip()}")
@@ -224,6 +225,14 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         raise InvalidArgument(f"{where}: {exc}") from exc
 
 
+# The engine's words for a setting clients cannot reach, in the terms of the schema.
+_ONE_OF = {
+    "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate "
+    "oneOf with anyOf": "oneOf is taken only where its branches cannot both match, and "
+    "these may: use anyOf"
+}
+
+
 def _check_exact_numbers(schema: str, where: str) -> None:
     """Refuses an integer past 2^53 in a keyword the output is held to (const, enum,
     bounds): the engine holds JSON numbers as doubles, so it would round the integer
@@ -232,6 +241,10 @@ def _check_exact_numbers(schema: str, where: str) -> None:
         tree = json.loads(schema)
     except ValueError:
         return  # the engine names what does not parse
+    if not isinstance(tree, dict):  # the engine says "Expecting object schema to apply options"
+        kinds = {list: "an array", str: "a string", bool: "false", type(None): "null"}
+        kind = kinds.get(type(tree), "a number")
+        raise InvalidArgument(f"{where}: a JSON Schema is an object (or true), got {kind}")
     found = inexact_number(tree)
     if found is not None:
         raise InvalidArgument(f"{where}: {inexact_number_message(*found)}")

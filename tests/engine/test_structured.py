@@ -349,6 +349,12 @@ BAD_SPECS = [
     ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),
     ({"choice": pb.StructuredChoice()}, "structured_outputs.choice.choices is empty"),
     ({"json_schema": "false"}, "json_schema is the schema false: no JSON value matches it"),
+    ({"json_schema": "[1, 2]"}, "json_schema: a JSON Schema is an object (or true), got an array"),
+    (
+        {"json_schema": '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'},
+        "json_schema: oneOf is taken only where its branches cannot both match, and these "
+        "may: use anyOf",
+    ),
     ({"json_object": False}, "structured_outputs.json_object must be true"),
     ({}, "structured_outputs: set one of"),
     ({"regex": "a+", "disable_any_whitespace": True}, "disable_any_whitespace"),

@@ -252,10 +252,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             ids, text = self._worker.tokenize_chat(
                 text_convert.chat_messages(list(request.messages)), add_prompt, request.tools_json
             )
-            return self._sendable(pb.TokenizeResponse(token_ids=ids, text=text), "messages")
+            answer = pb.TokenizeResponse(token_ids=ids, text=text)
+            return self._sendable(answer, "messages", "the prompt's tokens and rendered text")
         ids = self._worker.tokenize_text(request.text, request.add_special_tokens)
         # text is the rendered chat's only
-        return self._sendable(pb.TokenizeResponse(token_ids=ids), "text")
+        return self._sendable(pb.TokenizeResponse(token_ids=ids), "text", "the text's tokens")
 
     @_unary
     def Detokenize(
@@ -266,16 +267,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             request.skip_special_tokens,
             token_bytes=request.return_token_bytes,
         )
-        return self._sendable(pb.DetokenizeResponse(text=text, token_bytes=pieces), "token_ids")
+        answer = pb.DetokenizeResponse(text=text, token_bytes=pieces)
+        return self._sendable(answer, "token_ids", "the tokens' text")
 
-    def _sendable(self, answer: _Answer, field: str) -> _Answer:
+    def _sendable(self, answer: _Answer, field: str, what: str) -> _Answer:
         """`answer`, unless it is larger than the worker sends in one message: then
-        INVALID_ARGUMENT naming the request's `field`, not gRPC's RESOURCE_EXHAUSTED."""
+        INVALID_ARGUMENT naming the request's `field` and `what` the answer holds, not
+        gRPC's RESOURCE_EXHAUSTED."""
         size, limit = answer.ByteSize(), self._max_message_bytes
         if limit and size > limit:
             raise InvalidArgument(
-                f"{field}: the answer takes {size} bytes, more than the worker sends in one "
-                f"message (GetInfo.limits.max_message_bytes: {limit})"
+                f"{field}: {what} take {size} bytes, more than the worker sends in one "
+                f"message (GetInfo.limits.max_message_bytes: {limit}): send less"
             )
         return answer
 

@@ -63,6 +63,15 @@ def hint(exc: Exception, config: LinkConfig) -> str:
             else "the fleet sends no token: give --worker-token-file or $MLX_WORKER_CLIENT_TOKEN"
         )
         return f" ({sent})"
+    # First what the fleet's own check of the worker's certificate said: gRPC words it
+    # as a failed handshake too.
+    if "CERTIFICATE_VERIFY_FAILED" in exc.details:
+        return (
+            " (--worker-ca must hold the CA that signed the worker's certificate, and the "
+            "certificate must be valid now)"
+        )
+    if "Hostname Verification" in exc.details:
+        return " (the worker's certificate must name the host or IP address --worker gives)"
     closed = exc.code is grpc.StatusCode.UNAVAILABLE and (
         "Socket closed" in exc.details or "handshake" in exc.details.lower()
     )
@@ -74,6 +83,4 @@ def hint(exc: Exception, config: LinkConfig) -> str:
             "missing, expired or unknown one: check --worker-client-cert and "
             "--worker-client-key)"
         )
-    if "CERTIFICATE_VERIFY_FAILED" in exc.details:
-        return " (--worker-ca must hold the CA that signed the worker's certificate)"
     return ""

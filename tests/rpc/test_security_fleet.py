@@ -136,7 +136,20 @@ def test_a_worker_that_cannot_be_reached_names_the_flag_to_look_at() -> None:
     assert hint(closed, plain) == " (does the worker serve TLS? then give --worker-ca)"
     tls = LinkConfig(client=ClientConfig(credentials=grpc.ssl_channel_credentials()))
     assert hint(closed, tls).endswith("check --worker-client-cert and --worker-client-key)")
+    # gRPC's words for a certificate the fleet's own check refuses: a failed handshake too.
     unknown = ClientError(
-        grpc.StatusCode.UNAVAILABLE, "CERTIFICATE_VERIFY_FAILED: unable to get", "CheckHealth"
+        grpc.StatusCode.UNAVAILABLE,
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Ssl "
+        "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
+        "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get local issuer "
+        "certificate",
+        "CheckHealth",
     )
     assert hint(unknown, tls).startswith(" (--worker-ca must hold the CA")
+    misnamed = ClientError(
+        grpc.StatusCode.UNAVAILABLE,
+        "Custom verification check failed with error: UNAUTHENTICATED: Hostname "
+        "Verification Check failed.",
+        "CheckHealth",
+    )
+    assert hint(misnamed, tls).startswith(" (the worker's certificate must name the host")

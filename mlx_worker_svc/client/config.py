@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from mlx_worker_svc.core.tls_files import check_tls_files
+from mlx_worker_svc.core.tls_files import check_tls_files, valid_token
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class ClientConfig:
             raise ValueError("backoff and max_backoff must be >= 0")
         if self.max_message_bytes <= 0 or self.keepalive_ms <= 0:
             raise ValueError("max_message_bytes and keepalive_ms must be > 0")
+        if self.token is not None and not valid_token(self.token):
+            raise ValueError(
+                "token must be non-empty printable ASCII without spaces (a token read from a "
+                "file: strip its newline)"
+            )
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """The gRPC channel options this config stands for."""

@@ -4,12 +4,21 @@ gRPC takes PEM bytes as they are: a key given as a certificate, a CA bundle
 that holds no certificate, or a certificate with another's key fail only
 when a connection is made (or, for a server, as a bind error that blames
 the address). `check_tls_files` reads them with the ssl module at start-up
-instead and raises ValueError saying which file is wrong and why.
+instead and raises ValueError saying which file is wrong and why. So with a
+bearer token: one a header cannot carry fails every call with gRPC's
+"Illegal header value"; `valid_token` is the check servers and clients make
+when they are given one.
 """
 
 from __future__ import annotations
 
 import ssl
+
+
+def valid_token(token: str) -> bool:
+    """Whether `token` can be a bearer token: gRPC metadata values are printable ASCII,
+    and a space would split the header."""
+    return bool(token) and all(0x21 <= ord(c) <= 0x7E for c in token)
 
 
 def check_tls_files(

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mlx_worker_svc.core.tls_files import check_tls_files
+from mlx_worker_svc.core.tls_files import check_tls_files, valid_token
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,6 @@ class SecurityError(ValueError):
 
 class UnsafeBind(SecurityError):
     """A non-loopback address without TLS or a token, and `insecure` not given."""
-
-
-def _valid_token(token: str) -> bool:
-    # gRPC metadata values are printable ASCII; a space would split the header.
-    return bool(token) and all(0x21 <= ord(c) <= 0x7E for c in token)
 
 
 @dataclass(frozen=True)
@@ -85,7 +80,7 @@ class SecurityConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise SecurityError("mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key")
         for token in self.tokens:
-            if not _valid_token(token):
+            if not valid_token(token):
                 raise SecurityError(
                     "a bearer token must be non-empty printable ASCII without spaces"
                 )
@@ -218,7 +213,7 @@ def load_tokens(
         if value:
             tokens.append(value)
     for token in tokens:
-        if not _valid_token(token):
+        if not valid_token(token):
             raise SecurityError(
                 "a bearer token must be non-empty printable ASCII without spaces "
                 f"(check {path or env_var})"

@@ -216,3 +216,11 @@ def test_a_slow_call_hits_its_deadline(fake: tuple[str, _FakeWorker]) -> None:
         with pytest.raises(ClientError) as info:
             client.check_health()  # the config's default deadline
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.attempts == 1
+
+
+@pytest.mark.parametrize("token", [f"{TOKEN}\n", "two words", "", "t\u00f6ken"])
+def test_a_token_no_header_can_carry_is_refused_when_the_config_is_made(token: str) -> None:
+    """gRPC would fail every call with its own "Illegal header value" (not a ClientError);
+    the config says what is wrong before any call."""
+    with pytest.raises(ValueError, match="token must be non-empty printable ASCII"):
+        fast_config(token=token)

@@ -444,7 +444,39 @@ def test_refused_blocks_name_their_place(gateway: Gateway) -> None:
         ({"tool_choice": {"type": "auto", "b": 1}}, "tool_choice.b'"),
         (
             {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
-            "messages[0].content[0]': untyped blocks are not supported here",
+            "messages[0].content[0]': a block without a type is not supported here (text and "
+            "tool_result blocks are)",
+        ),
+        (
+            {"messages": [{"role": "user", "content": ["a"]}]},
+            "messages[0].content[0]': expected a content block (an object), got a string",
+        ),
+        ({"messages": [{"content": "a"}]}, "messages[0].role': Field required: one of"),
+        (
+            {"messages": [*ASK, {"role": "assistant", "content": [{"type": "image"}]}]},
+            "messages[1].content[0]': 'image' blocks are not supported here (a final assistant "
+            "message, the answer's start, takes text and thinking blocks)",
+        ),
+        # cache_control is checked wherever it may be: the request, a block, a tool.
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 5}]}
+                ]
+            },
+            "messages[0].content[0].cache_control': expected an object with 'type': 'ephemeral'",
+        ),
+        (
+            {"system": [{"type": "text", "text": "s", "cache_control": "yes"}]},
+            "system[0].cache_control'",
+        ),
+        (
+            {"tools": [{**TOOLS[0], "cache_control": [1]}]},
+            "tools[0].cache_control': expected an object",
+        ),
+        (
+            {"cache_control": {"type": "ephemeral", "ttl": "2d"}},
+            "cache_control.ttl': '2d' is not one of ['5m', '1h']",
         ),
         ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name': Field required"),
         # As Anthropic's API: tool names are unique, and every tool's schema is JSON Schema

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlx_worker_svc.gateway.anthropic.thinking import EXTRA, is_thinking
 from mlx_worker_svc.gateway.body import json_type, only_keys
-from mlx_worker_svc.gateway.errors import invalid
+from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 _EXTRA = EXTRA
@@ -34,13 +34,14 @@ BLOCK_KEYS = {
 def system_messages(value: Any) -> list[pb.ChatMessage]:
     if value is None:
         return []
-    text = value if isinstance(value, str) else _texts(value, "system")
+    text = value if isinstance(value, str) else _texts(value, "system", "text blocks are")
     return [pb.ChatMessage(role="system", content=text)] if text else []
 
 
-def _texts(value: Any, where: str, *, assistant: bool = False) -> str:
+def _texts(value: Any, where: str, allowed: str, *, assistant: bool = False) -> str:
     """The text of an array of text blocks, joined by newlines (an assistant's empty
-    ones left out: see `_empty_answer`)."""
+    ones left out: see `_empty_answer`); another block is refused saying which are
+    `allowed` there."""
     if not isinstance(value, list):
         raise invalid(where, "expected a string or an array of text blocks")
     texts = []
@@ -48,10 +49,8 @@ def _texts(value: Any, where: str, *, assistant: bool = False) -> str:
         if assistant and is_thinking(block, f"{where}[{j}]"):  # a prefill's: left out
             continue
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise invalid(
-                f"{where}[{j}]", f"only text blocks are supported here, got {_kind(block)}"
-            )
-        only_keys(block, BLOCK_KEYS["text"], f"{where}[{j}]", _EXTRA)
+            raise _unsupported(block, f"{where}[{j}]", allowed)
+        _block_keys(block, "text", f"{where}[{j}]")
         if not (assistant and _empty_answer(block)):
             texts.append(_text(block, f"{where}[{j}]"))
     return "\n".join(texts)
@@ -73,12 +72,32 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _kind(block: Any) -> str:
-    """What a content block is, for an error: its type, or what it lacks."""
+def _unsupported(block: Any, where: str, allowed: str) -> ApiError:
+    """The 400 for a content block the place does not take (`allowed`: those it takes)."""
     if not isinstance(block, dict):
-        return json_type(block)
+        return invalid(where, f"expected a content block (an object), got {json_type(block)}")
     kind = block.get("type")
-    return "untyped" if kind is None else repr(kind)
+    what = "a block without a type" if kind is None else f"{kind!r} blocks"
+    verb = "is" if kind is None else "are"
+    return invalid(where, f"{what} {verb} not supported here ({allowed})")
+
+
+def _block_keys(block: dict[str, Any], kind: str, where: str) -> None:
+    """Refuses a field a block of `kind` does not take, and a malformed cache_control."""
+    only_keys(block, BLOCK_KEYS[kind], where, _EXTRA)
+    check_cache_control(block.get("cache_control"), f"{where}.cache_control")
+
+
+def check_cache_control(value: Any, where: str) -> None:
+    """`cache_control` (on the request, a block or a tool) changes nothing (the workers'
+    prefix cache reuses every prompt); its shape is checked as Anthropic's API checks it."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise invalid(where, "expected an object with 'type': 'ephemeral'")
+    only_keys(value, ("type", "ttl"), where, _EXTRA)
+    if value.get("ttl") not in (None, "5m", "1h"):
+        raise invalid(f"{where}.ttl", f"{value['ttl']!r} is not one of ['5m', '1h']")
 
 
 def turn_messages(
@@ -94,7 +113,8 @@ def turn_messages(
     only_keys(turn, ("role", "content"), where, _EXTRA)
     role = turn.get("role")
     if role not in ("user", "assistant"):
-        raise invalid(f"{where}.role", f"{role!r} is not one of ['assistant', 'user']")
+        said = "Field required" if role is None else repr(role)
+        raise invalid(f"{where}.role", f"{said}: one of ['assistant', 'user']")
     content = turn.get("content")
     if content in ("", []):
         raise invalid(
@@ -113,7 +133,7 @@ def turn_messages(
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in BLOCK_KEYS:
-            only_keys(block, BLOCK_KEYS[kind], at, _EXTRA)
+            _block_keys(block, kind, at)
         if role == "assistant" and (_empty_answer(block) or is_thinking(block, at)):
             continue
         if kind == "text":
@@ -124,7 +144,7 @@ def turn_messages(
             out.append(_tool_result(block, at, asked))
         else:
             allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
-            raise invalid(at, f"{_kind(block)} blocks are not supported here ({allowed} are)")
+            raise _unsupported(block, at, f"{allowed} blocks are")
     if texts or uses or not out:
         message = pb.ChatMessage(role=role, content="\n".join(texts))
         if uses:
@@ -161,7 +181,8 @@ def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb
     if content is None or isinstance(content, str):
         text = content or ""
     else:
-        text = _texts(_visible(content, f"{where}.content"), f"{where}.content")
+        allowed = "text, image and document blocks are"
+        text = _texts(_visible(content, f"{where}.content"), f"{where}.content", allowed)
     if not isinstance(block.get("is_error", False), bool):
         raise invalid(f"{where}.is_error", "expected a boolean")
     return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=name)
@@ -188,8 +209,12 @@ def _visible(content: Any, where: str) -> Any:
             continue
         keys = ("type", "source", "cache_control", "title", "context", "citations")
         only_keys(part, keys, f"{where}[{j}]", _EXTRA)
+        check_cache_control(part.get("cache_control"), f"{where}[{j}].cache_control")
         out.append({"type": "text", "text": _UNSEEN[kind]})
     return out
+
+
+_PREFILL_BLOCKS = "a final assistant message, the answer's start, takes text and thinking blocks"
 
 
 def prefill_text(turn: dict[str, Any], where: str) -> str:
@@ -197,7 +222,9 @@ def prefill_text(turn: dict[str, Any], where: str) -> str:
     only_keys(turn, ("role", "content"), where, _EXTRA)
     content = turn.get("content")
     text = (
-        content if isinstance(content, str) else _texts(content, f"{where}.content", assistant=True)
+        content
+        if isinstance(content, str)
+        else _texts(content, f"{where}.content", _PREFILL_BLOCKS, assistant=True)
     )
     if text != text.rstrip():
         raise invalid(

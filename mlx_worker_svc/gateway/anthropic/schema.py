@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_worker_svc.gateway.anthropic.content import (
+    check_cache_control,
     prefill_text,
     system_messages,
     turn_messages,
@@ -142,7 +143,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
             "constrained answer starts the assistant's text",
         )
     answer_schema = apply_spec(params, spec, "output_config.format", tools=tools.may_call)
-    _cache_control(fields.get("cache_control"), "cache_control")
+    check_cache_control(fields.get("cache_control"), "cache_control")
     request = pb.GenerateRequest(
         messages=messages, sampling_params=params, request_id=f"msg_{uuid.uuid4().hex}"
     )
@@ -231,13 +232,6 @@ def _output_config(value: Any) -> pb.StructuredOutputs | None:
     return spec
 
 
-def _cache_control(value: Any, where: str) -> None:
-    """`cache_control` changes nothing (the workers' prefix cache reuses every prompt);
-    its shape is checked as Anthropic's API checks it."""
-    if value is not None and (not isinstance(value, dict) or value.get("type") != "ephemeral"):
-        raise invalid(where, "expected an object with 'type': 'ephemeral'")
-
-
 def _tools(value: Any, choice: Any) -> ToolRequest:
     tools: list[dict[str, Any]] = []
     names: dict[str, str] = {}
@@ -251,6 +245,7 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
             raise invalid(f"{where}.type", f"server tools ({tool['type']!r}) are not supported")
         only_keys(tool, _TOOL_KEYS, where, _EXTRA)
         check_function(tool, where, "input_schema", names)
+        check_cache_control(tool.get("cache_control"), f"{where}.cache_control")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid(f"{where}.input_schema", "Field required (a JSON Schema object)")

@@ -39,6 +39,8 @@ def _fleet_config(args: argparse.Namespace) -> Any:
     from mlx_worker_svc.fleet import FleetConfig, LinkConfig
     from mlx_worker_svc.fleet.models import model_dir_name
 
+    if not args.worker:  # a --config file's `worker = []`: argparse saw it given
+        raise ValueError("--worker: a fleet needs at least one worker (HOST:PORT)")
     adapters = [name for name, _, _ in args.lora_modules]
     models_named = [name for name, _ in args.models or []]
     for flag, names in (("--models", models_named), ("--lora-modules", adapters)):
@@ -228,13 +230,6 @@ def _decode_steps(text: str) -> int:
     return steps
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
     """Health probes and lifecycle deadlines (LinkConfig); README: Fleet, Failover."""
     from mlx_worker_svc.fleet import LinkConfig
@@ -242,7 +237,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
     default = LinkConfig()
     cmd.add_argument(
         "--probe-interval-s",
-        type=_positive,
+        type=seconds(zero=False),
         metavar="SECONDS",
         default=default.probe_interval,
         help="CheckHealth every this many seconds, busy or idle "
@@ -250,7 +245,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--probe-timeout-s",
-        type=_positive,
+        type=seconds(zero=False),
         metavar="SECONDS",
         default=default.probe_timeout,
         help=f"deadline of one probe, never retried (default {default.probe_timeout:g})",
@@ -265,7 +260,7 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--lifecycle-timeout-s",
-        type=_positive,
+        type=seconds(zero=False),
         metavar="SECONDS",
         default=default.lifecycle_timeout,
         help="deadline of each lifecycle call made to a worker that is not up "

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_MAX_RUNNING_REQUESTS,
         DEFAULT_MAX_STEPS_IN_FLIGHT,
         MAX_LIMIT,
+        MAX_NUM_BLOCKS,
+        UINT64_MAX,
     )
 
     parser = _Parser(prog="mlx-worker", description=__doc__.split("\n\n")[0])
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--num-blocks",
-        type=count(0),
+        type=within(0, MAX_NUM_BLOCKS),
         default=0,
         help="KV blocks for auto-init (default 0: the suggested number)",
     )
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--memory-limit-bytes",
-        type=count(0),
+        type=within(0, UINT64_MAX),
         default=0,
         help="auto-init memory limit (default 0: derived from the budget, see the proto)",
     )

@@ -68,14 +68,21 @@ def within(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+# The longest time a flag takes (about 11.5 days): gRPC deadlines past ~10^10 s overflow
+# into ones already expired.
+MAX_SECONDS = 1_000_000
+
+
 def seconds(*, zero: bool) -> Callable[[str], float]:
-    """A finite number of seconds, above 0 (or, with `zero`, at least 0)."""
+    """A number of seconds above 0 (or, with `zero`, at least 0), at most MAX_SECONDS."""
 
     def parse(text: str) -> float:
         value = _float(text)
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        if not (0 <= value <= MAX_SECONDS) or (value == 0 and not zero):  # NaN fails too
             bound = ">= 0" if zero else "> 0"
-            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds {bound} and at most {MAX_SECONDS}, got {text}"
+            )
         return value
 
     return parse

@@ -20,6 +20,10 @@ DEFAULT_MAX_QUEUED_STEPS = 64
 DEFAULT_MAX_STEPS_IN_FLIGHT = 4
 # The most any of the three limits below may be set to.
 MAX_LIMIT = 1 << 20
+# The most KV blocks InitCache takes (past it a call would only exhaust memory).
+MAX_NUM_BLOCKS = 1 << 32
+# The largest value of a uint64 field (InitCacheRequest.memory_limit_bytes).
+UINT64_MAX = (1 << 64) - 1
 # Threads beyond the admitted work: health checks, GetInfo, Tokenize, lifecycle.
 RESERVED_THREADS = 16
 # Used when the model's context length is not known before it loads (hub ids).

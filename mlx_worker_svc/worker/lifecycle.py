@@ -24,6 +24,7 @@ from mlx_worker_svc.core.errors import (
     WorkerError,
 )
 from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
+from mlx_worker_svc.core.limits import MAX_NUM_BLOCKS
 from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, WorkerState
 from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
@@ -42,7 +43,6 @@ GaveUp = Callable[[], bool] | None
 
 # Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
 MAX_BLOCK_SIZE = 1024
-MAX_NUM_BLOCKS = 1 << 32
 MAX_WARM_UP_SHAPES = 64
 MAX_WARM_UP_BATCH = 1024
 # MLX takes the memory limit as a size_t; keep clear of its edge.

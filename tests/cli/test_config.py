@@ -197,6 +197,7 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
         ("[serve]\nlora-modules = ['a=/no/such/dir']\n", "no such adapter directory"),
         ("[serve]\nworld-size = 2\nhostfile = '/no/hosts.json'\n", "cannot read it"),
         ("[fleet]\nworker = ['a:1']\nkv-bits = 7\n", "--kv-bits 7 is not a width"),
+        ("[fleet]\nworker = []\n", "--worker: a fleet needs at least one worker"),
     ],
 )
 def test_a_flag_problem_found_after_parsing_names_the_files_key(

@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The least time a stopping server gives calls already ended to send their status.
+END_SECONDS = 0.1
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
@@ -260,10 +262,13 @@ class WorkerServer:
             log.exception("drain: the worker could not drain cleanly")
         finally:
             self.worker.close()
-            # Calls ended by close() still send their status within what is left.
+            # A probe's open Watch would hold up the stop: it ends (OK) first, so that a
+            # stop with no grace left does not cancel it.
+            self._health.end_watches()
+            # Calls ended by close() (and the Watches) still send their status within what
+            # is left, and at least END_SECONDS.
             left = 0.0 if self._cut.is_set() else self._deadline - time.monotonic()
-            stopped = self._server.stop(max(left, 0.0))  # no call starts from here on
-            self._health.end_watches()  # a probe's open Watch would hold up the stop
+            stopped = self._server.stop(max(left, END_SECONDS))  # no call starts from here on
             stopped.wait()
             self._metrics_endpoint.close()
             self._stopped.set()

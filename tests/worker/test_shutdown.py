@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_worker_svc.engine.runner import ModelRunner
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
-from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
+from mlx_worker_svc.rpc.server import SERVICE_NAME, ServerConfig, WorkerServer
 
 
 def _start_one(
@@ -287,3 +287,27 @@ def test_an_open_health_watch_does_not_hold_up_the_stop(tiny_dir: Path) -> None:
         assert [m.status for m in watch] == [health_pb2.HealthCheckResponse.NOT_SERVING]
     assert server.wait(timeout=15)
     assert time.monotonic() - started < 15  # not the 60 s grace
+
+
+@pytest.mark.parametrize("second", [None, pb.ShutdownRequest(abort=True)], ids=["runs-out", "cut"])
+def test_a_watch_ends_ok_when_the_grace_runs_out_on_work_in_flight(
+    tiny_dir: Path, second: pb.ShutdownRequest | None
+) -> None:
+    """A scheduler's request that never ends holds the drain until its grace runs out (or
+    a second Shutdown cuts it): the open Watch still ends with OK, as README says, not
+    with the stop's cancellation of the calls left."""
+    with _one_running(tiny_dir) as (server, stub, _, _):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        names = ("", SERVICE_NAME)
+        watches = [health.Watch(health_pb2.HealthCheckRequest(service=s)) for s in names]
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        stub.Shutdown(pb.ShutdownRequest(grace_seconds=0.5))
+        if second is not None:
+            stub.Shutdown(second)
+        for watch in watches:  # an UNAVAILABLE end would raise here
+            assert [m.status for m in watch] == [health_pb2.HealthCheckResponse.NOT_SERVING]
+            assert watch.code() == grpc.StatusCode.OK
+        channel.close()
+    assert server.wait(timeout=15)

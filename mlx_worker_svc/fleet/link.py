@@ -223,8 +223,8 @@ class WorkerLink:
         waits while it brings itself up."""
         try:
             health = await self._prober.health()
+            self.state = health.state  # Status shows what the probe answered while down
             if health.bringing_up:
-                self.state = health.state
                 self.last_error = "the worker is bringing itself up (serve --auto-init): waiting"
                 return "starting"
             began = time.monotonic()

@@ -204,3 +204,28 @@ def test_a_worker_another_client_puts_to_sleep_loses_no_request(
         assert stream.tokens == want
     assert [(s.error, len(s.tokens)) for s in texts] == [(None, 4)] * 4
     fleet.wait(lambda s: by_target(s)[victim].up, "the slept worker woken and back", 90)
+
+
+def test_status_shows_the_state_a_down_workers_probe_answered(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """A draining worker (another scheduler's request holds its grace) is down for the
+    fleet, and Status says DRAINING, what its probe answered (fleet.proto), not UNSPECIFIED."""
+    fleet = start_fleet(pool.targets)
+    victim = pool.targets[0]
+    with grpc.insecure_channel(victim) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+        held = pb.NewRequest(req_id="held", prompt_token_ids=[5, 6], sampling_params=greedy(40))
+        step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[held])
+        step.num_scheduled_tokens["held"] = 2
+        stub.Execute(step)
+        stub.Shutdown(pb.ShutdownRequest(grace_seconds=60))
+        deadline = time.monotonic() + DETECTION + SLACK
+        while (seen := by_target(fleet.status())[victim]).up or seen.state != (
+            pb.WORKER_STATE_DRAINING
+        ):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        assert "DRAINING" in seen.last_error
+        stub.Shutdown(pb.ShutdownRequest(abort=True))

@@ -24,6 +24,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_worker_svc.core.domain import SamplingParams, TokenLogprobs
 
+_FLOAT32_MAX = float(mx.finfo(mx.float32).max)
+
 
 class RequestSampler:
     """Turns one request's logits row into its next token."""
@@ -98,7 +100,9 @@ class RequestSampler:
             penalised = mx.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
-            logits[seen] = penalised
+            # A penalty below 1 may push a huge logit past float32: +inf would make every
+            # later step's inf - inf NaN (token 0 sampled); the largest float keeps its rank.
+            logits[seen] = mx.minimum(penalised, _FLOAT32_MAX)
         output_start = prompt_len - self._carried
         if (p.presence_penalty or p.frequency_penalty) and len(tokens) > output_start:
             output = mx.array(list(tokens[output_start:]), dtype=mx.uint32)

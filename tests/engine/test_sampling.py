@@ -255,6 +255,19 @@ def test_a_temperature_below_vllms_epsilon_is_greedy() -> None:
     assert {int(sampler.choose(sampler.process(logits, [], 0))) for _ in range(8)} == {3}
 
 
+def test_a_penalty_that_overflows_a_logit_keeps_its_token_first() -> None:
+    # A repetition penalty below 1 divides a huge (finite) biased logit past float32:
+    # +inf made inf - inf NaN, and every seed sampled token 0, which nothing raised.
+    logits = mx.array([1.0, 2.0, 3.0, 0.5])
+    for params in (
+        {"repetition_penalty": 0.5, "logit_bias": {2: 3e38}},
+        {"repetition_penalty": 1e-39},  # alone: 3 / 1e-39 overflows
+    ):
+        for seed in range(8):
+            sampler = _sampler(4, temperature=1.0, seed=seed, **params)
+            assert int(sampler.choose(sampler.process(logits, [2], 1))) == 2, (params, seed)
+
+
 def test_bias_and_penalties_apply_in_float32_on_a_bfloat16_model() -> None:
     # Two bfloat16 logits tie at 18.5, where bfloat16 steps by 0.125: +0.05 in bfloat16
     # rounds away; vLLM adds it in float32, and it decides the token.

@@ -4,7 +4,9 @@ grpcio-health-checking 1.85 generates `Health/List` but implements only Check an
 Watch: a List call runs the generated stub, which raises NotImplementedError
 (UNIMPLEMENTED for the client, a traceback in the server's log). These
 subclasses answer it from the statuses the servicer holds: every service set,
-with its status, and "" for the whole server.
+with its status, and "" for the whole server. A Check of a service the server
+does not have is NOT_FOUND, as grpcio-health answers it, but with a message
+naming it and the names the server has (grpcio-health's has none).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from typing import Any
 import grpc
 import grpc.aio
 from grpc_health.v1 import _async, health, health_pb2
+
+
+def _unknown(service: str, statuses: dict[str, int]) -> str:
+    names = ", ".join(repr(name) for name in sorted(statuses))
+    return f"no service {service!r} on this server (its health names: {names})"
 
 
 def _listing(statuses: dict[str, int]) -> health_pb2.HealthListResponse:
@@ -32,6 +39,15 @@ class HealthServicer(health.HealthServicer):
                 return
         super().set(service, status)
 
+    def Check(  # noqa: N802 (gRPC method name)
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        with self._lock:
+            statuses = dict(self._server_status)
+        if request.service not in statuses:
+            context.abort(grpc.StatusCode.NOT_FOUND, _unknown(request.service, statuses))
+        return health_pb2.HealthCheckResponse(status=statuses[request.service])
+
     def List(  # noqa: N802 (gRPC method name)
         self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext
     ) -> health_pb2.HealthListResponse:
@@ -49,6 +65,14 @@ class HealthServicer(health.HealthServicer):
 
 class AsyncHealthServicer(_async.HealthServicer):  # type: ignore[misc] # untyped in grpc-stubs
     """grpcio-health's servicer for `grpc.aio.server`, with List."""
+
+    async def Check(  # noqa: N802 (gRPC method name)
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthCheckResponse:
+        statuses = dict(self._server_status)
+        if request.service not in statuses:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _unknown(request.service, statuses))
+        return health_pb2.HealthCheckResponse(status=statuses[request.service])
 
     async def List(  # noqa: N802 (gRPC method name)
         self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -80,6 +80,10 @@ def test_grpcurl_lists_and_describes_the_services(grpcurl: Grpcurl) -> None:
     # grpc.health.v1's List (which grpcio-health leaves out): a fresh worker is not SERVING yet.
     [listed] = parse_stream(grpcurl.ok(f"{HEALTH}/List", body={}))
     assert listed == {"statuses": {"": {"status": "SERVING"}, SERVICE: {"status": "NOT_SERVING"}}}
+    # A misspelt service is NOT_FOUND naming it and the names the server has.
+    misspelt = grpcurl.run(f"{HEALTH}/Check", body={"service": SERVICE[:-1]})
+    assert misspelt.returncode != 0 and "Code: NotFound" in misspelt.stderr, misspelt.stderr
+    assert f"no service '{SERVICE[:-1]}' on this server (its health names: ''," in misspelt.stderr
 
     sampling = grpcurl.ok("describe", "mlx_worker.v1.SamplingParams")
     assert sampling.startswith("mlx_worker.v1.SamplingParams is a message:\n")

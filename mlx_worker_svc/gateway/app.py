@@ -311,7 +311,8 @@ RETRY_AFTER_SECONDS = 1
 async def _api_error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 429 else None
-    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
+    body = error_body(request.url.path, exc, request.headers.keys())
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:
@@ -320,13 +321,15 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     error = ApiError(
         exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind=kind
     )
-    body = error_body(request.url.path, error)
+    body = error_body(request.url.path, error, request.headers.keys())
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
     error = ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
-    return JSONResponse(error_body(request.url.path, error), status_code=500)
+    return JSONResponse(
+        error_body(request.url.path, error, request.headers.keys()), status_code=500
+    )
 
 
 def create_app(fleet: FleetScheduler, config: GatewayConfig | None = None) -> Starlette:

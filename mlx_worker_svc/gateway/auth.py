@@ -48,10 +48,11 @@ class ApiKeyMiddleware:
             headers += [("authorization", f"Bearer {v}") for k, v in headers if k == "x-api-key"]
             if not self.check.allows(path, headers):
                 given = any(k == "authorization" for k, _ in headers)
-                missing = _MISSING_ANTHROPIC if is_anthropic(path) else _MISSING
+                names = [k for k, _ in headers]
+                missing = _MISSING_ANTHROPIC if is_anthropic(path, names) else _MISSING
                 error = ApiError(401, _WRONG if given else missing, code="invalid_api_key")
                 response = JSONResponse(
-                    error_body(path, error),
+                    error_body(path, error, names),
                     status_code=401,
                     headers={"WWW-Authenticate": "Bearer"},
                 )

@@ -3,13 +3,16 @@
 An error on an OpenAI route is `{"error": {"message", "type", "param",
 "code"}}`; on Anthropic's (`/v1/messages...`) it is `{"type": "error",
 "error": {"type", "message"}}`, the type following the status as Anthropic's
-does (`error_body`). The status codes are those the SDKs map to their
+does (`error_body`); so is any error of a request from Anthropic's SDK (it
+sends `anthropic-version`), such as its `models.retrieve` of an unknown model.
+The status codes are those the SDKs map to their
 exception classes (400 `BadRequestError`, 401 `AuthenticationError`, 404
 `NotFoundError`, 429 `RateLimitError`, 5xx `InternalServerError`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -81,14 +84,16 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
-def is_anthropic(path: str) -> bool:
-    """Whether a route is one of Anthropic's API."""
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+def is_anthropic(path: str, headers: Iterable[str] = ()) -> bool:
+    """Whether a request is one of Anthropic's API: to its routes, or from its SDK (which
+    sends `anthropic-version` on every call, /v1/models too); `headers`: their names."""
+    route = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+    return route or any(name.lower() == "anthropic-version" for name in headers)
 
 
-def error_body(path: str, error: ApiError) -> dict[str, Any]:
-    """The error in the shape of the API that `path` belongs to."""
-    return error.anthropic_body() if is_anthropic(path) else error.body()
+def error_body(path: str, error: ApiError, headers: Iterable[str] = ()) -> dict[str, Any]:
+    """The error in the shape of the API the request belongs to (`is_anthropic`)."""
+    return error.anthropic_body() if is_anthropic(path, headers) else error.body()
 
 
 def invalid(param: str, why: str) -> ApiError:

@@ -217,10 +217,19 @@ def test_errors_come_in_anthropics_shape(gateway: Gateway, client: anthropic.Ant
             "message": "The model `claude-sonnet-4-5` does not exist.",
         },
     }
-    other = anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0)
-    with other, pytest.raises(anthropic.AuthenticationError) as denied:
-        create(other)
+    # The SDK's other calls (it sends anthropic-version) get Anthropic's shape too.
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client.models.retrieve("claude-sonnet-4-5")
+    assert unknown.value.body == missing.value.body
+    openai_shape = gateway.http.get("/v1/models/x", headers={"authorization": f"Bearer {KEY}"})
+    assert openai_shape.json()["error"]["code"] == "model_not_found"
+    with anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0) as other:
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            create(other)
+        with pytest.raises(anthropic.AuthenticationError) as listing:
+            other.models.list()
     assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert listing.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     # Raw: a missing max_tokens, a missing key, a broken body, a route of the wrong method.
     body = {"model": MODEL, "messages": ASK}
     raw = gateway.http.post("/v1/messages", json=body, headers={"x-api-key": KEY})

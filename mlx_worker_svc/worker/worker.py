@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
@@ -96,6 +98,9 @@ class Worker:
         self.text = GenerateCalls(self.core)
         self.adapters = AdapterCalls(self.core)
         self.profiler = EngineProfiler(profile_dir) if profile_dir is not None else None
+        # The deep check on the engine thread that callers share (None: none running).
+        self._deep: Future[int] | None = None
+        self._deep_lock = threading.Lock()
 
     # ------------------------------------------------------------- facts
     @property
@@ -351,6 +356,23 @@ class Worker:
         return self.profiler
 
     # ------------------------------------------------------------ queries
+    def _shared_deep_check(self, check: Callable[[], int]) -> int:
+        """Runs `check` on the engine thread, after the steps queued before it; a caller
+        that comes while one runs shares it. Never refused for the queue's limit: a
+        probe of a saturated worker waits its turn, and probes cannot pile up."""
+        with self._deep_lock:
+            running, fresh = self._deep, self._deep is None
+            if running is None:
+                running = self._deep = self.core.engine.submit(check)
+        if fresh:
+            running.add_done_callback(self._deep_done)
+        return running.result()
+
+    def _deep_done(self, check: Future[int]) -> None:
+        with self._deep_lock:
+            if self._deep is check:
+                self._deep = None
+
     def health(self, deep: bool) -> HealthReport:
         core = self.core
         deep_ns = 0
@@ -360,7 +382,7 @@ class Worker:
                 asleep = core.state in (S.STOPPED, S.SLEEPING) or core.loaded is None
                 return 0 if asleep else core.replica.deep_check()
 
-            deep_ns = core.engine.call(deep_check, bounded=True)
+            deep_ns = self._shared_deep_check(deep_check)
         runner = core.runner
         running, preempted = runner.count() if runner else (0, 0)
         dead = core.engine.dead

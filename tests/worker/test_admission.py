@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,38 @@ def test_bounded_engine_jobs_past_the_queue_limit_are_refused_at_once() -> None:
     finally:
         gate.set()
         loop.stop(timeout=5)
+
+
+def test_a_deep_health_check_of_a_saturated_worker_waits_its_turn(
+    limited: tuple[WorkerServer, pb_grpc.WorkerServiceStub, int],
+) -> None:
+    """With the engine's queue full, a deep CheckHealth is not refused (a probe would read a
+    busy worker as failing): it runs after the steps queued before it, and the probes that
+    come meanwhile share that one forward instead of piling up."""
+    server, stub, _ = limited
+    engine = server.worker.core.engine
+    gate = threading.Event()
+    blocker = engine.submit(gate.wait)  # the engine thread is busy
+    queued = [engine.submit(functools.partial(int, i), bounded=True) for i in range(4)]
+    try:
+        refused = engine.submit(lambda: -1, bounded=True)
+        with pytest.raises(ResourceExhausted):
+            refused.result(timeout=1)  # the queue is full
+        with futures.ThreadPoolExecutor(3) as pool:
+            probes = [
+                pool.submit(stub.CheckHealth, pb.CheckHealthRequest(deep=True), timeout=30)
+                for _ in range(3)
+            ]
+            time.sleep(0.5)
+            assert not any(probe.done() for probe in probes)  # waiting, not refused
+            gate.set()
+            answers = [probe.result(timeout=30) for probe in probes]
+        assert all(a.healthy and a.deep_check_ns > 0 for a in answers)
+        assert len({a.deep_check_ns for a in answers}) == 1  # one forward, shared
+    finally:
+        gate.set()
+    assert blocker.result(timeout=5) is True
+    assert [f.result(timeout=5) for f in queued] == [0, 1, 2, 3]
 
 
 def test_limits_are_validated_and_message_sizes_follow_the_context(tmp_path: Path) -> None:

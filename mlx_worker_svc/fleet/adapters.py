@@ -78,8 +78,9 @@ class AdapterPlacement:
     ) -> None:
         self.configured = dict(configured or {})
         self.bases = dict(bases or {})  # adapter -> its model, where configured
-        # A worker's own adapters (ListLoras) the fleet removed to make room: their
-        # paths, to load them again.
+        # A worker's own adapters (ListLoras when it came up): their paths, to load them
+        # again when it no longer holds one (the fleet removed it to make room, or a
+        # RemoveLora from outside did).
         self.seen: dict[str, str] = {}
         self._waits_logged: set[tuple[str, str]] = set()  # (worker, adapter): pinned full
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # (worker, adapter)
@@ -89,7 +90,9 @@ class AdapterPlacement:
     def learn(self, link: WorkerLink) -> None:
         """Takes the model of a worker that came up as the base of the adapters it is
         the first seen holding (a worker's own --lora-modules stay with the model they
-        came with, whatever model the worker holds later)."""
+        came with, whatever model the worker holds later), and their paths."""
+        for name, path in link.adapter_paths.items():
+            self.seen.setdefault(name, path)
         if link.model_name:
             for name in link.adapters:
                 self.bases.setdefault(name, link.model_name)

@@ -78,11 +78,13 @@ async def drive_up(
     return info
 
 
-async def held_adapters(client: AsyncWorkerClient) -> set[str]:
-    """The adapters a worker holds (ListLoras); none from a worker that predates them."""
+async def held_adapters(client: AsyncWorkerClient) -> dict[str, str]:
+    """The adapters a worker holds, by name, and their paths (ListLoras); none from a
+    worker that predates them."""
     try:
-        return set((await client.list_loras(pb.ListLorasRequest())).names)
+        listing = await client.list_loras(pb.ListLorasRequest())
     except ClientError as exc:
         if exc.code is grpc.StatusCode.UNIMPLEMENTED:
-            return set()
+            return {}
         raise
+    return {adapter.name: adapter.path for adapter in listing.adapters}

@@ -90,6 +90,7 @@ class WorkerLink:
         self.max_message = 0
         self.chat_template = ""  # the model's, as GetInfo reports it
         self.adapters: set[str] = set()  # LoRA adapters it holds (ListLoras; fleet/adapters.py)
+        self.adapter_paths: dict[str, str] = {}  # those it held when it came up: their paths
         self.max_seqs = config.max_num_seqs
         self.waiting: list[FleetRequest] = []
         self.running: dict[str, FleetRequest] = {}
@@ -260,7 +261,11 @@ class WorkerLink:
         self.epoch, self.state = info.worker_epoch, info.state
         self.model = info.model.model_path
         self.model_name = self.catalog.name_of(info.model.model, info.model.model_path)
-        self.chat_template, self.adapters = info.chat_template, loras
+        self.chat_template, self.adapters, self.adapter_paths = (
+            info.chat_template,
+            set(loras),
+            loras,
+        )
         self.num_blocks, self.block_size = info.kv.num_blocks, info.kv.block_size or 16
         self.kv_format = (info.kv.kv_bits, info.kv.kv_group_size)
         self.max_context, self.vocab_size = info.model.max_context_length, info.model.vocab_size

@@ -271,3 +271,34 @@ def test_an_adapter_the_worker_evicts_is_no_longer_routed_there(
             next(started, None)  # the fleet stops
     finally:
         worker.reap()
+
+
+def test_a_workers_own_adapter_removed_from_outside_is_loaded_again(
+    fleet_model: Path, adapters: dict[str, Path]
+) -> None:
+    """A RemoveLora from outside takes a worker's own adapter: the fleet loads it again
+    from the path the worker reported when it came up, and the request gets its tokens
+    (it waited the fleet's 30 s and failed, and the adapter left the fleet's list)."""
+    flags = ["--grace-seconds", "1", "--lora-modules", f"held={adapters['held']}"]
+    worker = Proc(["serve", "--model", str(fleet_model), "--auto-init", "--port", "0", *flags])
+    try:
+        port = worker.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        target = f"127.0.0.1:{port}"
+        worker.wait_for(r"^ready:")
+        started = _fleet([target])
+        fleet = next(started)
+        try:
+            [prompt] = distinct_prompts(1, 10, seed=17)
+            want = reference(fleet_model, adapters["held"], [prompt])[0]
+            request = token_request(prompt, TOKENS)
+            request.lora_name = "held"
+            assert tokens_of(fleet.generate(request)) == want
+            with grpc.insecure_channel(target) as channel:
+                pb_grpc.WorkerServiceStub(channel).RemoveLora(pb.RemoveLoraRequest(name="held"))
+            again = list(fleet.stub.Generate(request, timeout=20))  # not the fleet's 30 s wait
+            assert tokens_of(again) == want
+            assert list(fleet.worker(target).lora_adapters) == ["held"]
+        finally:
+            next(started, None)  # the fleet stops
+    finally:
+        worker.reap()

@@ -126,11 +126,12 @@ def test_a_workers_own_adapter_keeps_the_model_it_came_with() -> None:
     """Learned from the first worker seen holding it: the same worker holding another
     model later (the fleet swapped it) does not move the adapter to that model."""
     placement = AdapterPlacement()
-    link = SimpleNamespace(model_name="b", adapters={"own"})
+    link = SimpleNamespace(model_name="b", adapters={"own"}, adapter_paths={"own": "/own"})
     placement.learn(link)  # type: ignore[arg-type]
     link.model_name = "a"  # swapped; the worker's --lora-modules loaded `own` again
     placement.learn(link)  # type: ignore[arg-type]
     assert placement.parents([link], ["a", "b"]) == {"own": "b"}  # type: ignore[list-item]
+    assert placement.path_of("own") == "/own"  # the worker reported it: loaded again when gone
     with pytest.raises(Exception, match="adapter 'own' is an adapter of model 'b'"):
         placement.check("own", "a")
 

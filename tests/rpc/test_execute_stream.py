@@ -307,6 +307,27 @@ def test_a_stream_frees_only_the_requests_it_created(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def _finished_then_made_again(
+    stream: ExecuteStreamCall,
+    stub: pb_grpc.WorkerServiceStub,
+    req_id: str,
+    prompt: list[int],
+    epoch: int,
+) -> pb.RequestOutput:
+    """The stream's step 1 creates `req_id`, which finishes at once; then unary Execute
+    makes a new, live request under the id. Returns that one's output."""
+    stream.send(
+        pb.ExecuteRequest(
+            step_id=1,
+            worker_epoch=epoch,
+            new_requests=[_new(req_id, prompt, 1)],
+            num_scheduled_tokens={req_id: len(prompt)},
+        )
+    )
+    assert raise_for_error(stream.receive()).outputs[0].finish_reason
+    return stub.Execute(_starting(req_id, prompt, epoch)).outputs[0]
+
+
 def test_a_live_request_under_a_finished_id_is_scheduled(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:
@@ -314,16 +335,7 @@ def test_a_live_request_under_a_finished_id_is_scheduled(
     stub, epoch, _ = worker
     prompt = [5, 6, 7]
     with ExecuteStreamCall(stub) as stream:
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=1,
-                worker_epoch=epoch,
-                new_requests=[_new("r", prompt, 1)],  # finishes at once
-                num_scheduled_tokens={"r": 3},
-            )
-        )
-        assert raise_for_error(stream.receive()).outputs[0].finish_reason
-        made = stub.Execute(_starting("r", prompt, epoch)).outputs[0]  # a new, live "r"
+        made = _finished_then_made_again(stream, stub, "r", prompt, epoch)
         stream.send(_decoding(2, epoch, {"r": 3}))
         reply = stream.receive()
         assert not reply.already_finished_req_ids
@@ -343,16 +355,7 @@ def test_a_finish_sent_for_a_finished_id_never_frees_anothers_request_under_it(
     stub, epoch, _ = worker
     prompt = [5, 6, 7]
     with ExecuteStreamCall(stub) as stream:
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=1,
-                worker_epoch=epoch,
-                new_requests=[_new("g", prompt, 1)],  # finishes at once
-                num_scheduled_tokens={"g": 3},
-            )
-        )
-        assert raise_for_error(stream.receive()).outputs[0].finish_reason
-        theirs = stub.Execute(_starting("g", prompt, epoch)).outputs[0]  # a new, live "g"
+        theirs = _finished_then_made_again(stream, stub, "g", prompt, epoch)
         stream.send(pb.ExecuteRequest(step_id=2, worker_epoch=epoch, finished_req_ids=["g"]))
         stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, preempted_req_ids=["g"]))
         for _ in range(2):

@@ -4,10 +4,10 @@
 state, the engine thread and Generate scheduling) and the parts that take
 it: `Lifecycle` (InitDevice..WarmUp, Sleep, WakeUp, drain, close; its way-up
 calls one at a time through the core's `LifecycleCalls`) and
-`GenerateCalls` (Tokenize, Detokenize, Generate) and `AdapterCalls` (AddLora,
-RemoveLora, PinLora, ListLoras); it runs Execute steps,
-answers the queries and starts and stops profiles (engine/profiler.py, with
-`profile_dir`) itself. Invariants: every state change and every MLX
+`GenerateCalls` (Tokenize, Detokenize, Generate), `AdapterCalls` (AddLora,
+RemoveLora, PinLora, ListLoras) and `Queries` (CheckHealth, KV and memory
+usage); it runs Execute steps and starts and stops profiles
+(engine/profiler.py, with `profile_dir`) itself. Invariants: every state change and every MLX
 call runs on the engine thread, one at a time; the queries (CheckHealth,
 metrics) read copies and never wait for a step, except a deep check.
 """
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import replace
 
 from mlx_worker_svc.core.adapters import AdapterAdded, AdapterInfo
@@ -53,7 +51,6 @@ from mlx_worker_svc.core.reports import (
     WorkerState,
 )
 from mlx_worker_svc.engine.group.channel import GroupChannel
-from mlx_worker_svc.engine.memory import guard as memory_guard
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.profiler import EngineProfiler
@@ -64,6 +61,7 @@ from mlx_worker_svc.worker.generate import GenerateCalls
 from mlx_worker_svc.worker.lifecycle import GaveUp, Lifecycle
 from mlx_worker_svc.worker.lifecycle_calls import LifecycleCalls
 from mlx_worker_svc.worker.metrics import WorkerMetrics
+from mlx_worker_svc.worker.queries import Queries
 from mlx_worker_svc.worker.sleep_drain import SleepAndDrain
 from mlx_worker_svc.worker.step_stream import StepStream
 
@@ -98,9 +96,7 @@ class Worker:
         self.text = GenerateCalls(self.core)
         self.adapters = AdapterCalls(self.core)
         self.profiler = EngineProfiler(profile_dir) if profile_dir is not None else None
-        # The deep check on the engine thread that callers share (None: none running).
-        self._deep: Future[int] | None = None
-        self._deep_lock = threading.Lock()
+        self.queries = Queries(self.core)
 
     # ------------------------------------------------------------- facts
     @property
@@ -356,67 +352,18 @@ class Worker:
         return self.profiler
 
     # ------------------------------------------------------------ queries
-    def _shared_deep_check(self, check: Callable[[], int]) -> int:
-        """Runs `check` on the engine thread, after the steps queued before it; a caller
-        that comes while one runs shares it. Never refused for the queue's limit: a
-        probe of a saturated worker waits its turn, and probes cannot pile up."""
-        with self._deep_lock:
-            running, fresh = self._deep, self._deep is None
-            if running is None:
-                running = self._deep = self.core.engine.submit(check)
-        if fresh:
-            running.add_done_callback(self._deep_done)
-        return running.result()
-
-    def _deep_done(self, check: Future[int]) -> None:
-        with self._deep_lock:
-            if self._deep is check:
-                self._deep = None
-
     def health(self, deep: bool) -> HealthReport:
-        core = self.core
-        deep_ns = 0
-        if deep and core.loaded is not None and core.state not in (S.STOPPED, S.SLEEPING):
-
-            def deep_check() -> int:  # a Sleep queued before it may have freed the model
-                asleep = core.state in (S.STOPPED, S.SLEEPING) or core.loaded is None
-                return 0 if asleep else core.replica.deep_check()
-
-            deep_ns = self._shared_deep_check(deep_check)
-        runner = core.runner
-        running, preempted = runner.count() if runner else (0, 0)
-        dead = core.engine.dead
-        return HealthReport(
-            state=core.state,
-            healthy=dead is None and core.state not in (S.STOPPED,),
-            num_running_requests=running,
-            num_preempted_requests=preempted,
-            kv=self.kv_usage(),
-            last_error=repr(dead) if dead else core.last_error,
-            worker_epoch=core.epoch,
-            deep_check_ns=deep_ns,
-            uptime_seconds=time.monotonic() - core.started,
-            memory=self.memory_usage(),
-            bringing_up=core.lifecycle.bringing_up,
-        )
+        return self.queries.health(deep)
 
     def kv_nbytes(self, req_id: str) -> int:
         """Bytes the KV buffers of an Execute request take now (0 if unknown)."""
-        runner = self.core.runner
-        key = (Origin.EXECUTE, req_id)
-        return self.core.engine.call(lambda: runner.kv_nbytes(key)) if runner else 0
+        return self.queries.kv_nbytes(req_id)
 
     def memory_usage(self) -> MemoryUsage:
-        config = self.core.cache_config
-        return memory_guard.usage(config.memory_limit_bytes if config else 0)
+        return self.queries.memory_usage()
 
     def kv_usage(self) -> KVUsage:
-        runner, config = self.core.runner, self.core.cache_config
-        if runner is not None:
-            return runner.kv_usage()
-        if config is not None:  # asleep: the budget stands, nothing is held
-            return KVUsage(num_blocks=config.num_blocks, block_size=config.block_size, kv=config.kv)
-        return KVUsage()
+        return self.queries.kv_usage()
 
     @property
     def device(self) -> DeviceInfo | None:

@@ -289,6 +289,11 @@ def _messages(value: Any) -> list[pb.ChatMessage]:
             raise invalid(f"{where}.content", f"a {role} message needs its content")
         # "developer" is OpenAI's newer name for "system", which chat templates know.
         content = _content(message.get("content"), where, role)
+        refusal = message.get("refusal")  # an assistant's earlier refusal, as the SDK sends it
+        if refusal is not None:
+            if role != "assistant" or not isinstance(refusal, str):
+                raise invalid(f"{where}.refusal", "expected a string, on an assistant message")
+            content = "\n".join(text for text in (content, refusal) if text)
         role = "system" if role == "developer" else role
         out.append(pb.ChatMessage(role=role, content=content, **history(message, where)))
     check_tool_answers(value)

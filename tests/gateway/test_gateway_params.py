@@ -193,6 +193,18 @@ def test_fields_clients_send_on_every_call_are_accepted(
         post(gateway, "/v1/chat/completions", {"messages": history, "max_tokens": 2}).status_code
         == 200
     )
+    # The message's own refusal string (the SDK's form) is the same text as the part.
+    as_field = {"role": "assistant", "content": None, "refusal": "I can't."}
+    counts = [
+        post(
+            gateway, "/v1/chat/completions", {"messages": [*CHAT, m, *CHAT], "max_tokens": 1}
+        ).json()["usage"]["prompt_tokens"]
+        for m in (refused, as_field)
+    ]
+    assert counts[0] == counts[1], counts
+    user_refusal = {"role": "user", "content": "x", "refusal": "no"}
+    bad = post(gateway, "/v1/chat/completions", {"messages": [user_refusal]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].refusal"
     for suffix in (0, [], {}):
         bad = post(gateway, "/v1/completions", {"prompt": PROMPT, "suffix": suffix})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "suffix"

@@ -29,6 +29,7 @@ from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, WorkerState
 from mlx_worker_svc.engine import options as engine_options
 from mlx_worker_svc.engine.cache import prefix_cache
 from mlx_worker_svc.engine.memory import guard as memory_guard
+from mlx_worker_svc.engine.memory import profile as memory_profile
 from mlx_worker_svc.engine.memory.device import auto_kind
 from mlx_worker_svc.engine.model import loader
 from mlx_worker_svc.worker.adapters import fit_budget, load_adapters
@@ -138,6 +139,7 @@ class Lifecycle:
             core.model_info = loaded.info
             core.chat_template = str(getattr(loaded.tokenizer, "chat_template", "") or "")
             core.runner, core.memory, core.cache_config = None, None, None
+            memory_profile.release()  # the model it replaces: nothing holds it now
             core.new_epoch("restarted or loaded a model")
             core.set_state(S.MODEL_LOADED)
             return loaded, core.epoch

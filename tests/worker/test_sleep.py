@@ -135,6 +135,18 @@ def test_sleep_level_1_gives_back_the_memory_of_the_kv_it_frees(stub: Stub, tiny
         stub.WakeUp(pb.WakeUpRequest())
 
 
+def test_load_model_of_another_model_gives_back_the_one_it_replaces(
+    stub: Stub, tiny_dir: Path, tiny_tools_dir: Path
+) -> None:
+    """A served worker swapped to another model (LoadModel, idle) holds that model's
+    weights, not both: the runner's adapter hooks kept the old model alive."""
+    epoch = bring_up(stub, tiny_dir, num_blocks=20)
+    drive(stub, epoch, PROMPTS, max_tokens=4)
+    loaded = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_tools_dir))).model
+    memory = stub.CheckHealth(pb.CheckHealthRequest()).memory
+    assert memory.active_bytes < loaded.weight_bytes * 1.25, (memory, loaded.weight_bytes)
+
+
 def test_sleep_and_wake_up_rules(stub: Stub, tiny_dir: Path) -> None:
     code, message = _fails(lambda: stub.Sleep(pb.SleepRequest(level=1)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitDevice" in message

@@ -196,8 +196,11 @@ class Replica:
         loaded, weights = self._together(
             lambda: loader.load(spec, self.channel.mx_group), lambda m: m.info.weight_bytes
         )
+        if self.runner is not None:  # the old model's: its adapter hooks point at it
+            self.runner.detach()
         self.loaded, self.runner = loaded, None
         self._set_weight_bytes(weights)
+        memory.release()  # the old model's buffers (a rank without a worker above it)
         return loaded
 
     def _model(self) -> loader.LoadedModel:

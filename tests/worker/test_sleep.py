@@ -139,12 +139,17 @@ def test_load_model_of_another_model_gives_back_the_one_it_replaces(
     stub: Stub, tiny_dir: Path, tiny_tools_dir: Path
 ) -> None:
     """A served worker swapped to another model (LoadModel, idle) holds that model's
-    weights, not both: the runner's adapter hooks kept the old model alive."""
+    weights, not both: the runner's adapter hooks kept the old model alive. And the
+    peak memory MemoryUsage reports is the highest since start, not since a profile."""
     epoch = bring_up(stub, tiny_dir, num_blocks=20)
     drive(stub, epoch, PROMPTS, max_tokens=4)
     loaded = stub.LoadModel(pb.LoadModelRequest(model=str(tiny_tools_dir))).model
     memory = stub.CheckHealth(pb.CheckHealthRequest()).memory
     assert memory.active_bytes < loaded.weight_bytes * 1.25, (memory, loaded.weight_bytes)
+    # Both models were resident while the new one loaded: the peak holds them both.
+    assert memory.peak_bytes > loaded.weight_bytes * 1.75, memory
+    stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=16))  # profiles
+    assert stub.CheckHealth(pb.CheckHealthRequest()).memory.peak_bytes >= memory.peak_bytes
 
 
 def test_sleep_and_wake_up_rules(stub: Stub, tiny_dir: Path) -> None:

@@ -86,10 +86,21 @@ def one_token_step_bytes(profile: MemoryProfile) -> int:
     return max(int(activation_bytes(profile, 1, 1)), 0)
 
 
+# MLX's peak is process-wide, and a measurement resets it (profile.py): the highest it
+# had before the last reset, so that MemoryUsage.peak_bytes is the highest since start.
+_peak_before_reset = [0]
+
+
+def reset_peak() -> None:
+    """Resets MLX's peak for a measurement, keeping the highest one for `usage`."""
+    _peak_before_reset[0] = max(_peak_before_reset[0], int(mx.get_peak_memory()))
+    mx.reset_peak_memory()
+
+
 def usage(limit: int) -> MemoryUsage:
     return MemoryUsage(
         active_bytes=int(mx.get_active_memory()),
-        peak_bytes=int(mx.get_peak_memory()),
+        peak_bytes=max(_peak_before_reset[0], int(mx.get_peak_memory())),
         cache_bytes=int(mx.get_cache_memory()),
         limit_bytes=limit,
     )

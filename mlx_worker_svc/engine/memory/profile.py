@@ -22,6 +22,7 @@ from mlx_worker_svc.core.errors import InvalidArgument
 from mlx_worker_svc.core.reports import ModelInfo
 from mlx_worker_svc.engine.cache import quantized
 from mlx_worker_svc.engine.cache.batch import merge_caches
+from mlx_worker_svc.engine.memory import guard
 from mlx_worker_svc.engine.memory.device import memory_facts
 from mlx_worker_svc.engine.rewrite import dequant
 
@@ -73,7 +74,7 @@ def _forward_peak(model: nn.Module, tokens: int, kv: KVFormat = FLOAT_KV) -> int
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
-    mx.reset_peak_memory()
+    guard.reset_peak()
     cache = quantized.empty(model, kv)
     logits = model(mx.zeros((1, tokens), dtype=mx.uint32), cache=cache)
     mx.eval(logits, [c.state for c in cache])

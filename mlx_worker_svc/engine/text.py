@@ -28,6 +28,11 @@ _READS_TOOL_CALLS = re.compile(r"\btool_calls\b")
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str, *, add_special_tokens: bool) -> list[int]:
+    """`text`'s token ids; `add_special_tokens` adds the tokenizer's (a BOS) as
+    `mlx_lm.generate` does: not to a text that starts with the BOS token already."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if add_special_tokens and bos and text.startswith(bos):
+        add_special_tokens = False
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import mlx.core as mx
 import pytest
 from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens
 from mlx_lm import load
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, stream_generate
 
 from mlx_worker_svc.engine.runner import StepOutcome
 from mlx_worker_svc.engine.sequence import Work
@@ -275,3 +276,44 @@ def test_a_template_without_tool_calls_refuses_a_history_with_them(tiny_stub: St
             "messages[1].tool_calls_json: the model's chat template does not render tool calls"
         )
     assert tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat[:1])).token_ids
+
+
+def _adds_bos(source: Path, out: Path) -> Path:
+    """The tiny model with a tokenizer that adds a BOS (<|endoftext|>, id 0) to a text."""
+    shutil.copytree(source, out)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((out / name).read_text())
+        config["bos_token"] = "<|endoftext|>"
+        if name == "tokenizer_config.json":
+            config["add_bos_token"] = True
+        (out / name).write_text(json.dumps(config))
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    text = {"Sequence": {"id": "A", "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, text],
+        "pair": [bos, text, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}
+        },
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return out
+
+
+def test_a_prompt_gets_the_bos_mlx_lm_gives_it_once(
+    stub: Stub, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A text prompt gets the tokenizer's BOS as mlx_lm.generate gives it: none more when
+    the text starts with the BOS already (it got two)."""
+    model_dir = _adds_bos(tiny_dir, tmp_path / "bos")
+    bring_up(stub, model_dir)
+    model, tokenizer = load(str(model_dir))
+    for text in ("Hello", "<|endoftext|>Hello"):
+        ids = stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=True)).token_ids
+        assert ids[0] == 0 and list(ids).count(0) == 1, (text, ids)
+        request = pb.GenerateRequest(prompt=text, sampling_params=greedy(1, ignore_eos=True))
+        _, _, last = _collect(stub, request)
+        [raw] = list(stream_generate(model, tokenizer, text, max_tokens=1))
+        assert last.prompt_tokens == len(ids) == raw.prompt_tokens, text

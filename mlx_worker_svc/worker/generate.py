@@ -95,7 +95,7 @@ class GenerateCalls:
                 tuple(prompt),
                 spec.sampling,
                 spec.lora_name,
-                prompt_field="prompt_token_ids" if spec.prompt_token_ids else "prompt",
+                prompt_field=_prompt_field(spec),
             )
             stream = GenerateStream(
                 request_id=request_id,
@@ -139,3 +139,10 @@ class GenerateCalls:
         if spec.prompt:
             return self.tokenize_text(spec.prompt, True)
         return list(spec.prompt_token_ids)
+
+
+def _prompt_field(spec: GenerateSpec) -> str:
+    """The request field a refusal of its prompt (too long, out of vocabulary) names."""
+    if spec.prompt_token_ids:
+        return "prompt_token_ids"
+    return "messages (the prompt they render)" if spec.messages else "prompt"

@@ -323,6 +323,10 @@ def test_other_rpcs_reject_malformed_input(
         (pb.GenerateRequest(prompt_token_ids=[1] * 600), "prompt_token_ids has 600 tokens"),
         (pb.GenerateRequest(prompt="hi " * 600), "prompt has "),
         (
+            pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi " * 600)]),
+            "messages (the prompt they render) has ",
+        ),
+        (
             pb.GenerateRequest(
                 prompt="hi", sampling_params=pb.SamplingParams(temperature=math.nan)
             ),

@@ -55,12 +55,15 @@ def check_forms(request: pb.GenerateRequest) -> pb.TokenizeRequest | None:
 
 
 def check_size(ask: pb.TokenizeRequest, max_message: int, context_length: int) -> None:
-    """Raises PromptTooLarge for prompt text past what a worker takes in one message (0:
-    unknown), which the worker's Tokenize would refuse as its own transport error."""
+    """Raises PromptTooLarge for prompt text past what a worker tokenizes in one message
+    (0: unknown), which its Tokenize would refuse: as its transport error past the
+    message size, or, for chat messages past half of it, as a reply too large to send
+    (the rendered text comes back with the tokens)."""
     size = ask.ByteSize()
-    if max_message and size > max_message:
+    limit = max_message // 2 if ask.messages else max_message
+    if max_message and size > limit:
         field = "messages" if ask.messages else "prompt"
-        raise PromptTooLarge(field, size, max_message, context_length)
+        raise PromptTooLarge(field, size, limit, context_length)
 
 
 # Room in a step's message beside one new request: its id, scheduled count, the step's own fields.

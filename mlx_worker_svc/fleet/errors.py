@@ -79,7 +79,7 @@ class PromptTooLarge(BadRequest):
 
     def __init__(self, field: str, size: int, max_message: int, context_length: int) -> None:
         super().__init__(
-            f"{field}: {size} bytes of text, more than a worker of the model takes in one "
+            f"{field}: {size} bytes of text, more than a worker of the model tokenizes in one "
             f"message ({max_message} bytes, sized to its context): longer than any prompt "
             "it serves"
         )

@@ -64,7 +64,7 @@ def _too_large(kind: Kind, exc: PromptTooLarge) -> ApiError:
     error each API's clients compact on ("prompt is too long", context_length_exceeded):
     it is longer than any prompt the model's context holds."""
     past = (
-        f"{exc.size} bytes of text, more than a worker takes in one message "
+        f"{exc.size} bytes of text, more than a worker tokenizes in one message "
         f"({exc.max_message} bytes, sized to the model's context of {exc.context_length} "
         "tokens)"
     )

@@ -284,24 +284,27 @@ def test_requests_sharing_a_request_id_run_as_two(
 def test_a_prompt_text_past_a_workers_message_limit_is_the_clients_error(
     pool: WorkerPool, start_fleet: Callable[..., Fleet]
 ) -> None:
-    """Text larger than a worker takes in one message is INVALID_ARGUMENT naming the
-    prompt, not the worker's transport error on the fleet's Tokenize call."""
+    """Text larger than a worker tokenizes in one message is INVALID_ARGUMENT naming the
+    prompt, not the worker's transport error on the fleet's Tokenize call; for chat
+    messages from half of it, whose rendered text comes back with the tokens (the
+    worker's Tokenize could not send its answer)."""
     fleet = start_fleet(pool.targets[:1])
     with grpc.insecure_channel(pool.targets[0]) as channel:
         info = pb_grpc.WorkerServiceStub(channel).GetInfo(pb.GetInfoRequest())
     limit = info.limits.max_message_bytes
     huge = pb.GenerateRequest(prompt="a " * (limit // 2 + 8))
     huge.sampling_params.max_tokens = 1
-    for request in (
-        huge,
-        pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=huge.prompt)]),
+    chat = "a " * (limit // 4 + 8)  # past half the limit: the reply would not fit
+    for request, bound in (
+        (huge, limit),
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=chat)]), limit // 2),
     ):
         with pytest.raises(grpc.RpcError) as refused:
             fleet.generate(request)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         field = "messages" if request.messages else "prompt"
         assert f"{field}: " in str(refused.value.details())
-        assert f"in one message ({limit} bytes" in str(refused.value.details())
+        assert f"tokenizes in one message ({bound} bytes" in str(refused.value.details())
 
 
 def _described(prompt: list[int], size: int) -> pb.GenerateRequest:

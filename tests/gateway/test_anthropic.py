@@ -558,7 +558,9 @@ def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
     with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
         info = pb_grpc.WorkerServiceStub(channel).GetInfo(pb.GetInfoRequest())
     limit = info.limits.max_message_bytes
-    ask = [{"role": "user", "content": "a " * (limit // 2 + 8)}]
+    # Past half the limit: the rendered chat would come back with its tokens in a reply
+    # larger than the worker sends (a chat of 0.6 of it got "send less", not these words).
+    ask = [{"role": "user", "content": "a " * (limit // 3 + 8)}]
     for route, body in (
         ("/v1/messages", {"model": MODEL, "messages": ask, "max_tokens": 4}),
         ("/v1/messages/count_tokens", {"model": MODEL, "messages": ask}),
@@ -567,7 +569,7 @@ def test_a_prompt_past_the_workers_message_limit_is_a_400_not_a_429(
         assert response.status_code == 400, (route, response.text[:300])
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
-        assert f"in one message ({limit} bytes" in error["message"], error
+        assert f"in one message ({limit // 2} bytes" in error["message"], error
         if route == "/v1/messages":  # the words agents compact the conversation on
             assert error["message"].startswith("prompt is too long: "), error
     body = {"model": MODEL, "messages": ask, "max_tokens": 4}

@@ -158,11 +158,12 @@ class GrammarCompiler:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed or messages:
             # Warnings too: a keyword the engine would ignore is refused, never dropped.
-            said = "; ".join(_ONE_OF.get(m, m) for m in messages).strip()
-            raise InvalidArgument(f"{field_name}: {said}")
+            said = "; ".join(messages).strip()
+            raise InvalidArgument(f"{field_name}: {_in_schema_terms(said)}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
-            raise InvalidArgument(f"{field_name}: {matcher.get_error().strip()}")
+            said = matcher.get_error().strip()
+            raise InvalidArgument(f"{field_name}: {_in_schema_terms(said)}")
         self._first_mask(matcher.deep_copy(), field_name)
         with self._lock:
             self.stats.compiled += 1
@@ -225,12 +226,19 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
         raise InvalidArgument(f"{where}: {exc}") from exc
 
 
-# The engine's words for a setting clients cannot reach, in the terms of the schema.
-_ONE_OF = {
+# The engine's words for a setting clients cannot reach, in the terms of the schema
+# (also inside a longer message: a grammar's %json, a tool's schema).
+_ENGINE_WORDS = {
     "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate "
     "oneOf with anyOf": "oneOf is taken only where its branches cannot both match, and "
     "these may: use anyOf"
 }
+
+
+def _in_schema_terms(message: str) -> str:
+    for engine, ours in _ENGINE_WORDS.items():
+        message = message.replace(engine, ours)
+    return message
 
 
 def _check_exact_numbers(schema: str, where: str) -> None:

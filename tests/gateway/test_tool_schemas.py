@@ -63,6 +63,12 @@ def test_a_forced_call_of_a_tool_that_is_not_strict_leaves_out_what_cannot_be_en
     assert response.status_code == 400 and error["param"] == "tools"
     # The engine's reason, not the gateway's grammar.
     assert "\n" not in error["message"] and "call_0" not in error["message"], error
+    # ...in the schema's terms, not an engine option no client reaches.
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    strict["function"]["parameters"] = {"type": "object", "properties": {"n": overlapping}}
+    error = gateway.http.post("/v1/chat/completions", json=body | {"tools": [strict]}).json()
+    assert "oneOf is taken only where its branches cannot both match" in str(error), error
+    assert "coerce_one_of" not in str(error), error
 
 
 @pytest.mark.parametrize(

@@ -174,11 +174,12 @@ class StepStream:
         if not self._uncreated:
             return plan
         new = {r.req_id for r in plan.new_requests}
-        for cached in plan.cached_requests:
+        for i, cached in enumerate(plan.cached_requests):
             failed = self._uncreated.get(cached.req_id)
             if failed is not None and cached.req_id not in new:
+                where = f"cached_requests[{plan.cached_position(i)}]"
                 raise NotFound(
-                    f"cached_requests (req_id {clip(cached.req_id)!r}): step {failed} of "
+                    f"{where} (req_id {clip(cached.req_id)!r}): step {failed} of "
                     "this stream was to create it and failed, so this stream has no such "
                     "request (a live one under the id is not the one the step means)"
                 )

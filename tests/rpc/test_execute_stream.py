@@ -395,9 +395,9 @@ def test_an_error_names_the_index_the_scheduler_sent(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
-def _failed_to_create(stream: ExecuteStreamCall, step: int) -> None:
+def _failed_to_create(stream: ExecuteStreamCall, step: int) -> str:
     """Step `step`, which was to create a request, fails INVALID_ARGUMENT; the next, sent
-    ahead for that request, NOT_FOUND naming the failed step."""
+    ahead for that request, NOT_FOUND naming the failed step (its message returned)."""
     with pytest.raises(StepFailed) as refused:
         raise_for_error(stream.receive())
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -405,6 +405,7 @@ def _failed_to_create(stream: ExecuteStreamCall, step: int) -> None:
         raise_for_error(stream.receive())
     assert ahead.value.code == grpc.StatusCode.NOT_FOUND
     assert f"step {step} of this stream was to create it and failed" in ahead.value.message
+    return ahead.value.message
 
 
 def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
@@ -422,7 +423,8 @@ def test_a_step_ahead_never_runs_on_another_schedulers_request_under_its_id(
         stream.send(_starting("dup", prompt, epoch, step_id=1))
         stream.send(_decoding(2, epoch, {"dup": 3}))  # ahead: counts on step 1's token
         stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, finished_req_ids=["dup"]))
-        _failed_to_create(stream, 1)
+        message = _failed_to_create(stream, 1)
+        assert message.startswith("cached_requests[0] (req_id 'dup'): step 1 of"), message
         raise_for_error(stream.receive())  # the finish of a request it never had
         stream.close()
     [out] = stub.Execute(_decoding(4, epoch, {"dup": 3})).outputs  # theirs, untouched

@@ -633,11 +633,15 @@ def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic)
         assert message.stop_reason == "end_turn"
     for bad, where in (
         ({"format": {"type": "json_object"}}, "output_config.format"),
-        ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+        ({"format": {"type": "json_schema"}}, "output_config.format.schema': Field required"),
+        (
+            {"format": {"type": "json_schema", "schema": [1]}},
+            "output_config.format.schema': expected a JSON Schema object, got an array",
+        ),
         ({"effort": "extreme"}, "output_config.effort"),
         ({"verbosity": "low"}, "output_config.verbosity"),
     ):
-        with pytest.raises(anthropic.BadRequestError, match=where.replace(".", r"\.")):
+        with pytest.raises(anthropic.BadRequestError, match=re.escape(where)):
             create(client, extra_body={"output_config": bad})
 
 

@@ -225,8 +225,13 @@ def _output_config(value: Any) -> pb.StructuredOutputs | None:
     for key in form:
         if key not in ("type", "schema"):
             raise invalid(f"output_config.format.{key}", "Extra inputs are not permitted")
-    if not isinstance(form.get("schema"), dict):
+    schema = form.get("schema")
+    if schema is None:
         raise invalid("output_config.format.schema", "Field required (a JSON Schema object)")
+    if not isinstance(schema, dict):
+        raise invalid(
+            "output_config.format.schema", f"expected a JSON Schema object, got {json_type(schema)}"
+        )
     spec = json_schema_spec("output_config.format.schema", form["schema"])
     spec.disable_any_whitespace = True  # compact JSON, as Claude's answers have it
     return spec

@@ -96,7 +96,7 @@ def _fleet_config(args: argparse.Namespace) -> Any:
 async def _run_fleet(args: argparse.Namespace) -> int:
     from mlx_worker_svc.cli.security_flags import server_security_from_args
     from mlx_worker_svc.fleet import FleetScheduler
-    from mlx_worker_svc.fleet.server import serve_fleet
+    from mlx_worker_svc.fleet.server import serve_fleet, stop_fleet
     from mlx_worker_svc.rpc.metrics import MetricsEndpoint
     from mlx_worker_svc.rpc.security import SecurityError
 
@@ -133,7 +133,7 @@ async def _run_fleet(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, on_signal)
     await stop.wait()
     await fleet.drain(args.grace_seconds)  # health NOT_SERVING, new calls UNAVAILABLE
-    await server.stop(grace=1.0)  # the last replies go out
+    await stop_fleet(server, grace=1.0)  # the last replies go out
     endpoint.close()
     await fleet.stop()
     return 0

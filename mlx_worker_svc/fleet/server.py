@@ -114,6 +114,7 @@ async def serve_fleet(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
+    _health_of[id(server)] = checker
     await checker.set("", health_pb2.HealthCheckResponse.SERVING)
     # The fleet service is SERVING while at least one worker is up.
     server_tasks.add(asyncio.create_task(_track_health(fleet, checker)))
@@ -122,6 +123,18 @@ async def serve_fleet(
 
 
 server_tasks: set[asyncio.Task[None]] = set()
+# Each running server's health servicer (by id(server)), for stop_fleet.
+_health_of: dict[int, AsyncHealthServicer] = {}
+
+
+async def stop_fleet(server: grpc.aio.Server, grace: float) -> None:
+    """Stops a server serve_fleet started: its open health Watches end first (status
+    OK, after the NOT_SERVING a drain set), then calls get `grace` seconds to end."""
+    checker = _health_of.pop(id(server), None)
+    if checker is not None:
+        await checker.enter_graceful_shutdown()  # NOT_SERVING, whatever a probe saw last
+        await checker.end_watches()
+    await server.stop(grace=grace)
 
 
 async def _track_health(fleet: FleetScheduler, checker: AsyncHealthServicer) -> None:

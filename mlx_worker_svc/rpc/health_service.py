@@ -64,7 +64,47 @@ class HealthServicer(health.HealthServicer):
 
 
 class AsyncHealthServicer(_async.HealthServicer):  # type: ignore[misc] # untyped in grpc-stubs
-    """grpcio-health's servicer for `grpc.aio.server`, with List."""
+    """grpcio-health's servicer for `grpc.aio.server`, with List, and Watch streams that
+    `end_watches` ends with status OK (grpcio-health's never end, so a stopping server
+    cancels them: UNAVAILABLE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ending = False
+
+    async def Watch(  # noqa: N802 (gRPC method name)
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        """grpcio-health's Watch (each change of the status, once), until `end_watches`."""
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        last = None
+        try:
+            async with condition:
+                while True:
+                    status = self._server_status.get(
+                        service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                    )
+                    if status != last:
+                        await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                    if self._ending:
+                        return
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
+
+    async def end_watches(self) -> None:
+        """Ends every open Watch stream (and any opened later) with status OK, after the
+        status it holds, for a server that stops."""
+        self._ending = True
+        for condition in list(self._server_watchers.values()):
+            async with condition:
+                condition.notify_all()
 
     async def Check(  # noqa: N802 (gRPC method name)
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]

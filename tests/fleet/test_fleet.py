@@ -361,6 +361,19 @@ def test_sigterm_drains_the_fleet_for_its_grace_seconds(
         stream.start()
     for stream in streams:
         assert stream.first_token.wait(STREAM_TIMEOUT)
+    # A probe's open Watch on each health name: NOT_SERVING, then its end (OK).
+    watcher = health_pb2_grpc.HealthStub(fleet.channel)
+    names = ("", "mlx_worker.v1.FleetService")
+    deadline = time.monotonic() + 5  # the service turns SERVING within its quarter-second poll
+    serving = health_pb2.HealthCheckResponse.SERVING
+    while any(
+        watcher.Check(health_pb2.HealthCheckRequest(service=n)).status != serving for n in names
+    ):
+        assert time.monotonic() < deadline, "the fleet never turned SERVING"
+        time.sleep(0.05)
+    watches = [watcher.Watch(health_pb2.HealthCheckRequest(service=n), timeout=120) for n in names]
+    for watch in watches:
+        assert next(watch).status == serving
     fleet.proc.proc.send_signal(signal.SIGTERM)
     if grace:  # a new request is refused while the three finish
         with pytest.raises(grpc.RpcError) as refused:
@@ -386,6 +399,9 @@ def test_sigterm_drains_the_fleet_for_its_grace_seconds(
             assert stream.error is not None and stream.error.code() == grpc.StatusCode.ABORTED
             assert "the fleet shut down before the request finished" in str(stream.error.details())
     assert fleet.proc.proc.wait(timeout=60) == 0
+    for watch in watches:  # an UNAVAILABLE end ("Cancelling all calls") would raise here
+        assert [m.status for m in watch][-1:] == [health_pb2.HealthCheckResponse.NOT_SERVING]
+        assert watch.code() == grpc.StatusCode.OK
     # Each request's end line says what ended it (operations.md's log lines).
     ends = [line for line in fleet.proc.lines if "outcome=" in line and "unavailable" not in line]
     event = "request finished" if grace else "request aborted"

@@ -158,9 +158,9 @@ class WorkerCore:
 
     def require_idle(self, call: str) -> None:
         if self.runner is not None and self.runner.state.seqs:
-            raise FailedPrecondition(
-                f"{call}: {len(self.runner.state.seqs)} requests are live; finish them first"
-            )
+            live = len(self.runner.state.seqs)
+            what = "1 request is" if live == 1 else f"{live} requests are"
+            raise FailedPrecondition(f"{call}: {what} live; finish them first")
 
     def run(self, runner: ModelRunner, work: Work) -> StepOutcome:
         """Runs work on the engine thread and routes Generate outputs to streams."""

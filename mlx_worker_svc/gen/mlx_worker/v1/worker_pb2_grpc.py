@@ -166,7 +166,11 @@ class WorkerServiceServicer:
         """Loads a model through mlx_lm.load (local directory or hub id).
         Idempotent for the same arguments (a local path written another way,
         relative or with a trailing slash, is the same); a new model starts a
-        new worker_epoch.
+        new worker_epoch. Another model needs an idle worker (FAILED_PRECONDITION
+        "N requests are live; finish them first" otherwise, and nothing changes):
+        it replaces the old one (its weights freed), the KV cache and budget go,
+        the adapters are the --lora-modules ones again, and the worker is in
+        MODEL_LOADED, so DetermineMemory and InitCache follow.
         A worker asleep at level 2 (weights freed) takes LoadModel too, of any
         model: it wakes as MODEL_LOADED, so DetermineMemory and InitCache follow
         (how a scheduler swaps the model of an idle worker); if the load fails it

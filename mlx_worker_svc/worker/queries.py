@@ -1,9 +1,9 @@
 """The worker's queries: CheckHealth (shallow and deep), KV and memory usage.
 
 They read copies of the state and never wait for a step, except a deep check,
-which runs a 1-token forward on the engine thread after the steps queued
+which runs a 1-token forward on the engine thread after the calls queued
 before it: never refused for the queue's limit (`--max-queued-steps`), and
-shared by the deep checks that come while it waits or runs, so probes of a
+shared by the deep checks that come while it waits, so probes of a
 saturated worker wait their turn and cannot pile up.
 """
 
@@ -32,21 +32,28 @@ class Queries:
         self._deep_lock = threading.Lock()
 
     def _shared_deep_check(self, check: Callable[[], int]) -> int:
-        """Runs `check` on the engine thread, after the steps queued before it; a caller
-        that comes while one runs shares it. Never refused for the queue's limit: a
-        probe of a saturated worker waits its turn, and probes cannot pile up."""
+        """Runs `check` on the engine thread, after the calls queued before it; callers
+        that come while it waits share it (one that comes once it runs queues another,
+        which sees what was queued before it, a Sleep say). Never refused for the
+        queue's limit: a probe of a saturated worker waits its turn, and probes cannot
+        pile up."""
         with self._deep_lock:
-            running, fresh = self._deep, self._deep is None
-            if running is None:
-                running = self._deep = self.core.engine.submit(check)
-        if fresh:
-            running.add_done_callback(self._deep_done)
-        return running.result()
+            if self._deep is None:
+                queued: list[Future[int]] = []
 
-    def _deep_done(self, check: Future[int]) -> None:
-        with self._deep_lock:
-            if self._deep is check:
-                self._deep = None
+                def run() -> int:
+                    with self._deep_lock:  # started: later callers queue a fresh one
+                        if self._deep is queued[0]:
+                            self._deep = None
+                    return check()
+
+                future = self.core.engine.submit(run)
+                queued.append(future)
+                if not future.done():  # a dead or stopped engine answers at once
+                    self._deep = future
+            else:
+                future = self._deep
+        return future.result()
 
     def health(self, deep: bool) -> HealthReport:
         core = self.core

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from mlx_worker_svc.core.domain import CacheConfig, MemoryProfile, Origin
@@ -41,6 +42,8 @@ from mlx_worker_svc.worker.metrics import WorkerMetrics
 from mlx_worker_svc.worker.scheduling import GenerateScheduler
 
 S = WorkerState
+# Epochs whose end `WorkerCore.ended_by` remembers.
+_REMEMBERED_EPOCHS = 64
 log = logging.getLogger(__name__)
 
 
@@ -72,6 +75,8 @@ class WorkerCore:
         self._epoch = 0
         self.epoch_change = ""
         """What the worker did since the epoch before this one (for the stale-epoch error)."""
+        # epoch -> what ended it, for the last _REMEMBERED_EPOCHS epochs (`ended_by`).
+        self._ended: OrderedDict[int, str] = OrderedDict()
         self.memory: MemoryProfile | None = None
         self.cache_config: CacheConfig | None = None
         self.runner: ModelRunner | None = None
@@ -131,8 +136,15 @@ class WorkerCore:
 
         `why` completes "since that epoch, the worker ..." in the stale-epoch error.
         """
+        self._ended[self._epoch] = why
+        while len(self._ended) > _REMEMBERED_EPOCHS:
+            self._ended.popitem(last=False)
         self._epoch = max(time.time_ns(), self._epoch + 1)
         self.epoch_change = why
+
+    def ended_by(self, epoch: int) -> str:
+        """What the worker did that ended `epoch` (the latest change, for one not known)."""
+        return self._ended.get(epoch, self.epoch_change)
 
     def set_state(self, state: WorkerState) -> None:
         if state is not self._state:

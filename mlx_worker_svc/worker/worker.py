@@ -284,7 +284,7 @@ class Worker:
             core.require("Execute", S.READY)
         runner = core.need_runner("Execute")
         if plan.worker_epoch != core.epoch:
-            why = f"since that epoch the worker {core.epoch_change}"
+            why = f"since that epoch the worker {core.ended_by(plan.worker_epoch)}"
             if plan.worker_epoch == int(float(core.epoch)):  # exactly what a double keeps
                 why = (
                     "the worker's own rounded to a double, as a JavaScript Number rounds it: "

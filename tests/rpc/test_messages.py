@@ -127,6 +127,11 @@ def test_the_stale_epoch_message_after_a_sleep_says_it_slept(tiny_stub: Stub) ->
     assert f"worker_epoch {old} is stale; the worker's epoch is {epoch}" in message
     assert "since that epoch the worker slept (Sleep level 1" in message
     assert "restarted" not in message
+    # Later changes do not hide what ended that epoch: the first one since is named.
+    tiny_stub.Sleep(pb.SleepRequest(level=2))
+    tiny_stub.WakeUp(pb.WakeUpRequest())
+    message = _refused(lambda: _step(tiny_stub, old), grpc.StatusCode.FAILED_PRECONDITION)
+    assert "since that epoch the worker slept (Sleep level 1" in message, message
 
 
 def test_an_epoch_a_javascript_number_rounded_is_named_as_such(tiny_stub: Stub) -> None:

@@ -121,7 +121,7 @@ def test_a_hung_worker_loses_its_requests_and_rejoins_holding_nothing(
 def test_killing_a_worker_mid_generation_loses_no_request(
     pool: WorkerPool, start_fleet: Callable[..., Fleet]
 ) -> None:
-    count, max_tokens = 24, 96
+    count, max_tokens = 24, 192  # every stream still running when the worker is killed
     prompts = distinct_prompts(count, 8, seed=10)
     # The reference: the same prompts, greedy, on one fresh worker.
     expected = reference_tokens(

@@ -242,13 +242,15 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             ranked = _RANK.search(line)
             if ranked and ranked.group(1) == "0" and ranked.group(3) == socket.gethostname():
                 rank0 = int(ranked.group(2))
-            died = _LAUNCHER_EXIT.search(line)
-            if died and status is None:  # as a shell says it: 128 + the signal
-                code = int(died.group(1))
-                status = 128 - code if code < 0 else code
-            ended = _EXIT.search(line)
-            if ended and status is None:
-                status = int(ended.group(1))
+            # Rank 0's own line or the launcher's, whichever comes first (either order
+            # happens): the status, and the timer for the ranks left behind.
+            died, ended = _LAUNCHER_EXIT.search(line), _EXIT.search(line)
+            if (died or ended) and status is None:
+                if ended:
+                    status = int(ended.group(1))
+                elif died:  # as a shell says it: 128 + the signal
+                    code = int(died.group(1))
+                    status = 128 - code if code < 0 else code
                 stray = threading.Timer(AFTER_RANK0_SECONDS, _kill_session, (group,))
                 stray.daemon = True
                 stray.start()

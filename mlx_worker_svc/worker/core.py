@@ -73,8 +73,6 @@ class WorkerCore:
         self.load_spec: LoadSpec | None = None
         self.loaded: loader.LoadedModel | None = None
         self._epoch = 0
-        self.epoch_change = ""
-        """What the worker did since the epoch before this one (for the stale-epoch error)."""
         # epoch -> what ended it, for the last _REMEMBERED_EPOCHS epochs (`ended_by`).
         self._ended: OrderedDict[int, str] = OrderedDict()
         self.memory: MemoryProfile | None = None
@@ -140,11 +138,11 @@ class WorkerCore:
         while len(self._ended) > _REMEMBERED_EPOCHS:
             self._ended.popitem(last=False)
         self._epoch = max(time.time_ns(), self._epoch + 1)
-        self.epoch_change = why
 
     def ended_by(self, epoch: int) -> str:
         """What the worker did that ended `epoch` (the latest change, for one not known)."""
-        return self._ended.get(epoch, self.epoch_change)
+        latest = next(reversed(self._ended.values()), "")
+        return self._ended.get(epoch, latest)
 
     def set_state(self, state: WorkerState) -> None:
         if state is not self._state:

@@ -118,6 +118,11 @@ def _is_ip(value: object) -> bool:
     return True
 
 
+def group_backend(args: argparse.Namespace) -> str:
+    """The backend a group of `args` starts with: --backend, else the hostfile's, else ring."""
+    return str(args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring")
+
+
 def _hostfile_backend(hostfile: str) -> str:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         return str(json.loads(Path(hostfile).read_text()).get("backend") or "")
@@ -152,7 +157,7 @@ def launch_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
     launcher = _mlx_launch()
     if launcher is None:
         raise FileNotFoundError("mlx.launch is not installed (it comes with the mlx package)")
-    backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    backend = group_backend(args)
     command = [launcher, "--backend", backend]
     if args.hostfile:
         command += ["--hostfile", args.hostfile]

@@ -265,6 +265,15 @@ def _flag_problem(args: argparse.Namespace) -> str:
 
         if problem := hostfile_problem(args.hostfile, args.world_size, args.backend or ""):
             return problem
+    if args.group_port and not args.group:
+        from mlx_worker_svc.cli.group_launch import group_backend
+
+        if args.world_size < 2:
+            return "--group-port is a worker group's first port: give --world-size N (N >= 2)"
+        if (backend := group_backend(args)) != "ring":
+            return (
+                f"--group-port is the ring backend's first port; the {backend} backend takes none"
+            )
     if problem := named_twice("--lora-modules", [name for name, _ in args.lora_modules]):
         return problem
     if len(args.lora_modules) > args.max_loras:

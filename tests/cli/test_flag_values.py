@@ -159,6 +159,20 @@ def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
         "mlx-worker serve: --hostfile and --backend start a worker group: give "
         "--world-size N (N >= 2)"
     )
+    # --group-port without a group, or beside a backend that takes no port, is no
+    # silent no-op.
+    done = _run("serve", "--port", "0", "--group-port", "40000")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "mlx-worker serve: --group-port is a worker group's first port: give --world-size N "
+        "(N >= 2)"
+    )
+    done = _run("serve", "--world-size", "2", "--backend", "mpi", "--group-port", "40000")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "mlx-worker serve: --group-port is the ring backend's first port; the mpi backend "
+        "takes none"
+    )
     done = _run("serve", "--port", "0", "--group")  # by hand, outside mlx.launch
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == (

@@ -128,6 +128,11 @@ def wait_until_idle(stub: pb_grpc.WorkerServiceStub, timeout: float) -> pb.Check
         time.sleep(0.05)
 
 
+def epoch_of(stub: pb_grpc.WorkerServiceStub) -> int:
+    """The worker's epoch (GetInfo), for the steps a test sends."""
+    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+
 def code_of(error: BaseException) -> grpc.StatusCode:
     """The status code of an RpcError raised by a stub call."""
     return cast(grpc.Call, error).code()

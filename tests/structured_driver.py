@@ -11,6 +11,7 @@ engine's limits beside decoding rows.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,12 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
 # (req_id, output so far) -> the packed mask of its next token, or None.
 BitmaskFn = Callable[[str, list[int]], bytes | None]
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of 3 to 11 random token ids, the same for a seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(rng.randrange(3, 12))] for _ in range(count)]
 
 
 @dataclass

@@ -18,7 +18,7 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 import pytest
-from driver import bring_up, code_of, details_of, live_server, wait_until_idle
+from driver import bring_up, code_of, details_of, epoch_of, live_server, wait_until_idle
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from structured_driver import SCHEMA_TEXTS, SCHEMAS, constrained, run_requests
 
@@ -59,16 +59,12 @@ class GrammarScheduler:
         return words.astype("<i4").tobytes()
 
 
-def _epoch(stub: Stub) -> int:
-    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-
-
 def _prompts(count: int) -> list[list[int]]:
     return [[1000 + 7 * i + j for j in range(3 + i % 5)] for i in range(count)]
 
 
 def test_scheduler_masks_give_the_workers_own_tokens(tiny_stub: Stub, tiny_dir: Path) -> None:
-    epoch = _epoch(tiny_stub)
+    epoch = epoch_of(tiny_stub)
     eos = list(tiny_stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids)
     prompts = _prompts(10)
     schemas = [SCHEMA_TEXTS[i] for i in range(len(prompts))]
@@ -99,7 +95,7 @@ def test_a_mask_allowing_one_token_gives_that_token(tiny_stub: Stub) -> None:
     words = np.zeros(WORDS, dtype="<u4")
     words[12345 // 32] = 1 << (12345 % 32)
     step = pb.ExecuteRequest(
-        worker_epoch=_epoch(tiny_stub),
+        worker_epoch=epoch_of(tiny_stub),
         new_requests=[
             pb.NewRequest(
                 req_id="a",
@@ -117,7 +113,7 @@ def test_a_mask_allowing_one_token_gives_that_token(tiny_stub: Stub) -> None:
     words[0] |= np.uint32(1 << 2)
     held_back = pb.SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2)
     step = pb.ExecuteRequest(
-        worker_epoch=_epoch(tiny_stub),
+        worker_epoch=epoch_of(tiny_stub),
         new_requests=[
             pb.NewRequest(req_id="b", prompt_token_ids=[1, 2], sampling_params=held_back)
         ],
@@ -189,7 +185,7 @@ def test_a_bad_mask_rejects_the_step(
     shared_stub: Stub, step: pb.ExecuteRequest, named: str
 ) -> None:
     tiny_stub = shared_stub
-    step.worker_epoch = _epoch(tiny_stub)
+    step.worker_epoch = epoch_of(tiny_stub)
     with pytest.raises(grpc.RpcError) as caught:
         tiny_stub.Execute(step)
     assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT

@@ -12,7 +12,16 @@ from typing import Any
 
 import grpc
 import pytest
-from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens, wait_until_idle
+from driver import (
+    bring_up,
+    code_of,
+    details_of,
+    drive,
+    epoch_of,
+    greedy,
+    mlx_lm_tokens,
+    wait_until_idle,
+)
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -28,10 +37,6 @@ def reference(tiny_dir: Path) -> list[list[int]]:
     return mlx_lm_tokens(tiny_dir, PROMPTS, TOKENS)
 
 
-def _epoch(stub: Stub) -> int:
-    return stub.GetInfo(pb.GetInfoRequest()).worker_epoch
-
-
 @pytest.mark.parametrize("steps", [5, 24])
 def test_multi_step_calls_give_mlx_lm_tokens_in_fewer_calls(
     tiny_stub: Stub, reference: list[list[int]], steps: int
@@ -39,7 +44,7 @@ def test_multi_step_calls_give_mlx_lm_tokens_in_fewer_calls(
     calls: list[pb.ExecuteRequest] = []
     got = drive(
         tiny_stub,
-        _epoch(tiny_stub),
+        epoch_of(tiny_stub),
         PROMPTS,
         max_tokens=TOKENS,
         params=greedy(TOKENS, ignore_eos=True),
@@ -52,7 +57,7 @@ def test_multi_step_calls_give_mlx_lm_tokens_in_fewer_calls(
 
 
 def test_stopping_rules_fire_inside_a_call(tiny_stub: Stub, reference: list[list[int]]) -> None:
-    epoch = _epoch(tiny_stub)
+    epoch = epoch_of(tiny_stub)
     stop_on = reference[0][2]
     new = [
         pb.NewRequest(req_id="len", prompt_token_ids=PROMPTS[0], sampling_params=greedy(3)),
@@ -96,7 +101,7 @@ def test_stopping_rules_fire_inside_a_call(tiny_stub: Stub, reference: list[list
 def test_too_many_decode_steps_are_refused_whole(tiny_stub: Stub, bad: int) -> None:
     request = pb.ExecuteRequest(
         step_id=1,
-        worker_epoch=_epoch(tiny_stub),
+        worker_epoch=epoch_of(tiny_stub),
         new_requests=[
             pb.NewRequest(req_id="a", prompt_token_ids=[1, 2], sampling_params=greedy(4))
         ],
@@ -147,7 +152,7 @@ def test_generate_streams_ride_along_a_multi_step_call(
     first = next(stream)
     got = drive(
         tiny_stub,
-        _epoch(tiny_stub),
+        epoch_of(tiny_stub),
         PROMPTS[:2],
         max_tokens=TOKENS,
         params=greedy(TOKENS, ignore_eos=True),

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from driver import drive
+from driver import drive, epoch_of
 from mlx_lm import load
 
 from mlx_worker_svc.client.execute_loop import run_prompts
@@ -34,17 +34,13 @@ def _log_softmax(model: object, tokens: list[int]) -> np.ndarray:
     return np.array(out)
 
 
-def _epoch(stub: Stub) -> int:
-    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-
-
 def _run(
     stub: Stub, prompts: list[list[int]], params: list[pb.SamplingParams], chunk: int | None = None
 ) -> list[list[pb.RequestOutput]]:
     """Drives the prompts together; returns every output message per request, in order."""
     ids = [f"s{i}" for i in range(len(prompts))]
     return run_prompts(
-        stub.Execute, _epoch(stub), prompts, params, req_ids=ids, chunk=chunk
+        stub.Execute, epoch_of(stub), prompts, params, req_ids=ids, chunk=chunk
     ).outputs
 
 
@@ -89,7 +85,7 @@ def _continued(
 ) -> list[int]:
     """What a request continued elsewhere samples: prompt + its tokens so far, the
     latter named as output (NewRequest.num_generated_tokens), as the fleet fails over."""
-    epoch, whole = _epoch(stub), prompt + before
+    epoch, whole = epoch_of(stub), prompt + before
     new = pb.NewRequest(req_id="cont", prompt_token_ids=whole, num_generated_tokens=len(before))
     new.sampling_params.CopyFrom(params)
     step = pb.ExecuteRequest(worker_epoch=epoch, new_requests=[new])
@@ -213,7 +209,7 @@ def test_penalties_and_bias_follow_vllm_semantics(
 
 
 def test_top_k_one_is_greedy_and_samples_stay_in_the_vocabulary(tiny_stub: Stub) -> None:
-    epoch = _epoch(tiny_stub)
+    epoch = epoch_of(tiny_stub)
     greedy = drive(
         tiny_stub,
         epoch,

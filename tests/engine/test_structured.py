@@ -8,28 +8,20 @@ GRAMMAR_COMPLETE, and leave the free rows of its batch as they were.
 from __future__ import annotations
 
 import json
-import random
 import re
-import threading
-import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-import grpc
 import jsonschema
 import pytest
-from driver import bring_up, code_of, details_of, live_server, wait_until_idle
+from driver import epoch_of, wait_until_idle
 from structured_driver import (
-    CHOICE_PAST_LIMIT,
     CHOICES,
     REGEXES,
     SCHEMA_TEXTS,
     SCHEMAS,
     Finished,
     constrained,
-    failing_beside,
+    random_prompts,
     run_requests,
 )
 
@@ -38,23 +30,6 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 
 Stub = pb_grpc.WorkerServiceStub
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def shared_stub(tiny_dir: Path) -> Iterator[Stub]:
-    """One worker for the tests that only get refusals (a refused step changes nothing)."""
-    with live_server() as (_, stub):
-        bring_up(stub, tiny_dir)
-        yield stub
-
-
-def _epoch(stub: Stub) -> int:
-    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
-
-
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(rng.randrange(3, 12))] for _ in range(count)]
 
 
 def _text(stub: Stub, tokens: list[int]) -> str:
@@ -69,7 +44,7 @@ def _completed(stub: Stub, results: list[Finished]) -> list[str]:
 
 
 def test_200_requests_over_20_schemas_all_validate(tiny_stub: Stub) -> None:
-    prompts = _prompts(200, seed=1)
+    prompts = random_prompts(200, seed=1)
     requests = []
     for i, prompt in enumerate(prompts):
         # Greedy and seeded sampling. Compact JSON: free whitespace lets noise pad
@@ -83,7 +58,7 @@ def test_200_requests_over_20_schemas_all_validate(tiny_stub: Stub) -> None:
             disable_any_whitespace=True,
         )
         requests.append((prompt, params))
-    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    texts = _completed(tiny_stub, run_requests(tiny_stub, epoch_of(tiny_stub), requests))
     for i, text in enumerate(texts):
         jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
     assert len(set(texts)) > 40  # the noise really varies the answers
@@ -91,7 +66,7 @@ def test_200_requests_over_20_schemas_all_validate(tiny_stub: Stub) -> None:
 
 
 def test_regex_and_choice_outputs_match(tiny_stub: Stub) -> None:
-    prompts = _prompts(40, seed=2)
+    prompts = random_prompts(40, seed=2)
     requests = [
         (p, constrained(MAX_TOKENS, regex=REGEXES[i % len(REGEXES)])) for i, p in enumerate(prompts)
     ]
@@ -99,7 +74,7 @@ def test_regex_and_choice_outputs_match(tiny_stub: Stub) -> None:
         (p, constrained(MAX_TOKENS, choice=pb.StructuredChoice(choices=CHOICES[i % len(CHOICES)])))
         for i, p in enumerate(prompts)
     ]
-    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    texts = _completed(tiny_stub, run_requests(tiny_stub, epoch_of(tiny_stub), requests))
     for i, text in enumerate(texts[:40]):
         assert re.fullmatch(REGEXES[i % len(REGEXES)], text), text
     for i, text in enumerate(texts[40:]):
@@ -110,9 +85,9 @@ def test_json_object_gives_an_object_or_a_prefix_of_one(tiny_stub: Stub) -> None
     # Any object: the noise picks free keys and strings, so some run out of tokens.
     requests = [
         (p, constrained(48, json_object=True, disable_any_whitespace=True, seed=i, temperature=1))
-        for i, p in enumerate(_prompts(8, seed=7))
+        for i, p in enumerate(random_prompts(8, seed=7))
     ]
-    for r in run_requests(tiny_stub, _epoch(tiny_stub), requests):
+    for r in run_requests(tiny_stub, epoch_of(tiny_stub), requests):
         text = _text(tiny_stub, r.tokens)
         assert text.startswith("{")
         if r.reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
@@ -130,10 +105,10 @@ def test_the_boolean_schema_true_gives_any_json_value(tiny_stub: Stub) -> None:
                 48, json_schema=" true", disable_any_whitespace=True, seed=i, temperature=1
             ),
         )
-        for i, p in enumerate(_prompts(8, seed=5))
+        for i, p in enumerate(random_prompts(8, seed=5))
     ]
     complete = 0
-    for r in run_requests(tiny_stub, _epoch(tiny_stub), requests):
+    for r in run_requests(tiny_stub, epoch_of(tiny_stub), requests):
         if r.reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
             json.loads(_text(tiny_stub, r.tokens))
             complete += 1
@@ -162,13 +137,13 @@ def test_annotations_are_accepted_and_shape_nothing(tiny_stub: Stub) -> None:
     field: dict[str, Any] = {"type": "string", "maxLength": 6}
     plain = {"type": "object", "properties": {"s": field}}
     annotated = {"type": "object", "properties": {"s": field | annotations}}
-    prompts = _prompts(3, seed=6)
+    prompts = random_prompts(3, seed=6)
     outputs = [
         [
             r.tokens
             for r in run_requests(
                 tiny_stub,
-                _epoch(tiny_stub),
+                epoch_of(tiny_stub),
                 [
                     (p, constrained(24, json_schema=json.dumps(schema), seed=i, temperature=1))
                     for i, p in enumerate(prompts)
@@ -181,12 +156,12 @@ def test_annotations_are_accepted_and_shape_nothing(tiny_stub: Stub) -> None:
 
 
 def test_grammars_in_lark_and_gbnf(tiny_stub: Stub) -> None:
-    prompts = _prompts(6, seed=3)
+    prompts = random_prompts(6, seed=3)
     lark = 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]{1,3}/'
     gbnf = 'root ::= "[" item ("," item)? "]"\nitem ::= [a-c] [a-c]?'
     requests = [(p, constrained(MAX_TOKENS, lark_grammar=lark)) for p in prompts[:3]]
     requests += [(p, constrained(MAX_TOKENS, gbnf_grammar=gbnf)) for p in prompts[3:]]
-    texts = _completed(tiny_stub, run_requests(tiny_stub, _epoch(tiny_stub), requests))
+    texts = _completed(tiny_stub, run_requests(tiny_stub, epoch_of(tiny_stub), requests))
     for text in texts[:3]:
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3}){0,2}\)", text), text
     for text in texts[3:]:
@@ -194,8 +169,8 @@ def test_grammars_in_lark_and_gbnf(tiny_stub: Stub) -> None:
 
 
 def test_free_rows_keep_their_tokens_beside_constrained_rows(tiny_stub: Stub) -> None:
-    epoch = _epoch(tiny_stub)
-    prompts = _prompts(16, seed=4)
+    epoch = epoch_of(tiny_stub)
+    prompts = random_prompts(16, seed=4)
     free = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = run_requests(tiny_stub, epoch, [(p, free) for p in prompts[::2]])
     mixed_requests = [
@@ -224,8 +199,8 @@ def test_free_rows_keep_their_tokens_beside_constrained_rows(tiny_stub: Stub) ->
 def test_same_tokens_through_chunks_multi_step_and_preemption(
     tiny_stub: Stub, how: str, options: dict[str, object]
 ) -> None:
-    epoch = _epoch(tiny_stub)
-    prompts = _prompts(4, seed=5)
+    epoch = epoch_of(tiny_stub)
+    prompts = random_prompts(4, seed=5)
     requests = [
         (
             p,
@@ -247,8 +222,8 @@ def test_same_tokens_through_chunks_multi_step_and_preemption(
 
 
 def test_max_tokens_first_ends_with_length_and_logprobs_are_raw(tiny_stub: Stub) -> None:
-    epoch = _epoch(tiny_stub)
-    prompt = _prompts(1, seed=6)[0]
+    epoch = epoch_of(tiny_stub)
+    prompt = random_prompts(1, seed=6)[0]
     short = constrained(3, json_schema=SCHEMA_TEXTS[1], disable_any_whitespace=True)
     short.logprobs = 0
     [cut] = run_requests(tiny_stub, epoch, [(prompt, short)])
@@ -279,344 +254,3 @@ def test_generate_honours_the_spec(tiny_stub: Stub) -> None:
     messages = list(tiny_stub.Generate(request))
     assert messages[-1].finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
     jsonschema.validate(json.loads("".join(m.text for m in messages)), SCHEMAS[5])
-
-
-EMPTY_ONLY = [{"regex": "(?:)"}, {"lark_grammar": 'start: ""'}]
-
-
-@pytest.mark.parametrize("spec", EMPTY_ONLY, ids=["regex", "lark"])
-@pytest.mark.parametrize("min_tokens", [0, 3])
-def test_a_spec_only_the_empty_text_matches_ends_with_eos(
-    shared_stub: Stub, spec: dict[str, Any], min_tokens: int
-) -> None:
-    """Its one token is EOS, FINISH_REASON_EOS, even before min_tokens: the grammar
-    decides where the output ends (min_tokens once masked the only token it allowed,
-    and the step failed as if the spec were past the engine's limits)."""
-    stub = shared_stub
-    eos = list(stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids)
-    params = constrained(8, **spec)
-    params.min_tokens = min_tokens
-    messages = list(stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
-    assert [t for m in messages for t in m.token_ids] == eos[:1]
-    assert messages[-1].finish_reason == pb.FINISH_REASON_EOS
-    assert "".join(m.text for m in messages) == ""
-    step = pb.ExecuteRequest(
-        worker_epoch=_epoch(stub),
-        new_requests=[pb.NewRequest(req_id="e", prompt_token_ids=[5, 6], sampling_params=params)],
-        num_scheduled_tokens={"e": 2},
-    )
-    (out,) = stub.Execute(step).outputs
-    assert list(out.sampled_token_ids) == eos[:1]
-    assert out.finish_reason == pb.FINISH_REASON_EOS
-
-
-def test_min_tokens_holds_eos_back_where_the_grammar_allows_more(tiny_stub: Stub) -> None:
-    """EOS, biased to win wherever it may, comes only after min_tokens tokens."""
-    eos = int(tiny_stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids[0])
-    for min_tokens in (0, 1, 4):
-        params = constrained(12, regex="[a-z ]*")
-        params.min_tokens = min_tokens
-        params.logit_bias[eos] = 1000.0
-        messages = list(tiny_stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
-        tokens = [t for m in messages for t in m.token_ids]
-        assert len(tokens) == min_tokens + 1 and tokens[-1] == eos, tokens
-        assert eos not in tokens[:-1]
-        assert messages[-1].finish_reason == pb.FINISH_REASON_EOS
-
-
-BAD_SPECS = [
-    ({"json_schema": "{not json"}, "structured_outputs.json_schema"),
-    ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "uniqueItems"),
-    ({"json_schema": '{"type": "string", "minLength": 3, "maxLength": 2}'}, "minLength"),
-    ({"json_schema": '{"type": "strnig"}'}, "strnig"),
-    # Integers a double cannot hold: the engine would round them (2^53 + 1 to 2^53).
-    ({"json_schema": '{"const": 9007199254740993}'}, "const holds 9007199254740993, past 2^53"),
-    (
-        {
-            "json_schema": '{"type": "object", "properties": '
-            '{"n": {"enum": [1, -18446744073709551616]}}}'
-        },
-        "properties.n.enum holds -18446744073709551616, past 2^53",
-    ),
-    (
-        {"json_schema": '{"type": "integer", "minimum": 9007199254740993}'},
-        "minimum holds 9007199254740993",
-    ),
-    # Written with a fraction it is rounded as it is read: refused from 2^53 on.
-    ({"json_schema": '{"const": 9007199254740993.0}'}, "const holds 9007199254740992.0"),
-    ({"regex": "a["}, "structured_outputs.regex"),
-    ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
-    ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),
-    ({"choice": pb.StructuredChoice()}, "structured_outputs.choice.choices is empty"),
-    ({"json_schema": "false"}, "json_schema is the schema false: no JSON value matches it"),
-    ({"json_schema": "[1, 2]"}, "json_schema: a JSON Schema is an object (or true), got an array"),
-    (
-        {"json_schema": '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'},
-        "json_schema: oneOf is taken only where its branches cannot both match, and these "
-        "may: use anyOf",
-    ),
-    ({"json_object": False}, "structured_outputs.json_object must be true"),
-    ({}, "structured_outputs: set one of"),
-    ({"regex": "a+", "disable_any_whitespace": True}, "disable_any_whitespace"),
-    # Specs no text matches: their first mask has no token, not even EOS.
-    ({"regex": r"[^\s\S]"}, "structured_outputs.regex: no text matches this spec"),
-    ({"lark_grammar": 'start: start "a"'}, "lark_grammar: no text matches this spec"),
-    (
-        {"json_schema": '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'},
-        "json_schema: no text matches this spec",
-    ),
-]
-
-
-@pytest.mark.parametrize(("spec", "named"), BAD_SPECS, ids=[n for _, n in BAD_SPECS])
-def test_a_bad_spec_rejects_the_whole_step(
-    shared_stub: Stub, spec: dict[str, Any], named: str
-) -> None:
-    tiny_stub = shared_stub
-    epoch = _epoch(tiny_stub)
-    good = constrained(8, regex="[a-z]+")
-    step = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        new_requests=[
-            pb.NewRequest(req_id="good", prompt_token_ids=[1, 2], sampling_params=good),
-            pb.NewRequest(
-                req_id="bad", prompt_token_ids=[1, 2], sampling_params=constrained(8, **spec)
-            ),
-        ],
-        num_scheduled_tokens={"good": 2, "bad": 2},
-    )
-    with pytest.raises(grpc.RpcError) as caught:
-        tiny_stub.Execute(step)
-    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert "new_requests[1]" in details_of(caught.value) and named in details_of(caught.value)
-    assert wait_until_idle(tiny_stub, 10).num_running_requests == 0
-    with pytest.raises(grpc.RpcError) as generate:
-        list(
-            tiny_stub.Generate(
-                pb.GenerateRequest(prompt="x", sampling_params=constrained(8, **spec))
-            )
-        )
-    assert code_of(generate.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert named in details_of(generate.value)
-
-
-def test_ignore_eos_is_refused_with_a_spec(shared_stub: Stub) -> None:
-    tiny_stub = shared_stub
-    params = constrained(8, regex="[a-z]+")
-    params.ignore_eos = True
-    step = pb.ExecuteRequest(
-        worker_epoch=_epoch(tiny_stub),
-        new_requests=[pb.NewRequest(req_id="a", prompt_token_ids=[1], sampling_params=params)],
-        num_scheduled_tokens={"a": 1},
-    )
-    with pytest.raises(grpc.RpcError) as caught:
-        tiny_stub.Execute(step)
-    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling_params.ignore_eos cannot be combined" in details_of(caught.value)
-
-
-def test_a_continuation_elsewhere_keeps_the_grammar(tiny_stub: Stub) -> None:
-    epoch = _epoch(tiny_stub)
-    prompt = _prompts(1, seed=8)[0]
-    spec: dict[str, Any] = {"json_schema": SCHEMA_TEXTS[6], "disable_any_whitespace": True}
-    [whole] = run_requests(tiny_stub, epoch, [(prompt, constrained(MAX_TOKENS, **spec))])
-    [head] = run_requests(tiny_stub, epoch, [(prompt, constrained(5, **spec))])
-    assert head.tokens == whole.tokens[:5]
-    # As a fleet continues a request after a failover: prompt + output so far.
-    step = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        new_requests=[
-            pb.NewRequest(
-                req_id="rest",
-                prompt_token_ids=prompt + head.tokens,
-                sampling_params=constrained(MAX_TOKENS, **spec),
-                num_generated_tokens=len(head.tokens),
-            )
-        ],
-        num_scheduled_tokens={"rest": len(prompt) + len(head.tokens)},
-        num_decode_steps=64,
-    )
-    [rest] = tiny_stub.Execute(step).outputs
-    assert rest.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
-    assert head.tokens + list(rest.sampled_token_ids) == whole.tokens
-
-
-@pytest.mark.parametrize(
-    ("generated", "named"), [(4, "must leave at least one"), (2, "not a start its")]
-)
-def test_a_bad_continuation_is_refused(shared_stub: Stub, generated: int, named: str) -> None:
-    tiny_stub = shared_stub
-    params = constrained(8, regex="[0-9]+")
-    step = pb.ExecuteRequest(
-        worker_epoch=_epoch(tiny_stub),
-        new_requests=[
-            pb.NewRequest(
-                req_id="c",
-                prompt_token_ids=[1000, 1001, 1002, 1003],
-                sampling_params=params,
-                num_generated_tokens=generated,
-            )
-        ],
-        num_scheduled_tokens={"c": 4},
-    )
-    with pytest.raises(grpc.RpcError) as caught:
-        tiny_stub.Execute(step)
-    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert "new_requests[0] (req_id 'c').num_generated_tokens" in details_of(caught.value)
-    assert named in details_of(caught.value)
-
-
-# Past llguidance's parser limits only on a token: CHOICE_PAST_LIMIT, and a regex
-# whose lexer needs too many expressions.
-REGEX_PAST_LIMIT: dict[str, Any] = {"regex": "(x{1000}){1021}"}
-LIMIT = "the grammar engine (llguidance) reached one of its limits on this spec: "
-
-
-def test_a_spec_past_the_engines_limits_fails_its_request_alone(shared_stub: Stub) -> None:
-    """A limit reached while a request runs is INVALID_ARGUMENT naming the request and
-    the field, never INTERNAL, never an EOS-only text the spec does not match; the step
-    is undone, and the same spec sent again fails the same way (its cached matcher,
-    which may share the exhausted state, is dropped)."""
-    stub = shared_stub
-    epoch = _epoch(stub)
-    free = pb.SamplingParams(temperature=0, max_tokens=2)
-    step = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        new_requests=[
-            pb.NewRequest(req_id="free", prompt_token_ids=[5, 6], sampling_params=free),
-            pb.NewRequest(
-                req_id="bad",
-                prompt_token_ids=[5, 6],
-                sampling_params=constrained(8, **CHOICE_PAST_LIMIT),
-            ),
-        ],
-        num_scheduled_tokens={"free": 2, "bad": 2},
-    )
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.Execute(step)
-    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert details_of(caught.value).startswith(
-        f"req_id 'bad': sampling_params.structured_outputs.choice: {LIMIT}Parser Error: "
-        "Current row has 2002 items; max is 2000"
-    )
-    assert wait_until_idle(stub, 10).num_running_requests == 0  # nothing was applied
-    # As the proto says: finish the request (new in the failed step, so never held: no
-    # NOT_FOUND) and schedule the others again.
-    again = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        new_requests=[step.new_requests[0]],
-        num_scheduled_tokens={"free": 2},
-        finished_req_ids=["bad"],
-    )
-    assert stub.Execute(again).outputs[0].req_id == "free"
-    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["free"]))
-    # A request that ran a step (a prompt chunk) before it reached the limit: the step
-    # that reaches it is undone, and the request stays where it was until freed.
-    params = constrained(8, **CHOICE_PAST_LIMIT)
-    chunk = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        new_requests=[
-            pb.NewRequest(req_id="late", prompt_token_ids=[5, 6, 7, 8], sampling_params=params)
-        ],
-        num_scheduled_tokens={"late": 2},
-    )
-    assert stub.Execute(chunk).outputs[0].num_computed_tokens == 2
-    rest = pb.ExecuteRequest(
-        worker_epoch=epoch,
-        cached_requests=[pb.CachedRequest(req_id="late", num_computed_tokens=2)],
-        num_scheduled_tokens={"late": 2},
-    )
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.Execute(rest)
-    assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert details_of(caught.value).startswith(
-        "req_id 'late': sampling_params.structured_outputs.choice: "
-    )
-    assert stub.CheckHealth(pb.CheckHealthRequest()).num_running_requests == 1
-    stub.Execute(pb.ExecuteRequest(worker_epoch=epoch, finished_req_ids=["late"]))
-    assert wait_until_idle(stub, 10).num_running_requests == 0
-    for _ in range(2):  # Generate, twice: the second finds no poisoned matcher
-        request = pb.GenerateRequest(prompt="x", sampling_params=constrained(8, **REGEX_PAST_LIMIT))
-        with pytest.raises(grpc.RpcError) as generate:
-            list(stub.Generate(request))
-        assert code_of(generate.value) == grpc.StatusCode.INVALID_ARGUMENT
-        assert details_of(generate.value) == (
-            f"sampling_params.structured_outputs.regex: {LIMIT}lexer error: too many "
-            "expressions constructed; simplify the spec (fewer alternatives, shorter repetitions)"
-        )
-
-
-def test_a_failed_step_leaves_the_kv_it_did_not_write_and_caches_nothing(
-    shared_stub: Stub,
-) -> None:
-    """A decode row the failed step did not schedule keeps its KV: its logprobs are the
-    very ones of a run without the failure (its KV was rebuilt, which with quantized KV
-    changed its tokens); and the prompt blocks the step put in the prefix cache are
-    taken out again, so a request of it sent again finds none."""
-    clean = failing_beside(shared_stub, fail=False)
-    failed = failing_beside(shared_stub, fail=True)
-    assert failed == clean
-    assert failed[1] == 0
-
-
-def test_a_generate_request_past_a_limit_does_not_fail_the_step_it_rides(tiny_dir: Path) -> None:
-    """A Generate request riding along a scheduler's step (both queued while the engine
-    was busy) fails alone; the scheduler's step runs."""
-    with live_server() as (server, stub):
-        bring_up(stub, tiny_dir)
-        gate = threading.Event()
-        blocker = server.worker.core.engine.submit(gate.wait)  # occupies the engine thread
-        request = pb.GenerateRequest(
-            prompt="x", sampling_params=constrained(8, **CHOICE_PAST_LIMIT)
-        )
-        with ThreadPoolExecutor(2) as pool:
-            generate = pool.submit(lambda: list(stub.Generate(request)))
-            engine = server.worker.core.engine
-            deadline = time.monotonic() + 30
-            while engine.queued < 1:  # the Generate start is queued first
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            params = pb.SamplingParams(temperature=0, max_tokens=1)
-            step = pb.ExecuteRequest(
-                worker_epoch=_epoch(stub),
-                new_requests=[
-                    pb.NewRequest(req_id="s", prompt_token_ids=[5, 6], sampling_params=params)
-                ],
-                num_scheduled_tokens={"s": 2},
-            )
-            execute = pool.submit(stub.Execute, step)
-            while engine.queued < 2:  # then the scheduler's step
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            gate.set()
-            blocker.result(timeout=10)
-            output = execute.result(timeout=30).outputs[0]
-            assert output.req_id == "s" and len(output.sampled_token_ids) == 1
-            with pytest.raises(grpc.RpcError) as caught:
-                generate.result(timeout=30)
-        assert code_of(caught.value) == grpc.StatusCode.INVALID_ARGUMENT
-        assert details_of(caught.value).startswith(
-            f"sampling_params.structured_outputs.choice: {LIMIT}"
-        )
-        assert wait_until_idle(stub, 10).num_running_requests == 0
-
-
-def test_a_dead_end_deeper_in_the_spec_fails_saying_so(tiny_stub: Stub) -> None:
-    """A required property whose schema only refers to itself: the first mask has '{'
-    and the key, then no text continues. The request fails there, saying it is a dead
-    end of the spec, not one of the engine's limits."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"$ref": "#/$defs/d"}},
-        "required": ["a"],
-        "$defs": {"d": {"$ref": "#/$defs/d"}},
-    }
-    params = constrained(50, json_schema=json.dumps(schema), disable_any_whitespace=True)
-    with pytest.raises(grpc.RpcError) as failed:
-        list(tiny_stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=params)))
-    assert code_of(failed.value) == grpc.StatusCode.INVALID_ARGUMENT
-    assert details_of(failed.value).startswith(
-        "sampling_params.structured_outputs.json_schema: the output reached a point no "
-        "text continues under this spec"
-    ), details_of(failed.value)
-    assert wait_until_idle(tiny_stub, 10).num_running_requests == 0

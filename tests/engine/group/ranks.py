@@ -126,7 +126,3 @@ class Single:
 
     def tokens(self, prompts: list[list[int]], params: pb.SamplingParams) -> list[list[int]]:
         return drive(self.stub, self.epoch, prompts, max_tokens=params.max_tokens, params=params)
-
-
-def epoch_of(stub: pb_grpc.WorkerServiceStub) -> int:
-    return int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from driver import code_of, details_of, drive, greedy
-from engine.group.ranks import MAX_TOKENS, Group, Single, epoch_of
+from driver import code_of, details_of, drive, epoch_of, greedy
+from engine.group.ranks import MAX_TOKENS, Group, Single
 from grpcurl_cli import Grpcurl, grpcurl_binary
 from mlx_lm.models import llama
 from processes import Fleet, Proc, distinct_prompts, run_streams, token_request

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from driver import code_of, details_of, drive, greedy, live_server
-from engine.group.ranks import MAX_TOKENS, WATCHDOG, Group, HealthWatch, Single, epoch_of
+from driver import code_of, details_of, drive, epoch_of, greedy, live_server
+from engine.group.ranks import MAX_TOKENS, WATCHDOG, Group, HealthWatch, Single
 from processes import Stream, distinct_prompts, token_request
 
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from driver import drive, greedy, live_server
-from engine.group.ranks import Group, epoch_of
+from driver import drive, epoch_of, greedy, live_server
+from engine.group.ranks import Group
 from processes import distinct_prompts
 from tiny_model import build_tiny_model
 

@@ -251,7 +251,8 @@ def check_new_tokens(seq: Sequence, new: Seq[int], scheduled: int, where: str) -
     num_computed_tokens (vLLM's pipeline-parallel path echoes the sampled
     token; a resume may send the whole sequence) sends tokens the worker holds
     already: when `new` repeats the held tokens from num_computed_tokens, from
-    the end of the prompt or from the start, and the step would not compute
+    the end of the prompt, from the start, or its last tokens (a sampled token
+    echoed on a resume), and the step would not compute
     past them, appending would duplicate them, so the step is refused. So are
     appends that leave no room for the token the request samples next.
     """
@@ -259,7 +260,9 @@ def check_new_tokens(seq: Sequence, new: Seq[int], scheduled: int, where: str) -
         return
     held = seq.tokens
     end = seq.num_computed + scheduled
-    for start in dict.fromkeys((seq.num_computed, seq.prompt_len, 0)):
+    # Also its last tokens: an echoed sampled token on a resume (from 0).
+    suffix = len(held) - len(new)
+    for start in dict.fromkeys((seq.num_computed, seq.prompt_len, 0, max(suffix, 0))):
         count = min(len(new), len(held) - start)
         if count < 1 or end > start + len(new) or list(new[:count]) != held[start : start + count]:
             continue

@@ -117,6 +117,30 @@ def test_a_resume_with_the_whole_sequence_is_refused(tiny_stub: Stub, tiny_dir: 
     assert s.tokens[len(PROMPT) :] == expected
 
 
+@pytest.mark.parametrize("echoed", [1, 2])
+def test_a_resume_with_its_last_tokens_echoed_is_refused(
+    tiny_stub: Stub, tiny_dir: Path, echoed: int
+) -> None:
+    """The last sampled token(s) sent back on a resume, as a decode step's echo: appending
+    them would hold them twice and the step would sample nothing."""
+    expected = mlx_lm_tokens(tiny_dir, [PROMPT], MAX_TOKENS)[0]
+    s = Scheduler(tiny_stub, PROMPT)
+    for _ in range(3):
+        s.step(1)
+    s.preempt()
+    held = list(s.tokens)
+    message = s.refused(len(held), held[-echoed:], resumed=True)
+    at = len(held) - echoed
+    assert f"repeats {held[-echoed:]}, which the worker holds from position {at}" in message
+    assert "resume it with num_computed_tokens 0 and no new_token_ids" in message
+    health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
+    assert health.num_preempted_requests == 1 and health.kv.used_blocks == 0
+    out = s.step(len(held), resumed=True)
+    assert out.num_computed_tokens == len(held) and len(out.sampled_token_ids) == 1
+    s.decode_to_end()
+    assert s.tokens[len(PROMPT) :] == expected
+
+
 def test_output_sent_back_is_refused_too(tiny_stub: Stub) -> None:
     s = Scheduler(tiny_stub, PROMPT)
     s.step(1)

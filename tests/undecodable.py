@@ -82,18 +82,18 @@ def _map_fields(field: FieldDescriptor, entry: Descriptor) -> Iterator[tuple[str
     key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
     if key.type == FieldDescriptor.TYPE_STRING:
         yield (
-            f"a key of {field.name}",
+            f"{field.name} (a key)",
             lambda m: getattr(m, field.name).__setitem__(PLACEHOLDER, value.default_value),
         )
     some_key = "k" if key.type == FieldDescriptor.TYPE_STRING else 1
     if value.type == FieldDescriptor.TYPE_STRING:
         yield (
-            f"a {field.name} value",
+            f"{field.name} (a value)",
             lambda m: getattr(m, field.name).__setitem__(some_key, PLACEHOLDER),
         )
     elif value.message_type is not None:
-        for _, setter in string_fields(value.message_type):
-            yield f"a {field.name} value", _in_map_value(field.name, some_key, setter)
+        for inner, setter in string_fields(value.message_type):
+            yield f"{field.name} (a value's {inner})", _in_map_value(field.name, some_key, setter)
 
 
 def _in_map_value(name: str, key: str | int, setter: Setter) -> Setter:

@@ -89,7 +89,7 @@ def _unknown(descriptor: Descriptor | None, data: bytes, message: Any) -> Undeco
     path = None if descriptor is None else unknown_field_path(descriptor, data)
     if descriptor is None or path is None:
         return None
-    if "(wire type" in path:  # a known field written as another type: a corrupt request
+    if "wire type " in path:  # a known field written as another type: a corrupt request
         return Undecodable(f"the request bytes do not decode as {descriptor.full_name}: {path}")
     return Undecodable(
         f"{descriptor.full_name}: {path} is not a field this server knows (a client "
@@ -181,7 +181,7 @@ def _walk(descriptor: Descriptor, data: bytes, visit: Visit) -> str | None:
 
 def bad_utf8_path(descriptor: Descriptor, data: bytes, depth: int = 0) -> str | None:
     """The path of the first `string` field in `data` that is not UTF-8, if any
-    ("new_requests[2].req_id", "a key of num_scheduled_tokens")."""
+    ("new_requests[2].req_id", "num_scheduled_tokens (a key)")."""
 
     def visit(
         field: FieldDescriptor | None, _n: int, chunk: bytes | None, index: int, _wire: int
@@ -245,9 +245,17 @@ def _bad_utf8_in(field: FieldDescriptor, chunk: bytes, depth: int) -> str | None
 
 
 def _path(field: FieldDescriptor, index: int, inner: str) -> str:
+    """`field`'s path with the `inner` path within it: "new_requests[2].req_id", and for
+    a map, what in one of its entries: "num_scheduled_tokens (a key)", "logit_bias (a
+    value, wire type 2, not its type's)", "grammar_bitmask (an entry's field 3)"."""
     message = field.message_type
     if message is not None and message.GetOptions().map_entry:
-        return f"a key of {field.name}" if inner == "key" else f"a {field.name} value"
+        part, _, rest = inner.partition(" ")
+        part, _, within = part.partition(".")
+        if part in ("key", "value"):
+            what = f"a {part}" + (f"'s {within}" if within else "")
+            return f"{field.name} ({what}{', ' + rest.strip('()') if rest else ''})"
+        return f"{field.name} (an entry's {inner})"
     name = f"{field.name}[{index}]" if field.is_repeated else field.name
     return f"{name}.{inner}" if inner else name
 

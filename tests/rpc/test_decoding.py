@@ -257,6 +257,40 @@ def test_a_field_unknown_here_is_unimplemented_naming_it(stack: Stack) -> None:
         assert _unary(port, f"/{service}/Generate", unpacked) == (Code.OK, "")
 
 
+def _chunk(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def test_a_map_entry_that_does_not_fit_its_map_is_named(stack: Stack) -> None:
+    """A map entry's key or value in another wire type is INVALID_ARGUMENT naming the map
+    (nested too); a field an entry does not have is UNIMPLEMENTED naming its number."""
+    execute = "/mlx_worker.v1.WorkerService/Execute"
+    prefix = "the request bytes do not decode as mlx_worker.v1.ExecuteRequest: "
+    value_as_bytes = _chunk(5, _chunk(1, b"r") + _chunk(2, b"ab"))  # num_scheduled_tokens
+    key_as_number = _chunk(5, _varint(1 << 3) + _varint(3) + _varint(2 << 3) + _varint(5))
+    params = pb.SamplingParams(max_tokens=2).SerializeToString()
+    params += _chunk(8, _varint(1 << 3) + _varint(5) + _chunk(2, b"xx"))  # logit_bias
+    new = pb.NewRequest(req_id="r", prompt_token_ids=PROMPT).SerializeToString()
+    nested = _chunk(3, new + _chunk(3, params))
+    for data, what in (
+        (value_as_bytes, "num_scheduled_tokens (a value, wire type 2, not its type's)"),
+        (key_as_number, "num_scheduled_tokens (a key, wire type 0, not its type's)"),
+        (
+            nested,
+            "new_requests[0].sampling_params.logit_bias (a value, wire type 2, not its type's)",
+        ),
+    ):
+        stack.sent["worker"] += 1
+        assert _unary(stack.worker_port, execute, data) == (Code.INVALID_ARGUMENT, prefix + what)
+    extra = _chunk(5, _chunk(1, b"r") + _varint(2 << 3) + _varint(1) + _varint(3 << 3) + _varint(1))
+    code, details = _unary(stack.worker_port, execute, extra)
+    assert code == Code.UNIMPLEMENTED, details
+    assert details.startswith(
+        "mlx_worker.v1.ExecuteRequest: num_scheduled_tokens (an entry's field 3) is not a "
+        "field this server knows"
+    )
+
+
 def test_no_traceback_and_the_greedy_output_is_unchanged(stack: Stack) -> None:
     assert greedy_tokens(stack.worker_port) == stack.before
     refusals = {"worker": stack.sent["worker"], "fleet": stack.sent["fleet"], "gateway": 0}

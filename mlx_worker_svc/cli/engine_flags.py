@@ -149,7 +149,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 def add_kv_arguments(parser: argparse.ArgumentParser, who: str) -> None:
     """`--kv-bits` and `--kv-group-size` (mlx-lm's names); `who` says which workers they set."""
-    bits = "|".join(map(str, options.KV_BITS))
+    bits = "|".join(map(str, (0, *options.KV_BITS)))
     parser.add_argument(
         "--kv-bits",
         type=int,

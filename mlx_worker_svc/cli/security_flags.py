@@ -98,7 +98,8 @@ def add_worker_client_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--worker-token-file",
         metavar="FILE",
-        help=f"bearer token sent to the workers, its first line (also: ${MLX_WORKER_CLIENT_TOKEN})",
+        help="bearer token sent to the workers: the file's first token (blank lines and # "
+        f"comments skipped; also: ${MLX_WORKER_CLIENT_TOKEN})",
     )
 
 

@@ -240,8 +240,8 @@ def _add_probe_arguments(cmd: argparse.ArgumentParser) -> None:
         type=seconds(zero=False),
         metavar="SECONDS",
         default=default.probe_interval,
-        help="CheckHealth every this many seconds, busy or idle "
-        f"(default {default.probe_interval:g})",
+        help="CheckHealth every this many seconds while a worker is idle or a step's reply "
+        f"is later than that (default {default.probe_interval:g})",
     )
     cmd.add_argument(
         "--probe-timeout-s",

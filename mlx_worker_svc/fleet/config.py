@@ -31,10 +31,12 @@ class LinkConfig:
     # A lost worker is probed again after retry_backoff s, doubling to max_backoff.
     retry_backoff: float = 0.5
     max_backoff: float = 2.0
-    # Health probes, busy or idle: one CheckHealth every probe_interval s, each
-    # one attempt with a probe_timeout s deadline; probe_misses timeouts in a
-    # row take the worker as hung (a refused connection at once), so a hang is
-    # found within probe_misses x (probe_interval + probe_timeout) s.
+    # Health probes, while idle or waiting longer than probe_interval s for a
+    # step's reply (a reply shows the worker lives): one CheckHealth every
+    # probe_interval s, each one attempt with a probe_timeout s deadline;
+    # probe_misses timeouts in a row take the worker as hung (a refused
+    # connection at once), so a hang is found within
+    # probe_misses x (probe_interval + probe_timeout) s.
     probe_interval: float = 1.0
     probe_timeout: float = 2.0
     probe_misses: int = 2

@@ -4,8 +4,10 @@ A `WorkerLink` owns one worker's client and a continuous-batching loop over
 the requests routed to it: each step gives every decoding request one token,
 then fills the token budget with prefill chunks, admitting waiting requests
 while the KV budget the worker reported has room. It speaks only the public
-Execute protocol. Busy or idle, the worker is probed with CheckHealth every
-`probe_interval` seconds (one attempt, `probe_timeout` each); when it refuses
+Execute protocol. An idle worker is probed with CheckHealth every
+`probe_interval` seconds (one attempt, `probe_timeout` each); a busy one shows
+it lives with each step's reply, and is probed the same way while a reply is
+later than `probe_interval`. When it refuses
 connections, misses `probe_misses` probes in a row (hung), or comes back with a
 new `worker_epoch` (restarted), every request on it is handed back to the
 fleet to continue elsewhere: a hang is found within

@@ -301,8 +301,7 @@ class WorkerLink:
 
     def _lose_everything(self, why: str) -> None:
         """The worker died, hung or restarted: every request goes back to the fleet."""
-        self.up, self.last_error = False, why
-        self.state = pb.WORKER_STATE_UNSPECIFIED
+        self.up, self.last_error = False, why  # its state stays the one last seen
         if self._pipe is not None:
             self._pipe.reset()
         self._orphans = [*self.running, *self.to_free]

@@ -8,6 +8,7 @@ nothing, and requests on a killed worker continue elsewhere token for token.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Callable
@@ -229,3 +230,26 @@ def test_status_shows_the_state_a_down_workers_probe_answered(
             time.sleep(0.05)
         assert "DRAINING" in seen.last_error
         stub.Shutdown(pb.ShutdownRequest(abort=True))
+
+
+def test_a_lost_worker_keeps_the_state_last_seen() -> None:
+    """Lost (its steps failed, its probes went unanswered), a worker's Status state is
+    the one last seen until a probe answers another (fleet.proto), not UNSPECIFIED."""
+    from mlx_worker_svc.fleet.link import WorkerLink
+
+    async def main() -> int:
+        link = WorkerLink(
+            "127.0.0.1:9",
+            LinkConfig(),
+            on_lost=lambda _lost: None,
+            on_up=lambda _link: None,
+            emit=lambda _link, _request: True,
+        )
+        link.up, link.state = True, pb.WORKER_STATE_SERVING
+        link._lose_everything("the worker answered no health check in 2 tries of 2 s")
+        shown = link.status()
+        await link.close()
+        assert not shown.up and shown.last_error.startswith("the worker answered no")
+        return int(shown.state)
+
+    assert asyncio.run(main()) == pb.WORKER_STATE_SERVING

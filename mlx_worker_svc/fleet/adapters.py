@@ -60,6 +60,19 @@ class AdapterOfAnotherModel(FleetError, InvalidArgument):
         )
 
 
+class AdapterModelNotServed(FleetError, NotFound):
+    """GenerateRequest.lora_name names an adapter whose model the fleet serves no more
+    (another model was loaded in its place from outside), and the request no model."""
+
+    def __init__(self, name: str, base: str, served: list[str]) -> None:
+        models = ", ".join(repr(m) for m in served) or "none"
+        super().__init__(
+            f"lora_name: adapter {name!r} runs on model {base!r}, which the fleet does not "
+            f"serve now (it serves {models}); an adapter keeps the model it was first seen "
+            "with (docs/adapters.md)"
+        )
+
+
 class AdapterLoadFailed(LoadFailed):
     """A worker refused to load a configured adapter (its path or its shapes)."""
 
@@ -86,6 +99,7 @@ class AdapterPlacement:
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # (worker, adapter)
         self._locks: dict[str, asyncio.Lock] = {}  # per worker: one load at a time
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
+        self._reading: asyncio.Future[None] | None = None  # refresh()'s ListLoras calls
 
     def learn(self, link: WorkerLink) -> None:
         """Takes the model of a worker that came up as the base of the adapters it is
@@ -96,6 +110,30 @@ class AdapterPlacement:
         if link.model_name:
             for name in link.adapters:
                 self.bases.setdefault(name, link.model_name)
+
+    async def refresh(self, up: list[WorkerLink]) -> None:
+        """Reads again what the workers of `up` hold (ListLoras): an AddLora or
+        RemoveLora from outside the fleet since a worker came up shows then. Callers
+        waiting meanwhile share the reading under way."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_all(up))
+        await asyncio.shield(self._reading)
+
+    async def _read_all(self, up: list[WorkerLink]) -> None:
+        try:
+            await asyncio.gather(*(self._read(link) for link in up))
+        finally:
+            self._reading = None
+
+    async def _read(self, link: WorkerLink) -> None:
+        async with self._locks.setdefault(link.target, asyncio.Lock()):
+            try:
+                listing = await link.client.list_loras(pb.ListLorasRequest())
+            except ClientError as exc:  # a worker lost meanwhile: its link finds out
+                log.debug("no adapter list from %s: %s", link.target, exc)
+                return
+            link.adapters = set(listing.names)
+        self.learn(link)  # an adapter added from outside runs on this worker's model
 
     def model_of(self, name: str, links: list[WorkerLink]) -> str:
         """The model a request naming adapter `name` and no model runs on: its base

@@ -32,7 +32,7 @@ import grpc
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.fleet.adapters import AdapterPlacement
+from mlx_worker_svc.fleet.adapters import AdapterModelNotServed, AdapterPlacement
 from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_message, check_size
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
@@ -178,6 +178,13 @@ class FleetScheduler:
         """Every model: the configured ones in order, then those workers held, by name."""
         return self.residency.models()
 
+    async def refresh_adapters(self, name: str = "") -> None:
+        """Reads again the adapters the workers hold (ListLoras) when adapter `name` is
+        none the fleet knows, or for "" (a model list): one an AddLora from outside put
+        on a worker since it came up shows then."""
+        if not name or name not in self.adapters.known(self.links):
+            await self.adapters.refresh(self._up())
+
     def _queued(self) -> int:
         waiting = sum(len(link.waiting) for link in self.links)
         return self._admitting + len(self.pending) + waiting
@@ -245,7 +252,14 @@ class FleetScheduler:
         try:
             ask = check_forms(request)
             lora = request.lora_name  # its model is the request's when that names none
-            model = await self._resolve(request.model or self.adapters.model_of(lora, self.links))
+            await self.refresh_adapters(lora)
+            base = self.adapters.model_of(lora, self.links)
+            try:
+                model = await self._resolve(request.model or base)
+            except ModelNotFound:
+                if request.model or not base:
+                    raise
+                raise AdapterModelNotServed(lora, base, self.models()) from None
             self.adapters.check(lora, model)
             waits = not self._up(model) and self.catalog.path_of(model) is not None
             with self.residency.wanting(model):  # until it is routed

@@ -120,6 +120,7 @@ class Gateway:
         return {**card, "root": root, "parent": parent, **anthropic}
 
     async def list_models(self, request: Request) -> JSONResponse:
+        await self.fleet.refresh_adapters()  # adapters added to a worker from outside
         names = self.model_names()
         cards = [self._model_card(n) for n in names]
         # OpenAI's list, with Anthropic's paging fields (one page: every model).
@@ -129,13 +130,21 @@ class Gateway:
 
     async def get_model(self, request: Request) -> JSONResponse:
         name = request.path_params["model"]
+        await self._known(name)
         if name not in self.model_names():
             raise _no_such_model(name)
         return JSONResponse(self._model_card(name))
 
-    def model_for(self, parsed: ParsedRequest) -> str:
+    async def _known(self, name: str | None) -> None:
+        """Reads the workers' adapters again when `name` is no model id served: it may be
+        an adapter a worker was given from outside the fleet since it came up."""
+        if name and name not in self.model_names():
+            await self.fleet.refresh_adapters(name)
+
+    async def model_for(self, parsed: ParsedRequest) -> str:
         """Resolves the request's model (`resolve_model`) and routes its GenerateRequest
         there; returns the id its answer carries."""
+        await self._known(parsed.model)
         shown, parsed.generate.model = self.resolve_model(parsed.model)
         parsed.generate.lora_name = shown if shown in self.adapter_parents() else ""
         return shown
@@ -195,7 +204,7 @@ class Gateway:
     async def _complete(self, request: Request, kind: OpenAIKind) -> Response:
         route = request.url.path
         parsed = parse_request(kind, parse_body(await request.body()))
-        model = self.model_for(parsed)
+        model = await self.model_for(parsed)
         capacity = self.fleet.config.queue_capacity
         if parsed.n > capacity:  # every choice passes through the queue: it could never fit
             raise invalid(

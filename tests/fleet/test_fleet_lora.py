@@ -302,3 +302,54 @@ def test_a_workers_own_adapter_removed_from_outside_is_loaded_again(
             next(started, None)  # the fleet stops
     finally:
         worker.reap()
+
+
+def test_an_adapter_added_from_outside_is_routed_to_and_listed(
+    workers: list[str],
+    start_fleet: Callable[..., Fleet],
+    fleet_model: Path,
+    adapters: dict[str, Path],
+) -> None:
+    """An AddLora sent to a worker after the fleet found it (an operator's grpcurl): the
+    fleet and the gateway read the workers' adapters again when a request or a model list
+    names one they do not know, so it is routed to and listed (it was NOT_FOUND / 404)."""
+    other = workers[1]
+    fleet = start_fleet()
+    [prompt] = distinct_prompts(1, 12, seed=23)
+    [want] = reference(fleet_model, adapters["later"], [prompt])
+    added = ["outside", "asked-for", "looked-up", "listed"]
+    with grpc.insecure_channel(other) as channel:
+        worker = pb_grpc.WorkerServiceStub(channel)
+
+        def add(name: str) -> None:
+            worker.AddLora(pb.AddLoraRequest(name=name, path=str(adapters["later"])))
+
+        add("outside")
+        gateway = Gateway(int(other.rsplit(":", 1)[1]))
+        try:
+            request = token_request(prompt, TOKENS)
+            request.lora_name = "outside"
+            assert tokens_of(fleet.generate(request)) == want
+            assert list(fleet.worker(other).lora_adapters) == ["outside"]
+            text = worker.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True))
+            add("asked-for")
+            with gateway.client() as client:
+                answer = client.completions.create(
+                    model="asked-for",
+                    prompt=prompt,
+                    max_tokens=TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            assert answer.model == "asked-for" and answer.choices[0].text == text.text
+            auth = {"Authorization": f"Bearer {KEY}"}
+            add("looked-up")
+            card = gateway.http.get("/v1/models/looked-up", headers=auth)
+            assert card.status_code == 200 and card.json()["parent"] == "model"
+            add("listed")
+            listed = gateway.http.get("/v1/models", headers=auth).json()
+            assert {card["id"] for card in listed["data"]} >= {"model", *added}
+        finally:
+            gateway.close()
+            for name in added:
+                worker.RemoveLora(pb.RemoveLoraRequest(name=name))

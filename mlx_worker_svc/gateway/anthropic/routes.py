@@ -14,7 +14,7 @@ out is an `error` event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -69,7 +69,7 @@ class MessagesApi:
         self,
         fleet: FleetScheduler,
         metrics: GatewayMetrics,
-        model_for: Callable[[ParsedRequest], str],
+        model_for: Callable[[ParsedRequest], Awaitable[str]],
         count: Callable[[pb.GenerateResponse], None],
     ) -> None:
         self.fleet = fleet
@@ -80,14 +80,14 @@ class MessagesApi:
 
     async def count_tokens(self, request: Request) -> Response:
         messages = parse_messages(parse_body(await request.body()), count=True)
-        self.model_for(messages.parsed)
+        await self.model_for(messages.parsed)
         return JSONResponse({"input_tokens": len(await prompt_tokens(self.fleet, messages))})
 
     async def create(self, request: Request) -> Response:
         route = request.url.path
         messages = parse_messages(parse_body(await request.body()))
         parsed = messages.parsed
-        model = self.model_for(parsed)
+        model = await self.model_for(parsed)
         prompt = await prompt_tokens(self.fleet, messages)
         parsed.generate.ClearField("messages")
         parsed.generate.prompt_token_ids.extend(prompt)

@@ -266,3 +266,40 @@ def test_a_worker_lost_as_it_is_chosen_to_load_an_adapter_fails_no_request(
             procs[0][0].proc.send_signal(signal.SIGCONT)
         for proc, _ in procs:
             proc.reap()
+
+
+def test_an_adapter_whose_model_left_the_fleet_is_named_for_a_request_of_no_model(
+    tree: dict[str, Path],
+) -> None:
+    """`x` was first seen on the worker's model a; then the worker was given model b
+    from outside (LoadModel): a request naming only `x` is NOT_FOUND naming lora_name and
+    that model, not `model`, a field it never sent."""
+    proc, target = worker("--model", str(tree["a"]), "--auto-init")
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            stub.AddLora(pb.AddLoraRequest(name="x", path=str(tree["x"])))
+            started = fleet([target], "--lora-modules", f"x={tree['x']}")
+            try:
+                a_name = started.worker(target).model_name
+                stub.RemoveLora(pb.RemoveLoraRequest(name="x"))
+                stub.LoadModel(pb.LoadModelRequest(model=str(tree["b"])))
+                started.wait(
+                    lambda s: s.workers[0].up and s.workers[0].model_name != a_name,
+                    "the worker back with model b",
+                    timeout=120,
+                )
+                b_name = started.worker(target).model_name
+                [prompt] = distinct_prompts(1, 10, seed=12)
+                with pytest.raises(grpc.RpcError) as info:
+                    started.generate(ask(prompt, "", "x"))
+                assert code_of(info.value) == grpc.StatusCode.NOT_FOUND
+                assert details_of(info.value).startswith(
+                    f"lora_name: adapter 'x' runs on model {a_name!r}, which the fleet does "
+                    f"not serve now (it serves {b_name!r})"
+                )
+            finally:
+                started.channel.close()
+                started.proc.reap()
+    finally:
+        proc.reap()

@@ -189,6 +189,45 @@ class FleetScheduler:
         waiting = sum(len(link.waiting) for link in self.links)
         return self._admitting + len(self.pending) + waiting
 
+    def _check_room(self) -> None:
+        """ShuttingDown while draining; Overloaded when the queue is full."""
+        if self.draining:
+            raise ShuttingDown()
+        if self._queued() >= self.config.queue_capacity:
+            self.num_rejected += 1
+            raise Overloaded(
+                f"the fleet's queue is full ({self.config.queue_capacity} requests waiting); "
+                "retry later"
+            )
+
+    @contextlib.asynccontextmanager
+    async def queue_slot(self, model: str = "") -> AsyncIterator[None]:
+        """A place in the queue for what a caller does before `generate` (the gateway's
+        Anthropic route tokenizes a chat first): refused as `generate` refuses (queue
+        full, draining), else counted as waiting until the block ends. A refusal, or a
+        fleet error the block raises (no worker up), counts as the request's end."""
+        started, req_id = time.monotonic(), uuid.uuid4().hex
+        try:
+            self._check_room()
+        except WorkerError as exc:
+            self._ended(req_id, self._model_named(model), error_outcome(exc.code), started)
+            raise
+        self._admitting += 1
+        try:
+            yield
+        except BaseException as exc:
+            cause: BaseException | None = exc  # the fleet's error, under the caller's own
+            while cause is not None and not isinstance(cause, WorkerError | ClientError):
+                cause = cause.__cause__
+            if isinstance(cause, WorkerError | ClientError):
+                outcome = error_outcome(cause.code)
+                self._ended(req_id, self._model_named(model), outcome, started, error=str(cause))
+            elif isinstance(exc, asyncio.CancelledError):  # the caller left meanwhile
+                self._ended(req_id, self._model_named(model), "cancelled", started)
+            raise
+        finally:
+            self._admitting -= 1
+
     # ---------------------------------------------------------- generate
     async def generate(
         self, request: pb.GenerateRequest, *, reserve_max_tokens: bool = False
@@ -237,14 +276,7 @@ class FleetScheduler:
         self, request: pb.GenerateRequest, req_id: str, started: float, reserve_max_tokens: bool
     ) -> FleetRequest:
         """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
-        if self.draining:
-            raise ShuttingDown()
-        if self._queued() >= self.config.queue_capacity:
-            self.num_rejected += 1
-            raise Overloaded(
-                f"the fleet's queue is full ({self.config.queue_capacity} requests waiting); "
-                "retry later"
-            )
+        self._check_room()
         # The slot is taken before the prompt is tokenized (an await), so
         # requests arriving meanwhile see it and the bound holds.
         self._admitting += 1

@@ -30,6 +30,7 @@ from mlx_worker_svc.gateway.calls import (
     Answer,
     ClientGone,
     answer_error,
+    api_error,
     event_stream,
     fleet_call,
     open_answer,
@@ -88,7 +89,13 @@ class MessagesApi:
         messages = parse_messages(parse_body(await request.body()))
         parsed = messages.parsed
         model = await self.model_for(parsed)
-        prompt = await prompt_tokens(self.fleet, messages)
+        # Tokenized here (the prefill and the usage's input_tokens need the ids first),
+        # so it waits in the fleet's queue meanwhile, as a chat routed whole does.
+        try:
+            async with self.fleet.queue_slot(parsed.generate.model):
+                prompt = await prompt_tokens(self.fleet, messages)  # raises ApiErrors
+        except (WorkerError, ClientError) as exc:  # the queue full, or the fleet draining
+            raise api_error(exc) from exc
         parsed.generate.ClearField("messages")
         parsed.generate.prompt_token_ids.extend(prompt)
         reply = MessageReply(parsed, model, len(prompt))

@@ -1,0 +1,73 @@
+"""The fleet's queue bound holds on both APIs while no worker is up.
+
+A gateway of `--queue 2` whose one worker never answers: two requests wait for
+it, and the next is refused at once with a 429 in the API's own shape. The
+Anthropic route tokenizes a chat before the fleet routes it; that wait counts
+in the queue as the OpenAI route's does (it did not: every /v1/messages request
+waited, unbounded, and /health said none was queued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_process import KEY
+from processes import Proc
+
+HEADERS = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
+CHAT = [{"role": "user", "content": "hi"}]
+BODIES = {
+    "/v1/messages": {"model": "model", "max_tokens": 4, "messages": CHAT},
+    "/v1/chat/completions": {"model": "model", "max_tokens": 4, "messages": CHAT},
+}
+
+
+def _wait(url: str, body: dict[str, object]) -> None:
+    """Waits for a worker that never comes; the gateway is stopped under it."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, headers=HEADERS, timeout=60)
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("route", list(BODIES))
+def test_a_full_queue_is_a_429_while_no_worker_is_up(route: str) -> None:
+    gateway = Proc(
+        ["gateway", "--worker", f"127.0.0.1:{_unused_port()}", "--port", "0", "--queue", "2"]
+    )
+    try:
+        port = gateway.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1)
+        url = f"http://127.0.0.1:{port}"
+        waiting = [
+            threading.Thread(target=_wait, args=(url + route, BODIES[route]), daemon=True)
+            for _ in range(2)
+        ]
+        for thread in waiting:
+            thread.start()
+        with httpx.Client(base_url=url, headers=HEADERS, timeout=20) as http:
+            deadline = time.monotonic() + 20
+            while http.get("/health").json().get("queued") != 2:
+                assert time.monotonic() < deadline, http.get("/health").text
+                time.sleep(0.05)
+            for other, body in BODIES.items():  # the queue is the fleet's: both APIs
+                started = time.monotonic()
+                refused = http.post(other, json=body)
+                assert refused.status_code == 429, refused.text
+                assert time.monotonic() - started < 5  # at once, not after the 30 s wait
+                assert refused.headers["retry-after"] == "1"
+                error = refused.json()["error"]
+                assert error["type"] == "rate_limit_error"
+                assert "the fleet's queue is full (2 requests waiting)" in error["message"]
+            metrics = http.get("/metrics").text
+            assert 'mlx_fleet_requests_total{outcome="resource_exhausted"} 2.0' in metrics
+    finally:
+        gateway.reap()

@@ -40,6 +40,12 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
     GRAMMAR_COMPLETE = "grammar_complete"  # the structured-output grammar allows no more
 
+    @property
+    def by_stop_token(self) -> bool:
+        """Its last token is the stop token that fired (EOS or a stop_token_ids one): its
+        text is left out of the output's, as vLLM and mlx-lm leave it out."""
+        return self in (FinishReason.EOS, FinishReason.STOP_TOKEN)
+
 
 class Origin(enum.Enum):
     """Who owns a request: a remote scheduler (Execute) or the worker (Generate).

@@ -426,10 +426,7 @@ class ModelRunner:
                 output.num_computed_tokens = live.num_computed
         # Last, once nothing can fail: a rolled-back step must not have moved a detokenizer.
         for key, (stream, appended) in texts.items():
-            output = outputs[key]
-            output.text = stream.take(
-                (*appended, *output.sampled_token_ids), last=output.finish_reason is not None
-            )
+            _set_text(outputs[key], stream, appended)
         timings = StepTimings(
             total_ns=time.perf_counter_ns() - start,
             forward_ns=forward_ns,
@@ -450,3 +447,13 @@ class ModelRunner:
         freed = self.state.prefix.clear() if self.state.prefix is not None else 0
         mx.clear_cache()
         return freed
+
+
+def _set_text(output: RequestOutput, stream: text.TextStream, appended: tuple[int, ...]) -> None:
+    """The text the step's tokens add: the appended ones, then the sampled ones but a stop
+    token that ended the request (`FinishReason.by_stop_token`); all held back at the end."""
+    reason = output.finish_reason
+    shown = output.sampled_token_ids
+    if reason is not None and reason.by_stop_token:
+        shown = shown[:-1]
+    output.text = stream.take((*appended, *shown), last=reason is not None)

@@ -8,6 +8,7 @@ output streamed elsewhere left it, a held-back partial character included.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from driver import greedy
@@ -223,3 +224,46 @@ def test_detokenize_gives_each_tokens_own_bytes(tiny_stub: Stub, smollm_dir: Pat
     for i, token in enumerate(ids):  # the tokenizer's own byte-level pieces, read back
         piece = tokenizer.convert_ids_to_tokens(token)
         assert len(answer.token_bytes[i]) == len(piece), (piece, answer.token_bytes[i])
+
+
+def _generate(stub: Stub, params: pb.SamplingParams, skip: bool) -> tuple[list[int], str, int]:
+    request = pb.GenerateRequest(prompt_token_ids=PROMPTS[2], sampling_params=params)
+    request.skip_special_tokens = skip
+    messages = list(stub.Generate(request))
+    tokens = [t for m in messages for t in m.token_ids]
+    return tokens, "".join(m.text for m in messages), messages[-1].finish_reason
+
+
+def _execute(stub: Stub, params: pb.SamplingParams, skip: bool) -> tuple[list[int], str, int]:
+    epoch = int(stub.GetInfo(pb.GetInfoRequest()).worker_epoch)
+
+    def execute(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        for new in request.new_requests:
+            new.detokenize, new.skip_special_tokens = True, skip
+        response: pb.ExecuteResponse = stub.Execute(request)
+        return response
+
+    result = run_prompts(execute, epoch, [PROMPTS[2]], params)
+    [tokens], [outputs] = result.tokens, result.outputs
+    return tokens, "".join(o.text for o in outputs), outputs[-1].finish_reason
+
+
+@pytest.mark.parametrize("run", [_generate, _execute], ids=["generate", "execute"])
+def test_the_stop_token_that_ends_a_request_is_not_in_its_text(tiny_stub: Stub, run: Any) -> None:
+    """As vLLM (include_stop_str_in_output false) and mlx-lm leave it out: a stop_token_ids
+    token's text, and EOS's with skip_special_tokens false; its id is in token_ids."""
+    free, _, _ = run(tiny_stub, greedy(12, ignore_eos=True), True)
+    k = next(i for i in range(3, 12) if free[i] not in free[:i])
+    stop = greedy(12, ignore_eos=True)
+    stop.stop_token_ids.append(free[k])
+    tokens, text, reason = run(tiny_stub, stop, True)
+    assert tokens == free[: k + 1] and reason == pb.FINISH_REASON_STOP_TOKEN
+    assert text == _detokenize(tiny_stub, tokens[:-1], True)
+    assert text != _detokenize(tiny_stub, tokens, True)  # the stop token has a text
+    eos = int(tiny_stub.GetInfo(pb.GetInfoRequest()).model.eos_token_ids[0])
+    ended = greedy(12, min_tokens=3)
+    ended.logit_bias[eos] = 100.0
+    tokens, text, reason = run(tiny_stub, ended, False)
+    assert len(tokens) == 4 and tokens[-1] == eos and reason == pb.FINISH_REASON_EOS
+    assert text == _detokenize(tiny_stub, tokens[:-1], False)
+    assert _detokenize(tiny_stub, [eos], False) not in text

@@ -292,10 +292,11 @@ def test_logprob_bytes_of_characters_split_over_tokens_join_to_them(gateway: Gat
     assert offsets == starts and at == len(text.encode())
 
 
-def test_a_stop_token_the_text_shows_keeps_its_logprob(
+def test_a_plain_stop_token_is_left_out_of_the_text_and_the_logprobs(
     client: openai.OpenAI, worker: ServeProcess
 ) -> None:
-    # The greedy answer's 6th token, as a stop token: the worker renders it, like any token.
+    # The greedy answer's 6th token, as a stop token: it ends the answer without its text
+    # (as vLLM's include_stop_str_in_output false), and like EOS it has no entry.
     stub = pb_grpc.WorkerServiceStub(worker.channel())
     request = pb.GenerateRequest(
         messages=[pb.ChatMessage(**m) for m in CHAT],
@@ -316,7 +317,9 @@ def test_a_stop_token_the_text_shows_keeps_its_logprob(
             if c.choices[0].logprobs
             for t in c.choices[0].logprobs.content or []
         ]
-        assert len(tokens) == 6 and "".join(tokens) == content
+        assert len(tokens) == 5 and "".join(tokens) == content
+        shown = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids[:5]), timeout=30).text
+        assert content == shown
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 

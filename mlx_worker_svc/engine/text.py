@@ -45,7 +45,10 @@ def render_chat(
 ) -> tuple[list[int], str]:
     """Token ids and text of `messages` (and `tools_json`) rendered through the chat template."""
     if not tokenizer.has_chat_template:
-        raise FailedPrecondition("the loaded model has no chat template; send plain text")
+        raise FailedPrecondition(
+            "messages: the loaded model has no chat template (GetInfo's chat_template is "
+            "empty): send the prompt as text"
+        )
     payload = [_message(i, m) for i, m in enumerate(messages)]
     options: dict[str, Any] = {}
     tools = _objects(tools_json, "tools_json") if tools_json else []
@@ -92,12 +95,30 @@ def _message(i: int, message: ChatMessage) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls_json:
-        out["tool_calls"] = _objects(message.tool_calls_json, f"messages[{i}].tool_calls_json")
+        out["tool_calls"] = _tool_calls(message, f"messages[{i}].tool_calls_json")
     if message.tool_call_id:
         out["tool_call_id"] = message.tool_call_id
     if message.name:
         out["name"] = message.name
     return out
+
+
+def _tool_calls(message: ChatMessage, field: str) -> list[dict[str, Any]]:
+    """An assistant message's calls, each with its function's name (OpenAI's shape)."""
+    if message.role != "assistant":
+        raise InvalidArgument(
+            f"{field}: only an assistant message makes tool calls (this one's role is "
+            f"{message.role!r}): a chat template would drop them"
+        )
+    calls = _objects(message.tool_calls_json, field)
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(
+                f"{field}[{j}].function.name: a call needs its function's name, in OpenAI's "
+                'shape {"id", "type": "function", "function": {"name", "arguments"}}'
+            )
+    return calls
 
 
 def _objects(value: str, field: str) -> list[dict[str, Any]]:

@@ -245,6 +245,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise InvalidArgument("Tokenize takes text or messages, not both")
         if request.tools_json and not request.messages:
             raise InvalidArgument("tools_json needs messages (a chat to render the tools into)")
+        if request.HasField("add_generation_prompt") and not request.messages:
+            raise InvalidArgument("add_generation_prompt needs messages (it ends a rendered chat)")
+        if request.add_special_tokens and request.messages:
+            raise InvalidArgument(
+                "add_special_tokens is for text: a chat template writes the special tokens "
+                "a chat needs (Generate adds none to a rendered chat either)"
+            )
         if request.messages:
             add_prompt = (
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True

@@ -226,6 +226,26 @@ def test_tools_and_tool_messages_reach_the_chat_template(stub: Stub, tiny_tools_
             pb.TokenizeRequest(text="hi", tools_json=json.dumps(TOOLS)),
             "tools_json needs messages",
         ),
+        (  # a template reads tool_calls on assistant messages only: dropped elsewhere
+            pb.TokenizeRequest(
+                messages=[pb.ChatMessage(role="user", tool_calls_json=json.dumps([call]))]
+            ),
+            "messages[0].tool_calls_json: only an assistant message makes tool calls",
+        ),
+        (  # the template's own error ("'dict object' has no attribute 'function'") before
+            pb.TokenizeRequest(
+                messages=[pb.ChatMessage(role="assistant", tool_calls_json='[{"id": "a"}]')]
+            ),
+            "messages[0].tool_calls_json[0].function.name: a call needs its function's name",
+        ),
+        (
+            pb.TokenizeRequest(text="hi", add_generation_prompt=True),
+            "add_generation_prompt needs messages",
+        ),
+        (
+            pb.TokenizeRequest(messages=chat, add_special_tokens=True),
+            "add_special_tokens is for text",
+        ),
     ]
     for ask, message in bad:
         with pytest.raises(grpc.RpcError) as caught:
@@ -276,6 +296,30 @@ def test_a_template_without_tool_calls_refuses_a_history_with_them(tiny_stub: St
             "messages[1].tool_calls_json: the model's chat template does not render tool calls"
         )
     assert tiny_stub.Tokenize(pb.TokenizeRequest(messages=chat[:1])).token_ids
+
+
+def test_a_model_without_a_chat_template_refuses_messages_naming_them(
+    stub: Stub, tiny_dir: Path, tmp_path: Path
+) -> None:
+    bare = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    bring_up(stub, bare)
+    assert stub.GetInfo(pb.GetInfoRequest()).chat_template == ""
+    chat = [pb.ChatMessage(role="user", content="hi")]
+    for call in (
+        lambda: stub.Tokenize(pb.TokenizeRequest(messages=chat)),
+        lambda: list(stub.Generate(pb.GenerateRequest(messages=chat))),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert code_of(caught.value) == grpc.StatusCode.FAILED_PRECONDITION
+        assert details_of(caught.value).startswith(
+            "messages: the loaded model has no chat template"
+        )
+    assert stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids  # text still works
 
 
 def _adds_bos(source: Path, out: Path) -> Path:

@@ -98,44 +98,31 @@ def test_an_echoed_sampled_token_is_refused_and_changes_nothing(
     assert s.tokens[len(PROMPT) :] == expected and end.finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def test_a_resume_with_the_whole_sequence_is_refused(tiny_stub: Stub, tiny_dir: Path) -> None:
+@pytest.mark.parametrize("echoed", [None, 1, 2], ids=["whole", "last", "last-two"])
+def test_a_resume_that_echoes_tokens_it_holds_is_refused(
+    tiny_stub: Stub, tiny_dir: Path, echoed: int | None
+) -> None:
+    """The whole sequence, or the last sampled token(s) as a decode step's echo, sent back
+    on a resume: appending them would hold them twice (and the step would sample nothing)."""
     expected = mlx_lm_tokens(tiny_dir, [PROMPT], MAX_TOKENS)[0]
     s = Scheduler(tiny_stub, PROMPT)
     for _ in range(4):
         s.step(1)
     s.preempt()
     held = list(s.tokens)
-    message = s.refused(len(held), held, resumed=True)
-    assert "repeats 42 tokens" in message and "from position 0" in message
+    sent = held if echoed is None else held[-echoed:]
+    message = s.refused(len(held), sent, resumed=True)
+    if echoed is None:
+        assert "repeats 42 tokens" in message and "from position 0" in message
+    else:
+        at = len(held) - echoed
+        assert f"repeats {sent}, which the worker holds from position {at}" in message
     assert "resume it with num_computed_tokens 0 and no new_token_ids" in message
     assert "restarts from 0" in s.refused(len(held), [], resumed=True, computed=len(held) - 1)
     health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
     assert health.num_preempted_requests == 1 and health.kv.used_blocks == 0
     out = s.step(len(held), resumed=True)
-    assert out.num_computed_tokens == len(held)  # not 69 computed for a 37-token prompt
-    s.decode_to_end()
-    assert s.tokens[len(PROMPT) :] == expected
-
-
-@pytest.mark.parametrize("echoed", [1, 2])
-def test_a_resume_with_its_last_tokens_echoed_is_refused(
-    tiny_stub: Stub, tiny_dir: Path, echoed: int
-) -> None:
-    """The last sampled token(s) sent back on a resume, as a decode step's echo: appending
-    them would hold them twice and the step would sample nothing."""
-    expected = mlx_lm_tokens(tiny_dir, [PROMPT], MAX_TOKENS)[0]
-    s = Scheduler(tiny_stub, PROMPT)
-    for _ in range(3):
-        s.step(1)
-    s.preempt()
-    held = list(s.tokens)
-    message = s.refused(len(held), held[-echoed:], resumed=True)
-    at = len(held) - echoed
-    assert f"repeats {held[-echoed:]}, which the worker holds from position {at}" in message
-    assert "resume it with num_computed_tokens 0 and no new_token_ids" in message
-    health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
-    assert health.num_preempted_requests == 1 and health.kv.used_blocks == 0
-    out = s.step(len(held), resumed=True)
+    # Not 69 computed for a 37-token prompt, and a token sampled.
     assert out.num_computed_tokens == len(held) and len(out.sampled_token_ids) == 1
     s.decode_to_end()
     assert s.tokens[len(PROMPT) :] == expected

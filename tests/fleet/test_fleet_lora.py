@@ -15,12 +15,14 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import mlx.core as mx
+import openai
 import pytest
 from driver import code_of, details_of
-from gateway_process import KEY, Gateway
+from gateway_process import KEY, NO_EOS, Gateway
 from lora_adapters import make_adapter
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -64,6 +66,13 @@ def reference(model: Path, adapter: Path | None, prompts: list[list[int]]) -> li
     return [
         [int(t) for t, _ in generate_step(mx.array(p), loaded, max_tokens=TOKENS)] for p in prompts
     ]
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> Any:
+    """The gateway's greedy completion of `prompt` by `model` (an adapter's id), EOS ignored."""
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, extra_body=NO_EOS
+    )
 
 
 def _fleet(targets: list[str], *options: str) -> Iterator[Fleet]:
@@ -196,28 +205,10 @@ def test_the_gateway_serves_adapters_as_models(
                 pb.DetokenizeRequest(token_ids=later, skip_special_tokens=True)
             )
         with gateway.client() as client:
-            loaded = client.completions.create(
-                model="later",
-                prompt=prompt,
-                max_tokens=TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
+            loaded = _complete(client, "later", prompt)
             assert loaded.model == "later" and loaded.choices[0].text == later_text.text
-            answer = client.completions.create(
-                model="held",
-                prompt=prompt,
-                max_tokens=TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            base = client.completions.create(
-                model="model",
-                prompt=prompt,
-                max_tokens=TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
+            answer = _complete(client, "held", prompt)
+            base = _complete(client, "model", prompt)
         assert answer.model == "held" and answer.choices[0].text == text.text
         assert answer.usage is not None and answer.usage.completion_tokens == TOKENS
         assert base.choices[0].text != text.text
@@ -334,13 +325,7 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
             text = worker.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True))
             add("asked-for")
             with gateway.client() as client:
-                answer = client.completions.create(
-                    model="asked-for",
-                    prompt=prompt,
-                    max_tokens=TOKENS,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
+                answer = _complete(client, "asked-for", prompt)
             assert answer.model == "asked-for" and answer.choices[0].text == text.text
             auth = {"Authorization": f"Bearer {KEY}"}
             add("looked-up")

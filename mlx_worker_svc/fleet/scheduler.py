@@ -32,18 +32,14 @@ import grpc
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
-from mlx_worker_svc.fleet.adapters import AdapterModelNotServed, AdapterPlacement
-from mlx_worker_svc.fleet.checks import check_fits, check_forms, check_message, check_size
+from mlx_worker_svc.fleet.adapters import AdapterPlacement
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
-    BadRequest,
     LoadFailed,
-    ModelNotFound,
     NoWorkers,
-    Overloaded,
     ShutDown,
-    ShuttingDown,
 )
+from mlx_worker_svc.fleet.intake import Intake
 from mlx_worker_svc.fleet.link import WorkerLink
 from mlx_worker_svc.fleet.metrics import FleetMetrics, error_outcome, finish_outcome
 from mlx_worker_svc.fleet.models import ModelCatalog
@@ -60,7 +56,7 @@ log = logging.getLogger(__name__)
 _FINISHED = frozenset(finish_outcome(v) for v in pb.FinishReason.values())
 
 
-class FleetScheduler:
+class FleetScheduler(Intake):
     def __init__(self, targets: list[str], config: FleetConfig | None = None) -> None:
         if not targets:
             raise ValueError("a fleet needs at least one worker")
@@ -178,56 +174,6 @@ class FleetScheduler:
         """Every model: the configured ones in order, then those workers held, by name."""
         return self.residency.models()
 
-    async def refresh_adapters(self, name: str = "") -> None:
-        """Reads again the adapters the workers hold (ListLoras) when adapter `name` is
-        none the fleet knows, or for "" (a model list): one an AddLora from outside put
-        on a worker since it came up shows then."""
-        if not name or name not in self.adapters.known(self.links):
-            await self.adapters.refresh(self._up())
-
-    def _queued(self) -> int:
-        waiting = sum(len(link.waiting) for link in self.links)
-        return self._admitting + len(self.pending) + waiting
-
-    def _check_room(self) -> None:
-        """ShuttingDown while draining; Overloaded when the queue is full."""
-        if self.draining:
-            raise ShuttingDown()
-        if self._queued() >= self.config.queue_capacity:
-            self.num_rejected += 1
-            raise Overloaded(
-                f"the fleet's queue is full ({self.config.queue_capacity} requests waiting); "
-                "retry later"
-            )
-
-    @contextlib.asynccontextmanager
-    async def queue_slot(self, model: str = "") -> AsyncIterator[None]:
-        """A place in the queue for what a caller does before `generate` (the gateway's
-        Anthropic route tokenizes a chat first): refused as `generate` refuses (queue
-        full, draining), else counted as waiting until the block ends. A refusal, or a
-        fleet error the block raises (no worker up), counts as the request's end."""
-        started, req_id = time.monotonic(), uuid.uuid4().hex
-        try:
-            self._check_room()
-        except WorkerError as exc:
-            self._ended(req_id, self._model_named(model), error_outcome(exc.code), started)
-            raise
-        self._admitting += 1
-        try:
-            yield
-        except BaseException as exc:
-            cause: BaseException | None = exc  # the fleet's error, under the caller's own
-            while cause is not None and not isinstance(cause, WorkerError | ClientError):
-                cause = cause.__cause__
-            if isinstance(cause, WorkerError | ClientError):
-                outcome = error_outcome(cause.code)
-                self._ended(req_id, self._model_named(model), outcome, started, error=str(cause))
-            elif isinstance(exc, asyncio.CancelledError):  # the caller left meanwhile
-                self._ended(req_id, self._model_named(model), "cancelled", started)
-            raise
-        finally:
-            self._admitting -= 1
-
     # ---------------------------------------------------------- generate
     async def generate(
         self, request: pb.GenerateRequest, *, reserve_max_tokens: bool = False
@@ -271,90 +217,6 @@ class FleetScheduler:
             self._where.pop(r, None)
             if self._live.get(r.worker_key) is r:
                 del self._live[r.worker_key]
-
-    async def _admit(
-        self, request: pb.GenerateRequest, req_id: str, started: float, reserve_max_tokens: bool
-    ) -> FleetRequest:
-        """Takes a request into the queue and routes it (raises FleetError, ClientError)."""
-        self._check_room()
-        # The slot is taken before the prompt is tokenized (an await), so
-        # requests arriving meanwhile see it and the bound holds.
-        self._admitting += 1
-        params = request.sampling_params
-        try:
-            ask = check_forms(request)
-            lora = request.lora_name  # its model is the request's when that names none
-            await self.refresh_adapters(lora)
-            base = self.adapters.model_of(lora, self.links)
-            try:
-                model = await self._resolve(request.model or base)
-            except ModelNotFound:
-                if request.model or not base:
-                    raise
-                raise AdapterModelNotServed(lora, base, self.models()) from None
-            self.adapters.check(lora, model)
-            waits = not self._up(model) and self.catalog.path_of(model) is not None
-            with self.residency.wanting(model):  # until it is routed
-                link = await self._some_link(model, want=False)
-                # Not loaded here: a request no worker can run yet waits while the
-                # adapter loads (`_route`), so a worker lost mid-load fails nobody.
-                self.adapters.require(self._up(model), request.lora_name)
-                prompt = list(request.prompt_token_ids)
-                if ask is not None:
-                    check_size(ask, link.max_message, link.max_context)
-                    prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
-                fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
-                field = (
-                    "prompt_token_ids" if ask is None else "messages" if ask.messages else "prompt"
-                )
-                check_fits(prompt, params, reserve_max_tokens, field=field, **fits)
-                check_message(req_id, prompt, params, link.max_message)
-                r = FleetRequest(
-                    request_id=req_id,
-                    model=model,
-                    lora_name=request.lora_name,
-                    waited_for_load=waits,
-                    prompt=prompt,
-                    params=params,
-                    stop=tuple(params.stop),
-                    skip_special_tokens=(
-                        request.skip_special_tokens
-                        if request.HasField("skip_special_tokens")
-                        else True
-                    ),
-                    admitted=started,
-                )
-        finally:
-            self._admitting -= 1
-        if self._cut:
-            raise ShutDown(cut=self._hurry)
-        self._claim_id(r)
-        self.metrics.prompt_tokens.inc(len(prompt))
-        extra = {"req_id": clip(r.request_id), "model": model, "prompt_tokens": len(prompt)}
-        log.info("request admitted", extra=extra)
-        self._route(r)
-        return r
-
-    async def _resolve(self, asked: str) -> str:
-        """The model a request names (ModelNotFound), or the fleet's only one for ""."""
-        if not self.models():  # nothing configured and no worker up yet: wait for one
-            await self._some_link("")
-        return self.residency.resolve(asked)
-
-    def _model_named(self, asked: str) -> str:
-        """The model a refused request counts under: as `_resolve` finds it, else as named."""
-        with contextlib.suppress(BadRequest, ModelNotFound):
-            return self.residency.resolve(asked)
-        return asked
-
-    def _claim_id(self, r: FleetRequest) -> None:
-        """Gives `r` a worker-side id no other live request has: its request_id is the
-        caller's (for logs), and two callers may send the same one at once."""
-        key = r.request_id
-        while (holder := self._live.get(key)) is not None and holder.phase is not Phase.DONE:
-            key = f"{r.request_id}~{next(self._suffixes)}"
-        r.worker_key = key
-        self._live[key] = r
 
     def _ended(self, req_id: str, model: str, outcome: str, since: float, **fields: object) -> None:
         """Counts and logs a request's end: finished, cancelled or failed (`outcome`)."""

@@ -77,7 +77,12 @@ class Lifecycle:
         core = self.core
         channel = core.replica.channel
         args.check_rank()  # in any state, before anything
-        wanted = replace(args, world_size=args.world_size or channel.size)
+        # The defaults filled in: the group's size and backend ("" is the worker's own).
+        wanted = replace(
+            args,
+            world_size=args.world_size or channel.size,
+            distributed_init_method=args.distributed_init_method or channel.backend,
+        )
 
         def job() -> DeviceInfo:
             if core.state is not S.SLEEPING:  # asleep, it keeps its device: a repeat answers

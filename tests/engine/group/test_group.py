@@ -83,6 +83,16 @@ def test_the_group_reports_its_ranks_and_each_holds_half_the_weights(
     )
     assert all(abs(share - 0.5) <= 0.05 for share in shares), shares
     assert info.model.weight_bytes == device.ranks[0].weight_bytes
+    # A repeat naming the group's backend, or leaving it to the worker, is the same call.
+    for method in ("", "ring"):
+        again = group.stub.InitDevice(
+            pb.InitDeviceRequest(distributed_init_method=method, world_size=2)
+        )
+        assert (again.device.world_size, again.device.backend) == (2, "ring")
+    with pytest.raises(grpc.RpcError) as info_error:
+        group.stub.InitDevice(pb.InitDeviceRequest(distributed_init_method="mpi"))
+    assert code_of(info_error.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert "distributed_init_method 'mpi' (initialised with 'ring')" in details_of(info_error.value)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

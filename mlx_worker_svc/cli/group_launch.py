@@ -135,16 +135,23 @@ def free_ports(count: int) -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             base = int(probe.getsockname()[1])
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
+        if base + count <= 65536 and not taken_ports(base, count):
+            return base
     raise OSError("no free ports for the ring backend")
+
+
+def taken_ports(base: int, count: int) -> list[int]:
+    """The ports of `base` .. `base + count - 1` that a listener on loopback holds now
+    (a port only lingering after a closed connection counts as free, as for the ring)."""
+    taken = []
+    for port in range(base, base + count):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(port)
+    return taken
 
 
 def _mlx_launch() -> str | None:
@@ -186,11 +193,17 @@ def _quiet(stdin: IO[str] | None) -> None:
 def backend_problem(args: argparse.Namespace) -> str:
     """Why the group `args` asks for cannot start on this machine ("" if it can).
 
-    NCCL ranks on this machine need a CUDA GPU each; without them MLX fails in
+    JACCL needs a hostfile (mlx.launch fails on the RDMA devices without one), MPI
+    mpirun, and NCCL ranks on this machine a CUDA GPU each; without them MLX fails in
     every rank after the launch (`Cannot initialize nccl distributed backend`).
     The ranks of a --hostfile run elsewhere and are not checked here.
     """
-    backend = args.backend or (args.hostfile and _hostfile_backend(args.hostfile)) or "ring"
+    backend = group_backend(args)
+    if backend.startswith("jaccl") and not args.hostfile:
+        return (
+            f"--backend {backend} needs --hostfile: the Macs' RDMA devices "
+            "(mlx.distributed_config --backend jaccl writes one); or use --backend ring"
+        )
     if backend == "mpi" and shutil.which("mpirun") is None:
         return "--backend mpi needs mpirun (Open MPI) on the PATH; or use --backend ring"
     if backend != "nccl" or args.hostfile:

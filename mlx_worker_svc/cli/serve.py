@@ -265,15 +265,8 @@ def _flag_problem(args: argparse.Namespace) -> str:
 
         if problem := hostfile_problem(args.hostfile, args.world_size, args.backend or ""):
             return problem
-    if args.group_port and not args.group:
-        from mlx_worker_svc.cli.group_launch import group_backend
-
-        if args.world_size < 2:
-            return "--group-port is a worker group's first port: give --world-size N (N >= 2)"
-        if (backend := group_backend(args)) != "ring":
-            return (
-                f"--group-port is the ring backend's first port; the {backend} backend takes none"
-            )
+    if args.group_port and not args.group and (problem := _group_port_problem(args)):
+        return problem
     if problem := named_twice("--lora-modules", [name for name, _ in args.lora_modules]):
         return problem
     if len(args.lora_modules) > args.max_loras:
@@ -290,6 +283,29 @@ def _flag_problem(args: argparse.Namespace) -> str:
     for name, path in args.lora_modules:
         if not Path(path).expanduser().exists():
             return f"--lora-modules {name}={path}: no such adapter directory"
+    return ""
+
+
+def _group_port_problem(args: argparse.Namespace) -> str:
+    """Why --group-port cannot start the group ("" when it can): the ring's N ports."""
+    from mlx_worker_svc.cli.group_launch import group_backend, taken_ports
+
+    first, count = args.group_port, args.world_size
+    if count < 2:
+        return "--group-port is a worker group's first port: give --world-size N (N >= 2)"
+    if (backend := group_backend(args)) != "ring":
+        return f"--group-port is the ring backend's first port; the {backend} backend takes none"
+    if first + count - 1 > 65535:
+        return (
+            f"--group-port {first}: the ring takes {count} consecutive ports from it "
+            f"({first} to {first + count - 1}), past 65535"
+        )
+    if not args.hostfile and (taken := taken_ports(first, count)):
+        held = ", ".join(map(str, taken))
+        return (
+            f"--group-port {first}: the ring takes ports {first} to {first + count - 1} on "
+            f"this machine, and {held} {'is' if len(taken) == 1 else 'are'} in use"
+        )
     return ""
 
 

@@ -9,6 +9,8 @@ after parsing run the command.
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +174,28 @@ def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         "mlx-worker serve: --group-port is the ring backend's first port; the mpi backend "
         "takes none"
+    )
+    # The ring's N consecutive ports: within range, and free here (one is held below).
+    done = _run("serve", "--world-size", "2", "--group-port", "65535")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "mlx-worker serve: --group-port 65535: the ring takes 2 consecutive ports from it "
+        "(65535 to 65536), past 65535"
+    )
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = int(held.getsockname()[1])
+        done = _run("serve", "--world-size", "2", "--group-port", str(port - 1))
+    assert done.returncode == 2 and done.stdout == ""
+    assert re.fullmatch(
+        rf"mlx-worker serve: --group-port {port - 1}: the ring takes ports {port - 1} to "
+        rf"{port} on this machine, and (\d+, )?{port} (is|are) in use",
+        done.stderr.strip(),
+    ), done.stderr
+    done = _run("serve", "--world-size", "2", "--backend", "jaccl")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "mlx-worker serve: --backend jaccl needs --hostfile: the Macs' RDMA devices "
+        "(mlx.distributed_config --backend jaccl writes one); or use --backend ring"
     )
     done = _run("serve", "--port", "0", "--group")  # by hand, outside mlx.launch
     assert done.returncode == 2 and done.stdout == ""

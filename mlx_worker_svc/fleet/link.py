@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+import grpc
+
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.bring_up import drive_up, held_adapters
@@ -217,6 +219,14 @@ class WorkerLink:
             if why is not None:
                 self._lose_everything(why)
 
+    async def _answers(self) -> bool:
+        """Whether the worker answers a health check now."""
+        try:
+            await self._prober.health()
+        except (ClientError, RuntimeError):
+            return False
+        return True
+
     async def _probe(self) -> str | None:
         """One CheckHealth: None while the worker is usable, else why it is not."""
         return await self._prober.check(self.epoch)
@@ -244,7 +254,10 @@ class WorkerLink:
                 # Back to the model it had (it may be asleep without weights).
                 self._swap = self.catalog.path_of(self.model_name) or self.model
                 if self._on_load_failed is not None:
-                    self._on_load_failed(self, name, exc)
+                    cause: Exception = exc
+                    if _not_fetched(exc) and await self._answers():  # the model failed
+                        cause = ModelNotFetched(str(exc))
+                    self._on_load_failed(self, name, cause)
             elif _load_refused(exc) and self.initial:
                 # The model it was to start with does not load (a bad path): its
                 # requests fail with the cause, and the next try is the next model.
@@ -429,3 +442,17 @@ class WorkerLink:
 def _load_refused(exc: Exception) -> bool:
     """A LoadModel the worker answered with a refusal (the model, not the worker, failed)."""
     return isinstance(exc, ClientError) and exc.method == "LoadModel" and not worker_lost(exc)
+
+
+class ModelNotFetched(Exception):
+    """A load the worker, still up, answered UNAVAILABLE (it could not fetch the model: the
+    hub out of reach): the model failed, not the worker, so its requests fail."""
+
+
+def _not_fetched(exc: Exception) -> bool:
+    """A LoadModel answered UNAVAILABLE: the model not fetched, or the worker gone."""
+    return (
+        isinstance(exc, ClientError)
+        and exc.method == "LoadModel"
+        and exc.code is grpc.StatusCode.UNAVAILABLE
+    )

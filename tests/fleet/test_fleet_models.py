@@ -285,6 +285,37 @@ def test_a_model_that_does_not_load_fails_its_requests_and_the_worker_recovers(
         close(fleet)
 
 
+def test_a_model_the_worker_cannot_fetch_fails_its_requests_at_once(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id the worker cannot fetch (HF_HUB_OFFLINE here; no connection elsewhere)
+    is LoadModel's UNAVAILABLE from a worker that stays up: the model failed, not the
+    worker. Its request fails in seconds, after one load, naming the cause; it waited the
+    30 s a worker is waited for while the fleet loaded it again and again (the worker
+    put to sleep and woken on its own model each time)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for the worker started here
+    bare = WorkerPool(models["a"], size=1, auto_init=False)
+    try:
+        bare.start()
+        hub = "mlx-community/no-such-model-4bit"
+        fleet = start(bare, [0], "--models", f"a={models['a']}", f"hub={hub}")
+        try:
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failed:
+                fleet.generate(ask("hub", PROMPTS[2]))
+            assert time.monotonic() - began < 15
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            details = str(failed.value.details())
+            assert "model 'hub' could not be loaded on worker" in details
+            assert "could not be fetched" in details
+            assert len(tokens(fleet.generate(ask("a", PROMPTS[2])))) == 8
+            assert [w.model_name for w in fleet.status().workers] == ["a"]
+        finally:
+            close(fleet)
+    finally:
+        bare.reap()
+
+
 def test_a_first_model_that_does_not_load_leaves_the_worker_to_the_next(
     models: dict[str, Path],
 ) -> None:

@@ -115,10 +115,8 @@ class Intake:
         try:
             yield
         except BaseException as exc:
-            cause: BaseException | None = exc  # the fleet's error, under the caller's own
-            while cause is not None and not isinstance(cause, WorkerError | ClientError):
-                cause = cause.__cause__
-            if isinstance(cause, WorkerError | ClientError):
+            cause = _fleet_error(exc)
+            if cause is not None:
                 outcome = error_outcome(cause.code)
                 self._ended(req_id, self._model_named(model), outcome, started, error=str(cause))
             elif isinstance(exc, asyncio.CancelledError):  # the caller left meanwhile
@@ -210,3 +208,16 @@ class Intake:
             key = f"{r.request_id}~{next(self._suffixes)}"
         r.worker_key = key
         self._live[key] = r
+
+
+def _fleet_error(exc: BaseException) -> WorkerError | ClientError | None:
+    """The fleet's or a worker's error under `exc` (the caller's own, raised from it), if
+    any; a chain that comes back on itself (`raise e from e`) is followed once."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, WorkerError | ClientError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None

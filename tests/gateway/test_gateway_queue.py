@@ -10,6 +10,7 @@ waited, unbounded, and /health said none was queued).
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -69,5 +70,43 @@ def test_a_full_queue_is_a_429_while_no_worker_is_up(route: str) -> None:
                 assert "the fleet's queue is full (2 requests waiting)" in error["message"]
             metrics = http.get("/metrics").text
             assert 'mlx_fleet_requests_total{outcome="resource_exhausted"} 2.0' in metrics
+    finally:
+        gateway.reap()
+
+
+def _waiting_gateway(*options: str) -> tuple[Proc, str]:
+    gateway = Proc(["gateway", "--worker", f"127.0.0.1:{_unused_port()}", "--port", "0", *options])
+    port = gateway.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1)
+    return gateway, f"http://127.0.0.1:{port}"
+
+
+def _queued(url: str, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while httpx.get(url + "/health", headers=HEADERS).json().get("queued") != count:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_message_that_waits_ends_and_the_gateway_drains() -> None:
+    """A /v1/messages request waiting for a worker when the drain's grace runs out gets
+    its 503 and the gateway exits (the error, raised from itself, once sent its queue
+    place's bookkeeping round its cause chain for ever: no answer, no exit)."""
+    gateway, url = _waiting_gateway("--queue", "2", "--grace-seconds", "1")
+    try:
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(url + "/v1/messages", json=BODIES["/v1/messages"], headers=HEADERS)
+            ),
+            daemon=True,
+        )
+        waiting.start()
+        _queued(url, 1)
+        gateway.proc.send_signal(signal.SIGTERM)
+        assert gateway.proc.wait(timeout=20) == 0, gateway.output
+        waiting.join(timeout=10)
+        [answer] = answers
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"] == "overloaded_error"
     finally:
         gateway.reap()

@@ -110,3 +110,21 @@ def test_a_message_that_waits_ends_and_the_gateway_drains() -> None:
         assert answer.json()["error"]["type"] == "overloaded_error"
     finally:
         gateway.reap()
+
+
+def test_a_message_whose_client_left_frees_its_place_in_the_queue() -> None:
+    gateway, url = _waiting_gateway("--queue", "2")
+    try:
+        for _ in range(2):  # each gives up after half a second, while it waits
+            with contextlib.suppress(httpx.TimeoutException):
+                httpx.post(
+                    url + "/v1/messages",
+                    json=BODIES["/v1/messages"],
+                    headers=HEADERS,
+                    timeout=0.5,
+                )
+        _queued(url, 0)
+        text = httpx.get(url + "/metrics", headers=HEADERS).text
+        assert 'mlx_fleet_requests_total{outcome="cancelled"} 2.0' in text
+    finally:
+        gateway.reap()

@@ -35,6 +35,7 @@ from mlx_worker_svc.gateway.calls import (
     fleet_call,
     open_answer,
     sse,
+    until_disconnect,
 )
 from mlx_worker_svc.gateway.errors import ApiError
 from mlx_worker_svc.gateway.limits import limit_error
@@ -89,13 +90,11 @@ class MessagesApi:
         messages = parse_messages(parse_body(await request.body()))
         parsed = messages.parsed
         model = await self.model_for(parsed)
-        # Tokenized here (the prefill and the usage's input_tokens need the ids first),
-        # so it waits in the fleet's queue meanwhile, as a chat routed whole does.
         try:
-            async with self.fleet.queue_slot(parsed.generate.model):
-                prompt = await prompt_tokens(self.fleet, messages)  # raises ApiErrors
-        except (WorkerError, ClientError) as exc:  # the queue full, or the fleet draining
-            raise api_error(exc) from exc
+            prompt = await until_disconnect(request, self._prompt(messages))
+        except ClientGone:  # it left while it waited: its place in the queue is free
+            self.metrics.disconnects.labels(route).inc()
+            return Response(status_code=CLIENT_CLOSED)
         parsed.generate.ClearField("messages")
         parsed.generate.prompt_token_ids.extend(prompt)
         reply = MessageReply(parsed, model, len(prompt))
@@ -113,6 +112,15 @@ class MessagesApi:
         blocks.feed(_pieces(answer, text, finished=True))
         self.count(done[-1])
         return JSONResponse(reply.message(blocks, done[-1]))
+
+    async def _prompt(self, messages: MessagesRequest) -> list[int]:
+        """The prompt's ids, tokenized here (the prefill and the usage's input_tokens need
+        them first): meanwhile it waits in the fleet's queue, as a chat routed whole does."""
+        try:
+            async with self.fleet.queue_slot(messages.parsed.generate.model):
+                return await prompt_tokens(self.fleet, messages)  # raises ApiErrors
+        except (WorkerError, ClientError) as exc:  # the queue full, or the fleet draining
+            raise api_error(exc) from exc
 
     async def _events(
         self, reply: MessageReply, blocks: Blocks, answer: Answer, route: str

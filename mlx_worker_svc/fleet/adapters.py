@@ -133,6 +133,8 @@ class AdapterPlacement:
                 log.debug("no adapter list from %s: %s", link.target, exc)
                 return
             link.adapters = set(listing.names)
+            for adapter in listing.adapters:  # loaded again from there when removed
+                self.seen.setdefault(adapter.name, adapter.path)
         self.learn(link)  # an adapter added from outside runs on this worker's model
 
     def model_of(self, name: str, links: list[WorkerLink]) -> str:

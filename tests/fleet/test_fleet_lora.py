@@ -296,16 +296,14 @@ def test_a_workers_own_adapter_removed_from_outside_is_loaded_again(
 
 
 def test_an_adapter_added_from_outside_is_routed_to_and_listed(
-    workers: list[str],
-    start_fleet: Callable[..., Fleet],
-    fleet_model: Path,
-    adapters: dict[str, Path],
+    workers: list[str], fleet_model: Path, adapters: dict[str, Path]
 ) -> None:
     """An AddLora sent to a worker after the fleet found it (an operator's grpcurl): the
     fleet and the gateway read the workers' adapters again when a request or a model list
     names one they do not know, so it is routed to and listed (it was NOT_FOUND / 404)."""
     other = workers[1]
-    fleet = start_fleet()
+    started = _fleet([other])  # one worker: the adapter is loaded again where it was
+    fleet = next(started)
     [prompt] = distinct_prompts(1, 12, seed=23)
     [want] = reference(fleet_model, adapters["later"], [prompt])
     added = ["outside", "asked-for", "looked-up", "listed"]
@@ -322,6 +320,11 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
             request.lora_name = "outside"
             assert tokens_of(fleet.generate(request)) == want
             assert list(fleet.worker(other).lora_adapters) == ["outside"]
+            # Removed from outside too: loaded again from the path ListLoras gave, as a
+            # worker's own is (it waited the fleet's 30 s and failed UNAVAILABLE).
+            worker.RemoveLora(pb.RemoveLoraRequest(name="outside"))
+            assert tokens_of(list(fleet.stub.Generate(request, timeout=20))) == want
+            assert list(fleet.worker(other).lora_adapters) == ["outside"]
             text = worker.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=True))
             add("asked-for")
             with gateway.client() as client:
@@ -336,5 +339,6 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
             assert {card["id"] for card in listed["data"]} >= {"model", *added}
         finally:
             gateway.close()
+            next(started, None)  # the fleet stops
             for name in added:
                 worker.RemoveLora(pb.RemoveLoraRequest(name=name))

@@ -113,7 +113,8 @@ def _tool_calls(message: ChatMessage, field: str) -> list[dict[str, Any]]:
     calls = _objects(message.tool_calls_json, field)
     for j, call in enumerate(calls):
         function = call.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
             raise InvalidArgument(
                 f"{field}[{j}].function.name: a call needs its function's name, in OpenAI's "
                 'shape {"id", "type": "function", "function": {"name", "arguments"}}'
@@ -124,12 +125,17 @@ def _tool_calls(message: ChatMessage, field: str) -> list[dict[str, Any]]:
 def _objects(value: str, field: str) -> list[dict[str, Any]]:
     """A JSON array of objects, or InvalidArgument naming `field`."""
     try:
-        parsed = json.loads(value)
+        parsed = json.loads(value, parse_constant=_not_json)
     except ValueError as exc:
         raise InvalidArgument(f"{field}: not JSON ({exc})") from exc
     if not isinstance(parsed, list) or not all(isinstance(x, dict) for x in parsed):
         raise InvalidArgument(f"{field}: expected a JSON array of objects")
     return parsed
+
+
+def _not_json(word: str) -> Any:
+    """Python's json module reads NaN and Infinity, which JSON has not."""
+    raise ValueError(f"{word} is not a JSON value")
 
 
 def special_ids(tokenizer: TokenizerWrapper, eos_ids: Iterable[int]) -> frozenset[int]:

@@ -239,6 +239,21 @@ def test_tools_and_tool_messages_reach_the_chat_template(stub: Stub, tiny_tools_
             "messages[0].tool_calls_json[0].function.name: a call needs its function's name",
         ),
         (
+            pb.TokenizeRequest(
+                messages=[
+                    pb.ChatMessage(
+                        role="assistant",
+                        tool_calls_json='[{"function": {"name": "", "arguments": {}}}]',
+                    )
+                ]
+            ),
+            "messages[0].tool_calls_json[0].function.name: a call needs its function's name",
+        ),
+        (
+            pb.TokenizeRequest(messages=chat, tools_json='[{"a": NaN}]'),
+            "tools_json: not JSON (NaN is not a JSON value)",
+        ),
+        (
             pb.TokenizeRequest(text="hi", add_generation_prompt=True),
             "add_generation_prompt needs messages",
         ),

@@ -100,6 +100,7 @@ class AdapterPlacement:
         self._locks: dict[str, asyncio.Lock] = {}  # per worker: one load at a time
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
         self._reading: asyncio.Future[None] | None = None  # refresh()'s ListLoras calls
+        self._shadowed: set[str] = set()  # adapters named like a model, logged once
 
     def learn(self, link: WorkerLink) -> None:
         """Takes the model of a worker that came up as the base of the adapters it is
@@ -136,6 +137,19 @@ class AdapterPlacement:
             for adapter in listing.adapters:  # loaded again from there when removed
                 self.seen.setdefault(adapter.name, adapter.path)
         self.learn(link)  # an adapter added from outside runs on this worker's model
+
+    def warn_shadowed(self, links: list[WorkerLink], models: list[str]) -> None:
+        """Logs, once each, the adapters named like a model of the fleet (a name learned
+        from a worker's directory, or an AddLora from outside): the model wins."""
+        named = set(self.configured) | {name for link in links for name in link.adapters}
+        for name in sorted((named & set(models)) - self._shadowed):
+            self._shadowed.add(name)
+            log.warning(
+                "adapter %s has the name of a model of the fleet: requests for %s get the "
+                "model; give the adapter another name",
+                name,
+                name,
+            )
 
     def model_of(self, name: str, links: list[WorkerLink]) -> str:
         """The model a request naming adapter `name` and no model runs on: its base

@@ -83,6 +83,7 @@ class Intake:
         on a worker since it came up shows then."""
         if not name or name not in self.adapters.known(self.links):
             await self.adapters.refresh(self._up())
+            self.adapters.warn_shadowed(self.links, self.models())
 
     def _queued(self) -> int:
         waiting = sum(len(link.waiting) for link in self.links)

@@ -290,6 +290,7 @@ class FleetScheduler(Intake):
     def _on_up(self, link: WorkerLink) -> None:
         self.residency.on_up(link)
         self.adapters.learn(link)
+        self.adapters.warn_shadowed(self.links, self.models())
         adapters = {"", *link.adapters}
         for r in self.pending.take(
             lambda r: r.model in ("", link.model_name) and r.lora_name in adapters

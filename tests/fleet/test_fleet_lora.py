@@ -306,7 +306,7 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
     fleet = next(started)
     [prompt] = distinct_prompts(1, 12, seed=23)
     [want] = reference(fleet_model, adapters["later"], [prompt])
-    added = ["outside", "asked-for", "looked-up", "listed"]
+    added = ["outside", "asked-for", "looked-up", "listed", "model"]
     with grpc.insecure_channel(other) as channel:
         worker = pb_grpc.WorkerServiceStub(channel)
 
@@ -335,8 +335,11 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
             card = gateway.http.get("/v1/models/looked-up", headers=auth)
             assert card.status_code == 200 and card.json()["parent"] == "model"
             add("listed")
+            add("model")  # the model's own name: the model wins, and a WARNING says so
             listed = gateway.http.get("/v1/models", headers=auth).json()
-            assert {card["id"] for card in listed["data"]} >= {"model", *added}
+            cards = {card["id"]: card for card in listed["data"]}
+            assert set(cards) >= set(added) and cards["model"]["parent"] is None
+            gateway.proc.wait_for("adapter model has the name of a model of the fleet")
         finally:
             gateway.close()
             next(started, None)  # the fleet stops

@@ -166,7 +166,11 @@ def test_bad_adapters_change_nothing(
         tensors = _tensors(path)
         tensors["model.layers.1.self_attn.v_proj.lora_b"] = mx.ones((8, 65))
         mx.save_safetensors(str(path / "adapters.safetensors"), tensors)
-        words = ["model.layers.1.self_attn.v_proj.lora_b has shape (8, 65)", "(8, 32)"]
+        words = [
+            f"AddLora: adapters.safetensors of {str(path)!r} ",  # the file, then the path
+            "model.layers.1.self_attn.v_proj.lora_b has shape (8, 65)",
+            "(8, 32)",
+        ]
     else:
         name, path, words = "has space", a, ["AddLora.name"]
     before = tiny_stub.ListLoras(pb.ListLorasRequest())

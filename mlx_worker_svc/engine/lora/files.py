@@ -126,26 +126,28 @@ def _config(path: Path, shown: str) -> dict[str, Any]:
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} is not readable JSON: {exc}") from exc
+        raise InvalidArgument(f"AddLora: {CONFIG} of {shown} is not readable JSON: {exc}") from exc
     if not isinstance(config, dict):
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} must hold a JSON object")
+        raise InvalidArgument(f"AddLora: {CONFIG} of {shown} must hold a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind != "lora":
         raise InvalidArgument(
-            f"AddLora: {shown}/{CONFIG} fine_tune_type is {kind!r}; only 'lora' adapters are "
+            f"AddLora: {CONFIG} of {shown} fine_tune_type is {kind!r}; only 'lora' adapters are "
             "served (DoRA and full fine-tunes are not)"
         )
     params = config.get("lora_parameters")
     if not isinstance(params, dict):
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} has no lora_parameters object")
+        raise InvalidArgument(f"AddLora: {CONFIG} of {shown} has no lora_parameters object")
     if "scale" not in params:
         hint = " (it has 'alpha': mlx-lm's config uses 'scale')" if "alpha" in params else ""
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} lora_parameters lacks 'scale'{hint}")
+        raise InvalidArgument(f"AddLora: {CONFIG} of {shown} lora_parameters lacks 'scale'{hint}")
     rank, scale = params.get("rank"), params["scale"]
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} lora_parameters.rank must be >= 1")
+        raise InvalidArgument(f"AddLora: {CONFIG} of {shown} lora_parameters.rank must be >= 1")
     if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise InvalidArgument(f"AddLora: {shown}/{CONFIG} lora_parameters.scale must be a number")
+        raise InvalidArgument(
+            f"AddLora: {CONFIG} of {shown} lora_parameters.scale must be a number"
+        )
     return config
 
 
@@ -179,7 +181,7 @@ def read(name: str, path_text: str, model: nn.Module) -> AdapterWeights:
     try:
         tensors = mx.load(str(path / WEIGHTS))
     except (OSError, ValueError, RuntimeError) as exc:
-        raise InvalidArgument(f"AddLora: {shown}/{WEIGHTS} is not readable: {exc}") from exc
+        raise InvalidArgument(f"AddLora: {WEIGHTS} of {shown} is not readable: {exc}") from exc
     assert isinstance(tensors, dict)
     expected = {f"{t}.{leaf}" for t in targets for leaf in ("lora_a", "lora_b")}
     extra = sorted(set(tensors) - expected)
@@ -188,7 +190,7 @@ def read(name: str, path_text: str, model: nn.Module) -> AdapterWeights:
         what = [f"{clip(n)} is not an adapter matrix of a targeted layer" for n in extra[:3]]
         what += [f"{n} is missing" for n in missing[:3]]
         raise InvalidArgument(
-            f"AddLora: {shown}/{WEIGHTS} does not match the model and {CONFIG} "
+            f"AddLora: {WEIGHTS} of {shown} does not match the model and {CONFIG} "
             f"(target modules, num_layers): {'; '.join(what)}"
         )
     a: dict[str, mx.array] = {}
@@ -198,7 +200,7 @@ def read(name: str, path_text: str, model: nn.Module) -> AdapterWeights:
         for leaf, got, want in (("lora_a", la, (inputs, rank)), ("lora_b", lb, (rank, out))):
             if tuple(got.shape) != want:
                 raise InvalidArgument(
-                    f"AddLora: {shown}/{WEIGHTS} {target}.{leaf} has shape {tuple(got.shape)}; "
+                    f"AddLora: {WEIGHTS} of {shown} {target}.{leaf} has shape {tuple(got.shape)}; "
                     f"the model's layer and the rank ({rank}) need {want}"
                 )
             if not mx.issubdtype(got.dtype, mx.floating):

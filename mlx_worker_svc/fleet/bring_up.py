@@ -10,7 +10,9 @@ weights freed) and loads that model in place of its own. It is called only for
 a worker that is not bringing itself up (CheckHealth.bringing_up), so it never
 races a worker's own start-up; a retry after a deadline joins the worker's call
 in progress instead of queueing another (the proto's lifecycle rule).
-`held_adapters` then reads the LoRA adapters the worker holds (fleet/adapters.py).
+`held_adapters` then reads the LoRA adapters the worker holds (fleet/adapters.py);
+`load_refused` and `not_fetched` tell a LoadModel that failed the model from a worker
+that went away.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.config import LinkConfig
+from mlx_worker_svc.fleet.step_outcome import worker_lost
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 FINAL = (pb.WORKER_STATE_READY, pb.WORKER_STATE_SERVING)
@@ -88,3 +91,22 @@ async def held_adapters(client: AsyncWorkerClient) -> dict[str, str]:
             return {}
         raise
     return {adapter.name: adapter.path for adapter in listing.adapters}
+
+
+def load_refused(exc: Exception) -> bool:
+    """A LoadModel the worker answered with a refusal (the model, not the worker, failed)."""
+    return isinstance(exc, ClientError) and exc.method == "LoadModel" and not worker_lost(exc)
+
+
+class ModelNotFetched(Exception):
+    """A load the worker, still up, answered UNAVAILABLE (it could not fetch the model: the
+    hub out of reach): the model failed, not the worker, so its requests fail."""
+
+
+def not_fetched(exc: Exception) -> bool:
+    """A LoadModel answered UNAVAILABLE: the model not fetched, or the worker gone."""
+    return (
+        isinstance(exc, ClientError)
+        and exc.method == "LoadModel"
+        and exc.code is grpc.StatusCode.UNAVAILABLE
+    )

@@ -29,11 +29,15 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import grpc
-
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
-from mlx_worker_svc.fleet.bring_up import drive_up, held_adapters
+from mlx_worker_svc.fleet.bring_up import (
+    ModelNotFetched,
+    drive_up,
+    held_adapters,
+    load_refused,
+    not_fetched,
+)
 from mlx_worker_svc.fleet.config import LinkConfig
 from mlx_worker_svc.fleet.models import ModelCatalog
 from mlx_worker_svc.fleet.pipeline import Pipeline, views_of
@@ -219,14 +223,6 @@ class WorkerLink:
             if why is not None:
                 self._lose_everything(why)
 
-    async def _answers(self) -> bool:
-        """Whether the worker answers a health check now."""
-        try:
-            await self._prober.health()
-        except (ClientError, RuntimeError):
-            return False
-        return True
-
     async def _probe(self) -> str | None:
         """One CheckHealth: None while the worker is usable, else why it is not."""
         return await self._prober.check(self.epoch)
@@ -255,10 +251,10 @@ class WorkerLink:
                 self._swap = self.catalog.path_of(self.model_name) or self.model
                 if self._on_load_failed is not None:
                     cause: Exception = exc
-                    if _not_fetched(exc) and await self._answers():  # the model failed
+                    if not_fetched(exc) and await self._prober.answers():  # the model failed
                         cause = ModelNotFetched(str(exc))
                     self._on_load_failed(self, name, cause)
-            elif _load_refused(exc) and self.initial:
+            elif load_refused(exc) and self.initial:
                 # The model it was to start with does not load (a bad path): its
                 # requests fail with the cause, and the next try is the next model.
                 failed, self.initial = self.initial, self.catalog.after(self.initial)
@@ -437,22 +433,3 @@ class WorkerLink:
             undo_step(request, started, self._queues)
         else:
             refuse_step(exc, request, started, self._queues)
-
-
-def _load_refused(exc: Exception) -> bool:
-    """A LoadModel the worker answered with a refusal (the model, not the worker, failed)."""
-    return isinstance(exc, ClientError) and exc.method == "LoadModel" and not worker_lost(exc)
-
-
-class ModelNotFetched(Exception):
-    """A load the worker, still up, answered UNAVAILABLE (it could not fetch the model: the
-    hub out of reach): the model failed, not the worker, so its requests fail."""
-
-
-def _not_fetched(exc: Exception) -> bool:
-    """A LoadModel answered UNAVAILABLE: the model not fetched, or the worker gone."""
-    return (
-        isinstance(exc, ClientError)
-        and exc.method == "LoadModel"
-        and exc.code is grpc.StatusCode.UNAVAILABLE
-    )

@@ -28,6 +28,14 @@ class Prober:
         """One CheckHealth with the probe deadline (raises ClientError)."""
         return await self.client.check_health(timeout=self.config.probe_timeout)
 
+    async def answers(self) -> bool:
+        """Whether the worker answers a health check now."""
+        try:
+            await self.health()
+        except (ClientError, RuntimeError):
+            return False
+        return True
+
     async def check(self, epoch: int) -> str | None:
         """None while the worker of `epoch` is usable, else why it is not."""
         timeout = self.config.probe_timeout

@@ -230,6 +230,7 @@ def test_status_shows_the_state_a_down_workers_probe_answered(
             time.sleep(0.05)
         assert "DRAINING" in seen.last_error
         stub.Shutdown(pb.ShutdownRequest(abort=True))
+    pool.procs[0].proc.wait(timeout=60)  # gone before the next test heals the pool
 
 
 def test_a_lost_worker_keeps_the_state_last_seen() -> None:

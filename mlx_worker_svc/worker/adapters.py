@@ -157,13 +157,20 @@ def given_up(core: WorkerCore, adapter_bytes: int) -> int:
     return -(-over // per_block) if over > 0 and per_block else 0
 
 
+def kept_blocks(core: WorkerCore) -> int:
+    """The KV budget with the adapters resident: InitCache's, less the blocks they take."""
+    loaded, config = core.loaded, core.cache_config
+    if config is None:
+        return 0
+    return config.num_blocks - (given_up(core, loaded.adapters.nbytes) if loaded else 0)
+
+
 def fit_budget(core: WorkerCore) -> None:
     """The KV budget after the adapters changed: InitCache's, less the blocks they take."""
-    loaded, config = core.loaded, core.cache_config
     runner = core.runner
-    if runner is None or loaded is None or config is None:
+    if runner is None or core.loaded is None or core.cache_config is None:
         return
-    keep = config.num_blocks - given_up(core, loaded.adapters.nbytes)
+    keep = kept_blocks(core)
     state = runner.state
     state.budget = replace(state.budget, num_blocks=keep)
     if state.prefix is not None:

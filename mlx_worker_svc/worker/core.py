@@ -83,6 +83,7 @@ class WorkerCore:
         self.model_info: ModelInfo | None = None
         # Asleep at level 2: the adapters (name, path, pinned) WakeUp loads again.
         self.asleep_adapters: list[tuple[str, str, bool]] = []
+        self.asleep_blocks = 0  # asleep at level 2: the KV budget WakeUp restores
         self.chat_template = ""
         # While SLEEPING: the level, and the state WakeUp returns to.
         self.sleep_level = 0

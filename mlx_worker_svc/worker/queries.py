@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from mlx_worker_svc.core.domain import KVUsage, Origin
 from mlx_worker_svc.core.reports import HealthReport, MemoryUsage, WorkerState
 from mlx_worker_svc.engine.memory import guard as memory_guard
+from mlx_worker_svc.worker.adapters import kept_blocks
 from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
@@ -96,6 +97,9 @@ class Queries:
         runner, config = self.core.runner, self.core.cache_config
         if runner is not None:
             return runner.kv_usage()
-        if config is not None:  # asleep: the budget stands, nothing is held
-            return KVUsage(num_blocks=config.num_blocks, block_size=config.block_size, kv=config.kv)
+        if config is not None:  # asleep: the budget WakeUp restores, nothing held
+            blocks = kept_blocks(self.core) if self.core.loaded else self.core.asleep_blocks
+            return KVUsage(
+                num_blocks=blocks or config.num_blocks, block_size=config.block_size, kv=config.kv
+            )
         return KVUsage()

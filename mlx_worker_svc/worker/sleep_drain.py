@@ -15,7 +15,7 @@ from mlx_worker_svc.core.domain import Origin
 from mlx_worker_svc.core.errors import Aborted, InvalidArgument, Unavailable
 from mlx_worker_svc.core.reports import SleepReport, WakeReport, WorkerState
 from mlx_worker_svc.engine.memory import guard as memory_guard
-from mlx_worker_svc.worker.adapters import fit_budget, reload_adapters
+from mlx_worker_svc.worker.adapters import fit_budget, kept_blocks, reload_adapters
 from mlx_worker_svc.worker.core import WorkerCore
 
 S = WorkerState
@@ -52,6 +52,7 @@ class SleepAndDrain:
             if level == 2:
                 if core.loaded is not None:  # WakeUp loads its adapters again
                     core.asleep_adapters = core.loaded.adapters.specs()
+                    core.asleep_blocks = kept_blocks(core)
                 core.loaded = None
             core.sleep_level = max(core.sleep_level, level)
             core.replica.release(model=level == 2)

@@ -285,6 +285,16 @@ def test_adapters_after_init_cache_take_their_bytes_from_the_kv_budget(
         given = -(-reply.adapter.bytes // profile.bytes_per_block)  # whole blocks of its bytes
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks - given
         assert (reply.kv.num_blocks, reply.kv.free_blocks) == (blocks - given, blocks - given)
+        # Asleep, the budget shown is the one WakeUp restores, the adapter's room taken.
+        for level in (1, 2):
+            stub.Sleep(pb.SleepRequest(level=level))
+            for kv in (
+                stub.CheckHealth(pb.CheckHealthRequest()).kv,
+                stub.GetInfo(pb.GetInfoRequest()).kv,
+            ):
+                assert (kv.num_blocks, kv.free_blocks) == (blocks - given, blocks - given)
+            stub.WakeUp(pb.WakeUpRequest())
+            assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks - given
         removed = stub.RemoveLora(pb.RemoveLoraRequest(name="b"))
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks
         assert removed.kv.num_blocks == blocks and removed.kv.block_size == 16

@@ -63,7 +63,12 @@ class AdapterCalls:
         core = self.core
 
         def job() -> AdapterAdded:
-            added = self._adapters("AddLora").add(name, path, self._room)
+            try:
+                added = self._adapters("AddLora").add(name, path, self._room)
+            except WorkerError as exc:
+                # Refused: its frames (the adapter's weights, loaded to be measured) go now,
+                # not when the error is dropped (the next AddLora's, say).
+                raise exc.with_traceback(None) from None
             fit_budget(self.core)
             core.lifecycle.forget()  # a repeated DetermineMemory measures again
             return added

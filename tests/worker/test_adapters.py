@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from lora_adapters import make_adapter
 from tiny_model import build_tiny_model
 
 from mlx_worker_svc.core.domain import DeviceKind
-from mlx_worker_svc.core.errors import FailedPrecondition
+from mlx_worker_svc.core.errors import FailedPrecondition, ResourceExhausted
 from mlx_worker_svc.core.lifecycle import DeviceArgs
 from mlx_worker_svc.core.reports import LoadSpec, WorkerState
 from mlx_worker_svc.engine.options import EngineOptions
@@ -113,3 +115,20 @@ def test_a_start_adapter_that_does_not_fit_a_model_keeps_the_worker_as_it_was(
         assert [info.name for info in AdapterCalls(core).list()[0]] == ["a"]
     finally:
         SleepAndDrain(core).close()
+
+
+def test_a_refused_add_holds_none_of_the_adapter_it_measured(
+    core: WorkerCore, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """AddLora loads an adapter to measure it; refused (every slot pinned), the error a
+    caller keeps (a gRPC thread, until its next call) holds none of its weights."""
+    core.replica.options = replace(core.replica.options, max_loras=1)
+    calls = AdapterCalls(core)
+    calls.add("a", str(make_adapter(tmp_path / "a", tiny_dir, seed=1)))
+    calls.pin("a", True)
+    other = make_adapter(tmp_path / "b", tiny_dir, seed=2)
+    before = mx.get_active_memory()
+    with pytest.raises(ResourceExhausted, match="every one is pinned") as refused:
+        calls.add("b", str(other))
+    assert refused.value is not None  # kept, as a caller keeps it
+    assert mx.get_active_memory() == before

@@ -311,6 +311,13 @@ def test_tool_choice_any_returns_a_tool_use_whose_input_validates(
     other = create if stream else streamed
     again = other(client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=120)
     assert blocks(again if stream else again[1]) == blocks(many)
+    # A stop sequence as the next call begins: the calls before it stand, and the answer
+    # is tool_use (as the OpenAI route's tool_calls), for the agent loop to run them.
+    options = {"tools": TOOLS, "tool_choice": {"type": "any"}, "max_tokens": 120}
+    options["stop_sequences"] = ["\n<tool"]
+    stopped = streamed(client, **options)[1] if stream else create(client, **options)
+    assert [kind for kind, *_ in blocks(stopped)] == ["tool_use"] * len(stopped.content)
+    assert stopped.stop_reason == "tool_use" and stopped.stop_sequence is None
 
 
 def test_a_named_tool_streams_as_input_json_deltas(gateway: Gateway) -> None:

@@ -105,8 +105,16 @@ class MessageReply:
         self.cached_tokens = 0
 
     def stop_reason(self, last: pb.GenerateResponse, blocks: Blocks) -> str | None:
+        """An answer that ended with calls is `tool_use`, a stop sequence right after them
+        too (the OpenAI route's `tool_calls`): an agent loop runs calls on `tool_use`."""
         reason = _STOP.get(last.finish_reason)
-        return "tool_use" if reason == "end_turn" and blocks.calls else reason
+        ended = reason in ("end_turn", "stop_sequence")
+        return "tool_use" if ended and blocks.calls else reason
+
+    def stop_sequence(self, last: pb.GenerateResponse, blocks: Blocks) -> str | None:
+        """The stop sequence that ended the answer, where `stop_sequence` is the reason."""
+        matched = self.stop_reason(last, blocks) == "stop_sequence"
+        return (last.stop_string or None) if matched else None
 
     def usage(self, output_tokens: int) -> dict[str, Any]:
         return {
@@ -125,7 +133,7 @@ class MessageReply:
             "model": self.model,
             "content": blocks.content if last is not None else [],
             "stop_reason": self.stop_reason(last, blocks) if last is not None else None,
-            "stop_sequence": (last.stop_string or None) if last is not None else None,
+            "stop_sequence": self.stop_sequence(last, blocks) if last is not None else None,
             "usage": self.usage(last.completion_tokens if last is not None else 0),
         }
 
@@ -136,8 +144,10 @@ class MessageReply:
 
     def end(self, blocks: Blocks, last: pb.GenerateResponse) -> list[Sse]:
         """A stream's last events: the open block's stop, message_delta, message_stop."""
-        delta = {"stop_reason": self.stop_reason(last, blocks), "stop_sequence": None}
-        delta["stop_sequence"] = last.stop_string or None
+        delta = {
+            "stop_reason": self.stop_reason(last, blocks),
+            "stop_sequence": self.stop_sequence(last, blocks),
+        }
         usage = self.usage(last.completion_tokens)
         return [
             *blocks.close(),

@@ -204,7 +204,10 @@ def answer_error(parsed: ParsedRequest, exc: WorkerError | ClientError | ApiErro
     the gateway filled (a spec, the tools) reworded to name the request's field."""
     constrained = parsed.tools.forced or parsed.answer_schema is not None
     spec_from = parsed.structured_param or ("tools" if constrained else None)
-    return request_error(api_error(exc), spec_from, anthropic=parsed.kind == "messages")
+    # Beside tools the grammar is the gateway's (calls, or the answer's JSON): not shown.
+    own = parsed.tools.may_call and bool(constrained)
+    anthropic = parsed.kind == "messages"
+    return request_error(api_error(exc), spec_from, anthropic=anthropic, own_grammar=own)
 
 
 def api_error(exc: WorkerError | ClientError | ApiError) -> ApiError:

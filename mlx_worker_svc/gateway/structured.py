@@ -240,7 +240,9 @@ def _cause(detail: str) -> str:
     return head
 
 
-def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) -> ApiError:
+def request_error(
+    exc: ApiError, param: str | None, *, anthropic: bool = False, own_grammar: bool = False
+) -> ApiError:
     """A workers' 400 about a field the gateway filled, reworded to name the request's field.
 
     `param` is the field the structured-output spec came from (a forced tool
@@ -250,7 +252,8 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
     The fleet names a prompt's text too large for a worker `messages` or `prompt`, and
     a request too large by its stop strings `sampling_params.stop`. It rewords the
     first message's error and an error met later, mid-answer (a spec's grammar
-    reaching one of the engine's limits), alike.
+    reaching one of the engine's limits), alike. With `own_grammar` (the spec is a
+    grammar the gateway wrote around the request's, beside tools) only its cause shows.
     """
     fields = {
         "tools_json": "tools",
@@ -270,7 +273,7 @@ def request_error(exc: ApiError, param: str | None, *, anthropic: bool = False) 
         if exc.message.startswith(worker_field):
             rest = exc.message[len(worker_field) :]
             detail = rest if worker_field.endswith(" ") else exc.message.split(": ", 1)[-1]
-            if name == "tools":  # the gateway's own grammar: not its text, only the cause
+            if name == "tools" or (own_grammar and name == param):  # the gateway's grammar
                 detail = _cause(detail)
             return ApiError(
                 400, f"Invalid value for '{name}': {detail}", param=name, code="invalid_value"

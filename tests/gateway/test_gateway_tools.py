@@ -433,3 +433,24 @@ def test_a_response_format_beside_tools_gives_a_call_or_an_answer_of_the_schema(
     )
     check_calls(calls, set(SCHEMAS))
     assert finish == "tool_calls"
+
+
+def test_a_response_format_beside_tools_the_engine_refuses_shows_no_grammar(
+    gateway: Gateway,
+) -> None:
+    """Beside tools the JSON constraint sits in a grammar the gateway writes: its 400 names
+    response_format with the engine's reason, not that grammar's text."""
+    unique = {"type": "array", "uniqueItems": True}
+    body = {
+        "model": "model",
+        "messages": ASK,
+        "max_tokens": 4,
+        "tools": TOOLS,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": unique}},
+    }
+    response = gateway.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format"
+    assert "uniqueItems" in error["message"]
+    assert "start:" not in error["message"] and "\n" not in error["message"], error["message"]

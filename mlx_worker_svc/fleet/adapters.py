@@ -295,7 +295,8 @@ class AdapterPlacement:
         holders' model, else the fleet's only one ("": not known). A name that is also
         a model's is the model's."""
         only = models[0] if len(models) == 1 else ""
-        out = {name: self.bases.get(name, only) for name in self.configured}
+        # Configured, or seen on a worker (loaded again from there when asked for).
+        out = {name: self.bases.get(name, only) for name in (*self.configured, *self.seen)}
         for link in links:
             for name in link.adapters:
                 out[name] = out.get(name) or self.bases.get(name) or link.model_name

@@ -340,6 +340,13 @@ def test_an_adapter_added_from_outside_is_routed_to_and_listed(
             cards = {card["id"]: card for card in listed["data"]}
             assert set(cards) >= set(added) and cards["model"]["parent"] is None
             gateway.proc.wait_for("adapter model has the name of a model of the fleet")
+            # Removed from outside, it stays listed and is loaded again when asked for.
+            worker.RemoveLora(pb.RemoveLoraRequest(name="listed"))
+            listed = gateway.http.get("/v1/models", headers=auth).json()
+            assert "listed" in {card["id"] for card in listed["data"]}
+            with gateway.client() as client:
+                again = _complete(client, "listed", prompt)
+            assert again.choices[0].text == text.text
         finally:
             gateway.close()
             next(started, None)  # the fleet stops

@@ -91,7 +91,7 @@ def test_a_message_that_waits_ends_and_the_gateway_drains() -> None:
     """A /v1/messages request waiting for a worker when the drain's grace runs out gets
     its 503 and the gateway exits (the error, raised from itself, once sent its queue
     place's bookkeeping round its cause chain for ever: no answer, no exit)."""
-    gateway, url = _waiting_gateway("--queue", "2", "--grace-seconds", "1")
+    gateway, url = _waiting_gateway("--queue", "2", "--grace-seconds", "3")
     try:
         answers: list[httpx.Response] = []
         waiting = threading.Thread(
@@ -103,6 +103,15 @@ def test_a_message_that_waits_ends_and_the_gateway_drains() -> None:
         waiting.start()
         _queued(url, 1)
         gateway.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health", headers=HEADERS).json()["status"] != "draining":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # A new request meanwhile, count_tokens too, is refused at once, not held.
+        body = {k: v for k, v in BODIES["/v1/messages"].items() if k != "max_tokens"}
+        counted = httpx.post(url + "/v1/messages/count_tokens", json=body, headers=HEADERS)
+        assert counted.status_code == 503, counted.text
+        assert "the fleet is shutting down" in counted.json()["error"]["message"]
         assert gateway.proc.wait(timeout=20) == 0, gateway.output
         waiting.join(timeout=10)
         [answer] = answers

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import FleetScheduler, PromptTooLarge
+from mlx_worker_svc.fleet.errors import ShuttingDown
 from mlx_worker_svc.gateway.anthropic.reply import Blocks, MessageReply, Sse
 from mlx_worker_svc.gateway.anthropic.schema import MessagesRequest, parse_messages
 from mlx_worker_svc.gateway.body import parse_body
@@ -81,6 +82,8 @@ class MessagesApi:
         self.count = count  # counts a finished answer's tokens
 
     async def count_tokens(self, request: Request) -> Response:
+        if self.fleet.draining:  # a new request, as a message is (it takes no queue place)
+            raise api_error(ShuttingDown())
         messages = parse_messages(parse_body(await request.body()), count=True)
         await self.model_for(messages.parsed)
         return JSONResponse({"input_tokens": len(await prompt_tokens(self.fleet, messages))})

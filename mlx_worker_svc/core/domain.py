@@ -213,6 +213,14 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The sampled tokens whose text the output carries: all but a stop token that
+        ended the request (`FinishReason.by_stop_token`)."""
+        reason = self.finish_reason
+        stopped = reason is not None and reason.by_stop_token
+        return self.sampled_token_ids[:-1] if stopped else self.sampled_token_ids
+
 
 @dataclass(frozen=True)
 class StepTimings:

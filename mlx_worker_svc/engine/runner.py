@@ -451,9 +451,6 @@ class ModelRunner:
 
 def _set_text(output: RequestOutput, stream: text.TextStream, appended: tuple[int, ...]) -> None:
     """The text the step's tokens add: the appended ones, then the sampled ones but a stop
-    token that ended the request (`FinishReason.by_stop_token`); all held back at the end."""
-    reason = output.finish_reason
-    shown = output.sampled_token_ids
-    if reason is not None and reason.by_stop_token:
-        shown = shown[:-1]
-    output.text = stream.take((*appended, *shown), last=reason is not None)
+    token that ended the request; all held back, once it ends."""
+    tokens = (*appended, *output.text_token_ids)
+    output.text = stream.take(tokens, last=output.finish_reason is not None)

@@ -39,10 +39,7 @@ class GenerateStream:
         """Pushes one step's output; the final one closes the stream."""
         if self.done:
             return
-        shown = output.sampled_token_ids
-        if output.finish_reason is not None and output.finish_reason.by_stop_token:
-            shown = shown[:-1]  # the stop token's own text is left out
-        pieces = [self.text.add(t) for t in shown]
+        pieces = [self.text.add(t) for t in output.text_token_ids]
         self.completion_tokens += len(output.sampled_token_ids)
         chunk = GenerateChunk(
             request_id=self.request_id,

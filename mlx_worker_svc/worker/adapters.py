@@ -149,16 +149,20 @@ def reload_adapters(
 
 def given_up(core: WorkerCore, adapter_bytes: int) -> int:
     """KV blocks the budget gives up so that adapters of these bytes fit the memory limit
-    beside the weights, the full InitCache budget and the activation peak."""
+    beside the weights, the full InitCache budget and the activation peak.
+
+    Adapter bytes DetermineMemory counted (resident when it ran) are in the weights
+    InitCache's budget was checked against: only bytes past them take blocks.
+    """
     config, profile, loaded = core.cache_config, core.memory, core.loaded
     if config is None or profile is None or loaded is None:
         return 0  # DetermineMemory counts the adapters resident when it runs
     kv = memory_guard.kv_bytes(profile, config.num_blocks, config.block_size)
     need = loaded.info.weight_bytes + adapter_bytes + kv + profile.activation_peak_bytes
     per_block = memory_guard.kv_bytes(profile, 1, config.block_size)
-    # Only the adapters' bytes are taken from the budget: a limit that InitCache set
+    # Only the adapters' new bytes are taken from the budget: a limit that InitCache set
     # below the full budget on its own is the per-step memory guard's to enforce.
-    over = min(need - config.memory_limit_bytes, adapter_bytes)
+    over = min(need - config.memory_limit_bytes, adapter_bytes - profile.adapter_bytes)
     return -(-over // per_block) if over > 0 and per_block else 0
 
 

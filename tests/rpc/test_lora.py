@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +267,38 @@ def test_adapter_bytes_count_in_memory(tiny_dir: Path, adapters: dict[str, Path]
         assert "gives up" in text and "of its 4 blocks" in text
         assert [a.name for a in stub.ListLoras(pb.ListLorasRequest()).adapters] == ["a"]
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == 4
+
+
+def test_adapters_determine_memory_counted_keep_init_caches_budget_whole(
+    tiny_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """An adapter resident at DetermineMemory is in the weights InitCache checked its
+    budget against (a one-token step beside it): nothing more is taken for it, even
+    under a limit that leaves no room for the activation peak."""
+    with live_server() as (_, stub):
+        stub.InitDevice(pb.InitDeviceRequest())
+        stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir)))
+        stub.AddLora(pb.AddLoraRequest(name="b", path=str(adapters["b"])))
+        profile = stub.DetermineMemory(pb.DetermineMemoryRequest(max_num_batched_tokens=32))
+        blocks = 64
+        with pytest.raises(grpc.RpcError) as info:  # the smallest limit InitCache takes
+            stub.InitCache(pb.InitCacheRequest(num_blocks=blocks, memory_limit_bytes=1))
+        least = int(re.search(r"past (\d+)", details_of(info.value)).group(1))  # type: ignore[union-attr]
+        assert least < profile.weight_bytes + blocks * profile.bytes_per_block + (
+            profile.activation_peak_bytes
+        )
+        reply = stub.InitCache(pb.InitCacheRequest(num_blocks=blocks, memory_limit_bytes=least))
+        assert reply.num_blocks == blocks
+        for kv in (
+            stub.CheckHealth(pb.CheckHealthRequest()).kv,
+            stub.GetInfo(pb.GetInfoRequest()).kv,
+        ):
+            assert (kv.num_blocks, kv.free_blocks) == (blocks, blocks)
+        stub.RemoveLora(pb.RemoveLoraRequest(name="b"))
+        stub.AddLora(pb.AddLoraRequest(name="b", path=str(adapters["b"])))  # the same bytes
+        assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == blocks
+        added = stub.AddLora(pb.AddLoraRequest(name="a", path=str(adapters["a"])))
+        assert added.kv.num_blocks < blocks  # bytes DetermineMemory never saw take blocks
 
 
 def test_adapters_after_init_cache_take_their_bytes_from_the_kv_budget(

@@ -133,10 +133,16 @@ class AdapterPlacement:
             except ClientError as exc:  # a worker lost meanwhile: its link finds out
                 log.debug("no adapter list from %s: %s", link.target, exc)
                 return
-            link.adapters = set(listing.names)
-            for adapter in listing.adapters:  # loaded again from there when removed
-                self.seen.setdefault(adapter.name, adapter.path)
-        self.learn(link)  # an adapter added from outside runs on this worker's model
+            self._holds(link, listing)
+
+    def _holds(self, link: WorkerLink, listing: pb.ListLorasResponse) -> None:
+        """Takes what a worker's ListLoras says it holds now: an adapter added from
+        outside runs on this worker's model and is loaded again from its path when
+        removed (the fleet made room, or a RemoveLora from outside)."""
+        link.adapters = set(listing.names)
+        for adapter in listing.adapters:
+            self.seen.setdefault(adapter.name, adapter.path)
+        self.learn(link)
 
     def warn_shadowed(self, links: list[WorkerLink], models: list[str]) -> None:
         """Logs, once each, the adapters named like a model of the fleet (a name learned
@@ -204,7 +210,7 @@ class AdapterPlacement:
     async def _load(self, link: WorkerLink, name: str, path: str) -> None:
         async with self._locks.setdefault(link.target, asyncio.Lock()):
             listing = await link.client.list_loras(pb.ListLorasRequest())
-            link.adapters = set(listing.names)  # what it holds now (RemoveLora from outside)
+            self._holds(link, listing)
             if name in link.adapters or not await self._make_room(link, listing, name):
                 return
             log.info("loading adapter %s on %s", name, link.target)
@@ -250,8 +256,6 @@ class AdapterPlacement:
             return False
         self._waits_logged.discard((link.target, wanted))
         _, name = spare[0]
-        path = next(a.path for a in listing.adapters if a.name == name)
-        self.seen.setdefault(name, path)  # a worker's own: loaded again when asked for
         link.adapters.discard(name)  # no request is routed to it from now
         try:
             await link.client.remove_lora(pb.RemoveLoraRequest(name=name))

@@ -79,16 +79,18 @@ def ask(prompt: list[int], model: str, lora: str) -> pb.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def two_models(tree: dict[str, Path]) -> Iterator[Fleet]:
-    """Worker 1 holds a with its own adapter `own`; worker 2 is given b by the fleet."""
-    procs = [
-        worker("--model", str(tree["a"]), "--auto-init", "--lora-modules", f"own={tree['own']}"),
-        worker(),
+    """Worker 1 holds a with its own adapter `own` (of two slots); worker 2 is given b by
+    the fleet; the fleet may load `ad` (of b) and `x` (of a)."""
+    own_a = ["--model", str(tree["a"]), "--lora-modules", f"own={tree['own']}"]
+    procs = [worker(*own_a, "--auto-init", "--max-loras", "2"), worker()]
+    specs = [
+        json.dumps({"name": "ad", "path": str(tree["ad"]), "base_model_name": "b"}),
+        json.dumps({"name": "x", "path": str(tree["x"]), "base_model_name": "a"}),
     ]
-    spec = json.dumps({"name": "ad", "path": str(tree["ad"]), "base_model_name": "b"})
     models = ["--models", f"a={tree['a']}", f"b={tree['b']}"]
     started = None
     try:
-        started = fleet([t for _, t in procs], *models, "--lora-modules", spec)
+        started = fleet([t for _, t in procs], *models, "--lora-modules", *specs)
         yield started
     finally:
         if started is not None:
@@ -120,6 +122,24 @@ def test_a_request_naming_no_model_runs_on_its_adapters(
     for lora, model in (("ad", "b"), ("own", "a")):
         want = reference(tree[model], tree[lora], prompts)
         assert [tokens_of(two_models.generate(ask(p, "", lora))) for p in prompts] == want
+
+
+def test_an_adapter_added_from_outside_seen_as_the_fleet_loads_one_runs_on_its_model(
+    two_models: Fleet, tree: dict[str, Path]
+) -> None:
+    """An operator's AddLora of `e` fills the second slot of the worker of a; the fleet
+    then loads `x` there, reads what the worker holds and removes `e` to make room: a
+    request naming only `e` loads it again on a (it was INVALID_ARGUMENT asking for a
+    model, the fleet serving two)."""
+    with grpc.insecure_channel(two_models.targets[0]) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        stub.AddLora(pb.AddLoraRequest(name="e", path=str(tree["y"])))
+        prompts = distinct_prompts(2, 10, seed=13)
+        [want_x] = reference(tree["a"], tree["x"], prompts[:1])
+        [want_e] = reference(tree["a"], tree["y"], prompts[1:])
+        assert tokens_of(two_models.generate(ask(prompts[0], "", "x"))) == want_x
+        assert "e" not in stub.ListLoras(pb.ListLorasRequest()).names
+        assert tokens_of(two_models.generate(ask(prompts[1], "", "e"))) == want_e
 
 
 def test_a_workers_own_adapter_keeps_the_model_it_came_with() -> None:

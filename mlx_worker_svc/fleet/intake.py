@@ -101,12 +101,13 @@ class Intake:
             )
 
     @contextlib.asynccontextmanager
-    async def queue_slot(self, model: str = "") -> AsyncIterator[None]:
+    async def queue_slot(self, model: str = "", req_id: str = "") -> AsyncIterator[None]:
         """A place in the queue for what a caller does before `generate` (the gateway's
         Anthropic route tokenizes a chat first): refused as `generate` refuses (queue
         full, draining), else counted as waiting until the block ends. A refusal, or a
-        fleet error the block raises (no worker up), counts as the request's end."""
-        started, req_id = time.monotonic(), uuid.uuid4().hex
+        fleet error the block raises (no worker up), counts as the request's end, logged
+        under `req_id` (the request's own, else a new one)."""
+        started, req_id = time.monotonic(), req_id or uuid.uuid4().hex
         try:
             self._check_room()
         except WorkerError as exc:

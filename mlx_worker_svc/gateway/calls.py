@@ -32,7 +32,7 @@ from starlette.types import Receive
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import ContextTooLong, FleetScheduler, OutOfVocabulary, PromptTooLarge
-from mlx_worker_svc.gateway.errors import ApiError, from_grpc
+from mlx_worker_svc.gateway.errors import ApiError, from_grpc, raise_as
 from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
 from mlx_worker_svc.gateway.schema import ParsedRequest
@@ -73,7 +73,7 @@ class Answer:
         try:
             return await until_disconnect(request, fleet_call(_rest(self.first, self.stream)))
         except ApiError as exc:
-            raise answer_error(self.parsed, exc) from exc
+            raise_as(answer_error(self.parsed, exc), exc)
         finally:
             await self.stream.aclose()
 
@@ -99,7 +99,7 @@ async def open_answer(
         first = await until_disconnect(request, fleet_call(_first(parsed, stream)))
     except ApiError as exc:
         await stream.aclose()
-        raise answer_error(parsed, exc) from exc
+        raise_as(answer_error(parsed, exc), exc)
     except BaseException:
         await stream.aclose()
         raise

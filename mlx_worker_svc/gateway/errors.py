@@ -13,7 +13,7 @@ exception classes (400 `BadRequestError`, 401 `AuthenticationError`, 404
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -94,6 +94,15 @@ def is_anthropic(path: str, headers: Iterable[str] = ()) -> bool:
 def error_body(path: str, error: ApiError, headers: Iterable[str] = ()) -> dict[str, Any]:
     """The error in the shape of the API the request belongs to (`is_anthropic`)."""
     return error.anthropic_body() if is_anthropic(path, headers) else error.body()
+
+
+def raise_as(error: ApiError, cause: BaseException) -> NoReturn:
+    """Raises `error` from `cause`; a rewording that gave back `cause` itself is raised as
+    it is, its own cause kept (`raise e from e` loses it: the fleet's error under it, which
+    the fleet's queue counts a request's end by)."""
+    if error is cause:
+        raise error
+    raise error from cause
 
 
 def invalid(param: str, why: str) -> ApiError:

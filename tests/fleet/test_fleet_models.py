@@ -285,6 +285,36 @@ def test_a_model_that_does_not_load_fails_its_requests_and_the_worker_recovers(
         close(fleet)
 
 
+def test_a_gateway_request_for_a_model_that_does_not_load_is_counted_as_it_ends(
+    pool: WorkerPool, models: dict[str, Path]
+) -> None:
+    """A /v1/messages request fails while its chat is tokenized (before the fleet routes
+    it): it counts in the fleet's request metrics and logs its end, as a chat does (the
+    error, reworded as itself, lost the fleet's cause, and with it both)."""
+    args = ["--worker", pool.targets[0], "--port", "0", "--models", f"a={models['a']}"]
+    proc = Proc(["gateway", *args, "bad=/no/such/model"])
+    port = int(proc.wait_for(r"gateway listening on [\d.]+:(\d+)").group(1))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            wait_for_workers(http, 1)
+            chat = {
+                "model": "bad",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hi"}],
+            }
+            for route in ("/v1/messages", "/v1/chat/completions"):
+                failed = http.post(route, json=chat)
+                assert failed.status_code == 503, failed.text
+                assert "model 'bad' could not be loaded on worker" in failed.text
+            metrics = http.get("/metrics").text
+            assert 'mlx_fleet_requests_total{outcome="unavailable"} 2.0' in metrics
+            assert _series(metrics, "mlx_fleet_model_requests_total")["bad"] == 2
+            proc.wait_for(r"request failed req_id=msg_\w+ model=bad outcome=unavailable")
+            proc.wait_for(r"request failed req_id=chatcmpl-\w+ model=bad outcome=unavailable")
+    finally:
+        proc.reap()
+
+
 def test_a_model_the_worker_cannot_fetch_fails_its_requests_at_once(
     models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

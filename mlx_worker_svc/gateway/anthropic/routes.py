@@ -38,7 +38,7 @@ from mlx_worker_svc.gateway.calls import (
     sse,
     until_disconnect,
 )
-from mlx_worker_svc.gateway.errors import ApiError
+from mlx_worker_svc.gateway.errors import ApiError, raise_as
 from mlx_worker_svc.gateway.limits import limit_error
 from mlx_worker_svc.gateway.metrics import GatewayMetrics
 from mlx_worker_svc.gateway.schema import ParsedRequest
@@ -62,7 +62,8 @@ async def prompt_tokens(fleet: FleetScheduler, request: MessagesRequest) -> list
     except ApiError as exc:
         if isinstance(exc.__cause__, PromptTooLarge):  # what agents compact the chat on
             raise limit_error("messages", exc.__cause__) from exc
-        raise request_error(exc, None, anthropic=True) from exc  # names `tools` (or `messages`)
+        # names `tools` (or `messages`)
+        raise_as(request_error(exc, None, anthropic=True), exc)
 
 
 class MessagesApi:
@@ -120,7 +121,8 @@ class MessagesApi:
         """The prompt's ids, tokenized here (the prefill and the usage's input_tokens need
         them first): meanwhile it waits in the fleet's queue, as a chat routed whole does."""
         try:
-            async with self.fleet.queue_slot(messages.parsed.generate.model):
+            generate = messages.parsed.generate
+            async with self.fleet.queue_slot(generate.model, generate.request_id):
                 return await prompt_tokens(self.fleet, messages)  # raises ApiErrors
         except (WorkerError, ClientError) as exc:  # the queue full, or the fleet draining
             raise api_error(exc) from exc

@@ -196,7 +196,9 @@ def _load_error(spec: LoadSpec, exc: Exception) -> WorkerError:
         )
     if isinstance(exc, FileNotFoundError):  # a file of the model directory
         return InvalidArgument(f"{what} could not be loaded: {exc}")
-    if any("NotFound" in name for name in names - {"FileNotFoundError"}):  # RepositoryNotFound
+    # RepositoryNotFound and its kind; not an architecture mlx-lm has no module for (its
+    # "Model type X not supported." chains a ModuleNotFoundError): the files are there.
+    if any("NotFound" in name for name in names - {"FileNotFoundError", "ModuleNotFoundError"}):
         return NotFound(f"{what} was not found: {exc}")
     if isinstance(exc, OSError):
         return Unavailable(f"{what} could not be fetched: {exc}")

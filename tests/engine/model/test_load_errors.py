@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,18 @@ def test_a_bad_adapter_is_named_in_the_load_error(
     with pytest.raises(InvalidArgument) as info:
         loader.load(LoadSpec(model="someorg/some-model", adapter_path=str(adapter)))
     assert f"with LoadModel.adapter_path '{adapter}' could not be loaded" in info.value.message
+
+
+def test_an_architecture_mlx_lm_lacks_is_invalid_not_missing(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """mlx-lm's "Model type X not supported." chains a ModuleNotFoundError: the directory
+    is there, so it is INVALID_ARGUMENT, not NOT_FOUND ("was not found")."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "foobar_lm"}))
+    with pytest.raises(WorkerError) as info:
+        loader.load(LoadSpec(model=str(model)))
+    assert type(info.value) is InvalidArgument
+    assert "could not be loaded: Model type foobar_lm not supported" in info.value.message

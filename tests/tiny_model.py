@@ -95,6 +95,32 @@ def build_tiny_model(
     return out
 
 
+def build_tiny_gemma2(out: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+    """Writes a random tiny gemma2 (4 query heads over 2 KV heads) into `out`.
+
+    mlx-lm's gemma2 groups the query heads of a KV head in an axis of their own,
+    the one attention whose batch masks need the worker's rewrite (grouped_mask).
+    """
+    from mlx_lm.models import gemma2
+
+    config = tiny_config(
+        model_type="gemma2",
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        vocab_size=49152,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    mx.random.seed(seed)
+    model = gemma2.Model(gemma2.ModelArgs.from_dict(config))
+    # Tied embeddings: sharpened, so that greedy has clear winners.
+    embed = model.model.embed_tokens
+    model.update({"model": {"embed_tokens": {"weight": embed.weight * 4.0}}})
+    return _save(model, config, tokenizer_dir, out, TOKENIZER_FILES)
+
+
 def set_chat_template(model_dir: Path, template: str) -> None:
     """Replaces the chat template in a model directory's tokenizer_config.json."""
     path = model_dir / "tokenizer_config.json"

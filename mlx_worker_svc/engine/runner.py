@@ -50,7 +50,7 @@ from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
-from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, transposed
+from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, grouped_mask, transposed
 from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState
@@ -83,6 +83,7 @@ class ModelRunner:
             fused.install(self.model)  # decode steps: sibling projections as one product
         transposed.install(self.model)  # linear layers keep their weight's transposed view
         decode_step.install(self.model)  # a llama's decode step without mlx-lm's views
+        grouped_mask.install(self.model)  # gemma2's grouped heads: each row its mask
         dequant.install(self.model, options.dequant_rows(cuda))  # large quantized decode batches
         self.info = loaded.info
         self.limits = Limits(loaded.info.vocab_size, loaded.info.max_context_length)

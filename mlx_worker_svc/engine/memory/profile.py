@@ -58,9 +58,24 @@ def bytes_per_block(
                 "keeps a plain KV cache (this one has sliding-window or recurrent layers)"
             )
         quantized.check_head_dims(kv, quantized.head_dims(cache), where)
+        _check_quantized_attention(model, kv, where)
         cache = quantized.quantize(cache, kv)
     mx.eval([c.state for c in cache])
     return _filled_bytes(cache)
+
+
+def _check_quantized_attention(model: nn.Module, kv: KVFormat, where: str) -> None:
+    """Raises InvalidArgument if the model's attention does not run on a quantized cache
+    (mlx-lm's gemma2 expands its keys as arrays, which quantized keys are not)."""
+    try:
+        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache=quantized.empty(model, kv)))
+    except (TypeError, ValueError, AttributeError) as exc:
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InvalidArgument(
+            f"{where}.kv_bits {kv.bits}: this model's attention ({type(model).__module__}) "
+            f"does not run on a quantized KV cache ({type(exc).__name__}: {said}); leave "
+            "kv_bits 0"
+        ) from None
 
 
 def _forward_peak(model: nn.Module, tokens: int, kv: KVFormat = FLOAT_KV) -> int:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
-from driver import bring_up, drive, fresh_stub, greedy, mlx_lm_tokens
+from driver import bring_up, code_of, details_of, drive, fresh_stub, greedy, mlx_lm_tokens
 from tiny_model import build_tiny_gemma2
+
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 PROMPTS = [
     [5, 9, 3],
@@ -35,3 +38,20 @@ def test_gemma2_requests_batched_give_each_ones_tokens_alone(gemma2_dir: Path, r
         epoch = bring_up(stub, gemma2_dir)
         got = drive(stub, epoch, prompts, max_tokens=10, params=greedy(10, ignore_eos=True))
     assert got == expected
+
+
+def test_quantized_kv_on_gemma2_is_refused_naming_kv_bits(gemma2_dir: Path) -> None:
+    """mlx-lm's gemma2 does not run on a quantized cache (mlx-lm's `kv_bits` fails in it
+    too): DetermineMemory refuses it, INVALID_ARGUMENT, before anything changes."""
+    with fresh_stub() as stub:
+        stub.InitDevice(pb.InitDeviceRequest())
+        stub.LoadModel(pb.LoadModelRequest(model=str(gemma2_dir)))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.DetermineMemory(pb.DetermineMemoryRequest(kv_bits=8))
+        assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(info.value).startswith(
+            "DetermineMemory.kv_bits 8: this model's attention (mlx_lm.models.gemma2) does "
+            "not run on a quantized KV cache (TypeError: "
+        )
+        assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_MODEL_LOADED
+        assert stub.DetermineMemory(pb.DetermineMemoryRequest()).bytes_per_block > 0

@@ -13,6 +13,7 @@ no file, builds the embedded default model (SmolLM2-135M-Instruct).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -306,6 +307,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C library logs in its own format beside ours (a line per client's failed TLS
+    # handshake): errors only, unless the environment says otherwise.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv

@@ -8,6 +8,7 @@ without one only with the probe flag.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from rpc.secured import (
     call_empty,
     health_status,
     is_refused,
+    secure_channel,
 )
 
 from mlx_worker_svc.cli.envs import MLX_WORKER_CLIENT_TOKEN as CLIENT_TOKEN_ENV
@@ -224,3 +226,27 @@ def test_a_token_file_that_cannot_work_is_named_by_its_flag(tmp_path: Path) -> N
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip().splitlines()[-1]
         assert f"{flag} {path}" in line and says in line, line
+
+
+def test_a_failed_handshake_adds_no_line_to_the_json_log(pki: Pki) -> None:
+    """gRPC's C library logged each client's failed TLS handshake on its own, a line the
+    client chose to cause, not JSON beside `--log-format json`: it logs errors only."""
+    serve = _Serve(
+        "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+        "--tls-client-ca", pki.ca, "--log-format", "json",
+    )  # fmt: skip
+    try:
+        for _ in range(3):  # no client certificate: the server ends the handshake
+            with (
+                secure_channel(serve.port, pki.read("ca")) as channel,
+                pytest.raises(grpc.RpcError),
+            ):
+                health_status(channel)
+        with secure_channel(
+            serve.port, pki.read("ca"), pki.read("client_cert"), pki.read("client_key")
+        ) as channel:
+            assert health_status(channel) == SERVING
+    finally:
+        assert serve.stop() == 0, "".join(serve.lines)
+    logged = [line for line in serve.lines if not line.startswith("mlx-worker listening on")]
+    assert logged and all(json.loads(line)["level"] for line in logged), "".join(logged)

@@ -121,7 +121,15 @@ def worker_client_from_args(
     from mlx_worker_svc.client.worker import channel_credentials
 
     credentials = None
-    if args.worker_ca or args.worker_client_cert or args.worker_client_key:
+    cert, key = args.worker_client_cert, args.worker_client_key
+    if bool(cert) != bool(key):
+        given, missing = (
+            ("--worker-client-cert", "--worker-client-key")
+            if cert
+            else ("--worker-client-key", "--worker-client-cert")
+        )
+        raise SecurityError(f"{given} needs {missing} too (a client certificate and its key)")
+    if args.worker_ca or cert or key:
         try:
             credentials = channel_credentials(
                 args.worker_ca, args.worker_client_cert, args.worker_client_key

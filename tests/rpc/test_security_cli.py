@@ -97,6 +97,15 @@ def test_config_validation(pki: Pki, tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="needs its key"):
         channel_credentials(pki.ca, cert_file=pki.client_cert)
+    for given, missing, path in (
+        ("--worker-client-cert", "--worker-client-key", pki.client_cert),
+        ("--worker-client-key", "--worker-client-cert", pki.client_key),
+    ):  # the fleet's flags: the one left out is named
+        half = _cli("fleet", "--worker", "127.0.0.1:1", "--port", "0", given, path)
+        assert half.returncode == 2, half.stderr
+        assert half.stderr.strip() == (
+            f"mlx-worker fleet: {given} needs {missing} too (a client certificate and its key)"
+        )
     # PEM files of the wrong kind, which gRPC refuses only at each handshake.
     for ca, cert, key, says in (
         (pki.server_key, None, None, f"the CA file {pki.server_key} holds no certificate"),

@@ -151,7 +151,16 @@ class WorkerCore:
             self._on_state(state)
 
     def require(self, call: str, minimum: WorkerState) -> None:
-        require(self._state, call, minimum)
+        try:
+            require(self._state, call, minimum)
+        except FailedPrecondition:
+            if not self.lifecycle.bringing_up:
+                raise
+            raise FailedPrecondition(  # not "call LoadModel first": it takes none meanwhile
+                f"{call} needs state {minimum.value} or later; the worker is "
+                f"{self._state.value}, bringing itself up (serve --auto-init): wait until "
+                "CheckHealth.bringing_up is false"
+            ) from None
 
     def admit_requests(self, call: str, new: int, leaving: int = 0) -> None:
         """Refuses `new` requests that would take the worker past its running limit."""

@@ -314,11 +314,18 @@ def test_outside_calls_between_the_bring_up_steps_are_refused(
     try:
         with pytest.raises(grpc.RpcError) as refused:
             stub.DetermineMemory(pb.DetermineMemoryRequest())
+        with pytest.raises(grpc.RpcError) as early:  # not "call LoadModel first"
+            list(stub.Generate(pb.GenerateRequest(prompt="hi")))
     finally:
         server.worker.lifecycle.release()
     assert code_of(refused.value) == grpc.StatusCode.ABORTED
     assert "bringing itself up (serve --auto-init)" in details_of(refused.value)
     assert "CheckHealth.bringing_up" in details_of(refused.value)
+    assert code_of(early.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert details_of(early.value) == (
+        "Generate needs state READY or later; the worker is MODEL_LOADED, bringing itself "
+        "up (serve --auto-init): wait until CheckHealth.bringing_up is false"
+    )
 
 
 def test_determine_memory_without_a_size_profiles_the_devices_default(

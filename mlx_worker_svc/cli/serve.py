@@ -164,8 +164,7 @@ def _serve_worker(
     try:
         profile_dir = profile_directory(args.profile_dir) if args.profile_dir else None
     except ValueError as exc:
-        print(f"mlx-worker serve: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return usage_error(args, exc)
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -169,7 +169,7 @@ def check_bind(
         _warn_once(f"listening on {host} without TLS or a token (--insecure)")
         return
     raise UnsafeBind(
-        f"refusing to listen on {host} without TLS or a token: give --tls-cert and "
+        f"refusing to listen on {host} (--host) without TLS or a token: give --tls-cert and "
         f"--tls-key, or {token_hint}, or pass --insecure"
     )
 
@@ -197,6 +197,7 @@ def load_tokens(
     `flag` names the file in errors (the command's flag).
     """
     tokens: list[str] = []
+    sources: list[str] = []  # where each token came from, for the error
     if path is not None:
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -208,15 +209,16 @@ def load_tokens(
         if not found:
             raise SecurityError(f"{flag} {path} holds no token")
         tokens += found
+        sources += [f"{flag} {path}"] * len(found)
     if env_var is not None:
         value = (os.environ if environ is None else environ).get(env_var, "").strip()
         if value:
             tokens.append(value)
-    for token in tokens:
+            sources.append(f"${env_var}")
+    for token, source in zip(tokens, sources, strict=True):
         if not valid_token(token):
             raise SecurityError(
-                "a bearer token must be non-empty printable ASCII without spaces "
-                f"(check {path or env_var})"
+                f"a bearer token must be non-empty printable ASCII without spaces (check {source})"
             )
     return tuple(dict.fromkeys(tokens))
 

@@ -145,7 +145,9 @@ def test_cli_refuses_an_unsafe_bind() -> None:
     done = _cli("serve", "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent")
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("mlx-worker serve: refusing to listen on 0.0.0.0 without TLS or a token")
+    assert line.startswith(
+        "mlx-worker serve: refusing to listen on 0.0.0.0 (--host) without TLS or a token"
+    )
     assert "--insecure" in line
     fleet = _cli("fleet", "--worker", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
     assert fleet.returncode == 2 and "fleet: refusing to listen on 0.0.0.0" in fleet.stderr
@@ -224,11 +226,13 @@ def test_cli_token_from_the_environment_and_the_probe_flag(tmp_path: Path) -> No
 
 def test_a_token_file_that_cannot_work_is_named_by_its_flag(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("# nothing yet\n")
+    (tmp_path / "spaced").write_text("a token with spaces\n")
     worker = ["--worker", "127.0.0.1:1", "--port", "0"]
     for command, flag, path, says in (
         ("gateway", "--api-key-file", tmp_path / "empty", "holds no token"),
         ("fleet", "--worker-token-file", tmp_path / "missing", "cannot read"),
         ("serve", "--token-file", tmp_path / "empty", "holds no token"),
+        ("serve", "--token-file", tmp_path / "spaced", "printable ASCII without spaces (check"),
     ):
         args = ["--port", "0"] if command == "serve" else worker
         done = _cli(command, *args, flag, str(path))

@@ -68,16 +68,16 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             command.error("--config-section names a section of a --config FILE: give the file")
         return
     path = Path(given.config)
-    try:
-        values, origins = _section(_load(path), name, given.config_section)
-    except ValueError as exc:
-        command.error(f"{path}: {exc}")
     flags = {
         option.removeprefix("--"): action
         for action in command._actions
         for option in action.option_strings
         if option.startswith("--")
     }
+    try:
+        values, origins = _section(_load(path), name, given.config_section, set(flags))
+    except ValueError as exc:
+        command.error(f"{path}: {exc}")
     spelled: dict[str, str] = {}
     sources: dict[str, str] = {}  # --flag -> where the file set it (usage_error names it)
     for key, value in values.items():
@@ -91,15 +91,15 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             close = difflib.get_close_matches(flag, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             command.error(f"{path}: unknown key '{key}' in [{origins[key]}]{hint}")
-        if _on_command_line(action, argv):
-            continue
-        try:
+        try:  # checked even where the command line gives the flag: the file is wrong
             converted = _convert(action, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            command.error(f"{path}: [{origins[key]}] {key} = {value!r}: {exc}")
+            command.error(f"{path}: [{origins[key]}] {key} = {_shown(value)}: {exc}")
+        if _on_command_line(action, argv):
+            continue
         command.set_defaults(**{action.dest: converted})
         action.required = False
-        sources[f"--{flag}"] = f"{path}: [{origins[key]}] {key} = {value!r}"
+        sources[f"--{flag}"] = f"{path}: [{origins[key]}] {key} = {_shown(value)}"
     command.set_defaults(config_values=sources)
 
 
@@ -164,8 +164,17 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The keys for command `name` (with sub-section `sub`), and the section of each."""
+def _section(
+    data: Any, name: str, sub: str | None, flags: set[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The keys for command `name` (with sub-section `sub`), and the section of each.
+
+    A table under a key that is one of the command's `flags` (`port = {a = 1}`) is that
+    key's (wrong) value, not a sub-section."""
+
+    def table(key: str, value: Any) -> bool:
+        return isinstance(value, dict) and _flag_name(key) not in flags
+
     if not isinstance(data, dict):
         raise ValueError("expected sections [serve], [fleet] and/or [gateway]")
     for section, value in data.items():
@@ -175,8 +184,8 @@ def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dic
             raise ValueError(f"section '{section}' holds no keys (it is {value!r})")
     if name not in data:
         raise ValueError(f"no [{name}] section")
-    keys = {k: v for k, v in data[name].items() if not isinstance(v, dict)}
-    subs = {k: v for k, v in data[name].items() if isinstance(v, dict)}
+    keys = {k: v for k, v in data[name].items() if not table(k, v)}
+    subs = {k: v for k, v in data[name].items() if table(k, v)}
     if sub is None:
         if subs:
             names = ", ".join(subs)
@@ -186,7 +195,7 @@ def _section(data: Any, name: str, sub: str | None) -> tuple[dict[str, Any], dic
         have = f" (it has: {', '.join(subs)})" if subs else ""
         raise ValueError(f"no [{name}.{sub}] section{have}")
     for key, value in subs[sub].items():
-        if isinstance(value, dict):
+        if table(key, value):
             raise ValueError(f"[{name}.{sub}] {key}: sections do not nest further")
     # The sub-section's key replaces the section's, however either spells it.
     replaced = {_flag_name(key) for key in subs[sub]}
@@ -224,10 +233,26 @@ def _scalar(action: argparse.Action, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ValueError("expected a string or a number")
     text = value if isinstance(value, str) else str(value)
-    converted = action.type(text) if callable(action.type) else text
+    try:
+        converted = action.type(text) if callable(action.type) else text
+    except ValueError as exc:  # int()'s own words: "invalid literal for int() ..."
+        if "invalid literal for int()" not in str(exc):
+            raise
+        raise ValueError(f"must be an integer, got {text}") from None
     choices = action.choices
     if choices is not None and converted not in choices:
         if isinstance(choices, range):
             raise ValueError(f"not in [{choices.start}, {choices.stop - 1}]")
         raise ValueError(f"not one of {', '.join(map(str, choices))}")
     return converted
+
+
+def _shown(value: Any) -> str:
+    """A file's value as the file spells it, for a message (`true`, `null`, a date)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str | int | float | list | dict):
+        return repr(value)
+    return str(value)  # a TOML or YAML date or time

@@ -162,7 +162,12 @@ def test_a_misspelt_key_is_refused_with_its_name(
     [
         ("[serve]\nport = 'http'\n", [], "[serve] port = 'http': must be an integer, got 'http'"),
         ("[serve]\nauto-init = 'yes'\n", [], "[serve] auto-init = 'yes': expected true or false"),
-        ("[serve]\nport = true\n", [], "[serve] port = True: expected a string or a number"),
+        ("[serve]\nport = true\n", [], "[serve] port = true: expected a string or a number"),
+        ("[serve]\nport = 1979-05-27\n", [], "port = 1979-05-27: expected a string or a number"),
+        ("[serve]\nport = {a = 1}\n", [], "port = {'a': 1}: expected a string or a number"),
+        ("[serve]\nkv-bits = 4.5\n", [], "[serve] kv-bits = 4.5: must be an integer, got 4.5"),
+        # A flag on the command line wins, and the file's value is still checked.
+        ("[serve]\nport = 70000\n", ["--port", "5"], "port = 70000: must be a port"),
         ("[serve]\ndevice = 'tpu'\n", [], "[serve] device = 'tpu': not one of auto, cpu, gpu"),
         (
             "[fleet]\nworker = 'a:1'\nsteps-ahead = 9\n",
@@ -198,6 +203,8 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
         ("[serve]\nworld-size = 2\nhostfile = '/no/hosts.json'\n", "cannot read it"),
         ("[fleet]\nworker = ['a:1']\nkv-bits = 7\n", "--kv-bits 7 is not a width"),
         ("[fleet]\nworker = []\n", "--worker: a fleet needs at least one worker"),
+        ("[serve]\nprofile-dir = '/proc/nope'\n", "--profile-dir /proc/nope: cannot create"),
+        ("[serve]\nhost = '0.0.0.0'\n", "refusing to listen on 0.0.0.0 (--host) without TLS"),
     ],
 )
 def test_a_flag_problem_found_after_parsing_names_the_files_key(

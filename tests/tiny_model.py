@@ -19,6 +19,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# SmolLM2's tokenizer (TOKENIZER_FILES) and the config entries that go with it.
+SMOLLM_VOCAB: dict[str, Any] = {
+    "vocab_size": 49152,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "eos_token_id": 2,
+    "bos_token_id": 1,
+}
 # A ChatML template that renders tools the Hermes/Qwen way (SmolLM2's own has no tools).
 TOOL_TEMPLATE = r"""
 {%- if tools %}
@@ -72,12 +80,8 @@ def build_tiny_model(
     `tool_template` replaces the chat template with `TOOL_TEMPLATE`.
     """
     config = tiny_config(
-        vocab_size=49152,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=max_position_embeddings,
-        eos_token_id=2,
-        bos_token_id=1,
+        **SMOLLM_VOCAB
+        | {"tie_word_embeddings": False, "max_position_embeddings": max_position_embeddings}
     )
     if head_dim is not None:
         config["head_dim"] = head_dim
@@ -103,16 +107,7 @@ def build_tiny_gemma2(out: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
     """
     from mlx_lm.models import gemma2
 
-    config = tiny_config(
-        model_type="gemma2",
-        head_dim=64,
-        query_pre_attn_scalar=64,
-        vocab_size=49152,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
+    config = tiny_config(**SMOLLM_VOCAB, model_type="gemma2", head_dim=64, query_pre_attn_scalar=64)
     mx.random.seed(seed)
     model = gemma2.Model(gemma2.ModelArgs.from_dict(config))
     # Tied embeddings: sharpened, so that greedy has clear winners.

@@ -31,7 +31,11 @@ def make_adapter(
     num_layers: int = -1,
     b_std: float = 0.05,
 ) -> Path:
-    """Writes an adapter for `model_dir` into `out`; returns `out`."""
+    """Writes an adapter for `model_dir` into `out`; returns `out`.
+
+    `keys` that name no linear layer of the model (a fused `qkv_proj` model's
+    `q_proj`) write an adapter of no tensor, which LoadModel and AddLora refuse.
+    """
     model, _ = load_model(model_dir, lazy=True)  # shapes only: no weight is read
     params: dict[str, object] = {"rank": rank, "scale": scale, "dropout": 0.0}
     if keys is not None:

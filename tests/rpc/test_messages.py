@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from driver import code_of, details_of, greedy
+from lora_adapters import make_adapter
 
 from mlx_worker_svc.core.log_format import JsonFormatter, TextFormatter
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -91,6 +92,13 @@ def test_adapter_paths_that_are_no_adapter_directory(
         grpc.StatusCode.NOT_FOUND,
     )
     assert message == f"LoadModel.adapter_path '{missing}' does not exist"
+    # An adapter for layers the model does not have (phi3's fused qkv_proj, say): mlx-lm
+    # loads it and changes nothing; AddLora refuses it, and so does LoadModel.
+    elsewhere = make_adapter(tmp_path / "elsewhere", tiny_dir, seed=1, keys=("self_attn.qkv_proj",))
+    message = _refused(
+        lambda: stub.LoadModel(pb.LoadModelRequest(model=model, adapter_path=str(elsewhere)))
+    )
+    assert message.startswith(f"LoadModel.adapter_path '{elsewhere}' targets no layer of the")
     assert stub.CheckHealth(pb.CheckHealthRequest()).state == pb.WORKER_STATE_DEVICE_READY
 
 

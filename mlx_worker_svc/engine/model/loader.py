@@ -147,6 +147,12 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
             trust_remote_code=spec.trust_remote_code,
             return_config=True,
         )
+        if spec.adapter_path and not _adapted(model):
+            raise InvalidArgument(
+                f"LoadModel.adapter_path {clip(spec.adapter_path)!r} targets no layer of the "
+                "model (its lora_parameters.keys name none of the model's linear layers): "
+                "it would change nothing"
+            )
         if sharded:
             parallelism = sharding.shard(model, group)
             mx.eval(model.parameters())  # reads this rank's share of the weights only
@@ -157,6 +163,11 @@ def load(spec: LoadSpec, group: Any = None) -> LoadedModel:
     seconds = time.perf_counter() - start
     info = describe(spec, source, model, tokenizer, config, parallelism=parallelism)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=seconds)
+
+
+def _adapted(model: nn.Module) -> bool:
+    """Whether mlx-lm's adapter loading put a LoRA (or DoRA) layer into the model."""
+    return any(type(m).__module__.startswith("mlx_lm.tuner") for _, m in model.named_modules())
 
 
 # The hub client's errors for a connection that failed (httpx's, requests'), by name:

@@ -236,6 +236,9 @@ class Worker:
         waited for the engine thread does not run: the scheduler saw it fail.
         """
         received = received_ns if received_ns is not None else time.perf_counter_ns()
+        # At once, on the caller's thread: a step in the wrong state (the worker bringing
+        # itself up, say) is not queued behind a lifecycle call that holds the engine.
+        self._check_state(plan)
         self._compile_grammars(plan)
 
         def job() -> StepResult:
@@ -276,12 +279,15 @@ class Worker:
         runner = self.core.runner
         return None if runner is None else runner.state.seqs.get((Origin.EXECUTE, req_id))
 
-    def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:
-        core = self.core
+    def _check_state(self, plan: StepPlan) -> None:
         # While draining, steps for requests already running still run, so the
         # scheduler can finish them within the grace period; new ones are refused.
-        if not (core.state is S.DRAINING and not plan.new_requests):
-            core.require("Execute", S.READY)
+        if not (self.core.state is S.DRAINING and not plan.new_requests):
+            self.core.require("Execute", S.READY)
+
+    def _execute(self, plan: StepPlan, received_ns: int) -> StepResult:
+        core = self.core
+        self._check_state(plan)
         runner = core.need_runner("Execute")
         if plan.worker_epoch != core.epoch:
             why = f"since that epoch the worker {core.ended_by(plan.worker_epoch)}"

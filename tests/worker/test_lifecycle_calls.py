@@ -293,6 +293,11 @@ def test_a_worker_bringing_itself_up_says_so_and_takes_only_repeats(
         with pytest.raises(grpc.RpcError) as refused:
             stub.InitCache(pb.InitCacheRequest(num_blocks=8))
         assert code_of(refused.value) == grpc.StatusCode.ABORTED
+        # A step is refused at once, not queued behind the profile that holds the engine.
+        with pytest.raises(grpc.RpcError) as early:
+            stub.Execute(pb.ExecuteRequest(step_id=1, worker_epoch=health.worker_epoch), timeout=10)
+        assert code_of(early.value) == grpc.StatusCode.FAILED_PRECONDITION
+        assert "bringing itself up (serve --auto-init)" in details_of(early.value)
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(stub.DetermineMemory, pb.DetermineMemoryRequest())
             time.sleep(0.2)

@@ -11,6 +11,8 @@ gRPC message, which would otherwise break the step that carries it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mlx_worker_svc.client.sampling import sampling_params
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet.errors import (
@@ -118,10 +120,12 @@ def check_fits(
     *,
     vocab_size: int,
     max_context: int,
+    kv_budgets: Sequence[tuple[int, int]] = (),
     field: str = "prompt_token_ids",
 ) -> None:
     """Raises OutOfVocabulary or ContextTooLong (0 for a limit: unknown, not checked);
-    `field` is the request's prompt (prompt_token_ids, prompt or messages)."""
+    `field` is the request's prompt (prompt_token_ids, prompt or messages);
+    `kv_budgets` the (num_blocks, block_size) of the workers up with the model."""
     named = {
         "prompt_token_ids": prompt,
         "sampling_params.logit_bias": list(params.logit_bias),
@@ -135,3 +139,14 @@ def check_fits(
     need = len(prompt) + ((max_tokens or 1) if reserve else 1)
     if max_context and need > max_context:
         raise ContextTooLong(field, len(prompt), max_tokens if reserve else None, max_context)
+    # A worker's whole KV budget may hold fewer tokens than the context: one that cannot
+    # hold the request alone never runs it (it would wait there for good).
+    largest = max(kv_budgets, default=(0, 0), key=lambda budget: budget[0] * budget[1])
+    if largest[0] and need > largest[0] * largest[1]:
+        raise ContextTooLong(
+            field,
+            len(prompt),
+            max_tokens if reserve else None,
+            largest[0] * largest[1],
+            kv_blocks=largest,
+        )

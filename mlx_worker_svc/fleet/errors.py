@@ -61,13 +61,24 @@ class ContextTooLong(BadRequest):
     asked) does not fit the model's context."""
 
     def __init__(
-        self, field: str, prompt_tokens: int, max_tokens: int | None, context_length: int
+        self,
+        field: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        context_length: int,
+        *,
+        kv_blocks: tuple[int, int] | None = None,
     ) -> None:
+        """`kv_blocks` (num_blocks, block_size): the limit is the largest KV budget of a
+        worker of the model, shorter than its context."""
         asked = f" and max_tokens is {max_tokens}" if max_tokens is not None else ""
-        super().__init__(
-            f"{field}: the prompt has {prompt_tokens} tokens{asked}; "
-            f"the model's context length is {context_length} tokens"
-        )
+        limit = f"the model's context length is {context_length} tokens"
+        if kv_blocks is not None:
+            limit = (
+                f"the largest KV budget of a worker of the model holds {context_length} tokens "
+                f"({kv_blocks[0]} blocks of {kv_blocks[1]}), less than its context"
+            )
+        super().__init__(f"{field}: the prompt has {prompt_tokens} tokens{asked}; {limit}")
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length

@@ -159,10 +159,13 @@ class Intake:
                     check_size(ask, link.max_message, link.max_context)
                     prompt = list((await self.text.call(model, "tokenize", ask)).token_ids)
                 fits = {"vocab_size": link.vocab_size, "max_context": link.max_context}
+                budgets = [(up.num_blocks, up.block_size) for up in self._up(model)]
                 field = (
                     "prompt_token_ids" if ask is None else "messages" if ask.messages else "prompt"
                 )
-                check_fits(prompt, params, reserve_max_tokens, field=field, **fits)
+                check_fits(
+                    prompt, params, reserve_max_tokens, kv_budgets=budgets, field=field, **fits
+                )
                 check_message(req_id, prompt, params, link.max_message)
                 r = FleetRequest(
                     request_id=req_id,

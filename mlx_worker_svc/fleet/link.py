@@ -152,6 +152,10 @@ class WorkerLink:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def holds(self, tokens: int) -> bool:
+        """Whether the worker's whole KV budget holds a request of `tokens` (unknown: yes)."""
+        return not self.num_blocks or self._blocks(tokens) <= self.num_blocks
+
     def _used_blocks(self) -> int:
         """KV blocks the running requests hold, as far as this link knows."""
         return sum(self._blocks(r.computed) for r in self.running.values())

@@ -35,6 +35,7 @@ from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
+    ContextTooLong,
     LoadFailed,
     NoWorkers,
     ShutDown,
@@ -280,9 +281,25 @@ class FleetScheduler(Intake):
         if not up:
             self.pending.put(r, front=front)
             return
+        # Only a worker whose whole KV budget holds the request: on another it would wait
+        # for room that never comes (and hold up the requests behind it).
+        room = [link for link in up if link.holds(len(r.tokens) + 1)]
+        if not room:
+            largest = max(up, key=lambda link: link.num_blocks)
+            r.phase = Phase.DONE
+            r.outbox.put_nowait(
+                ContextTooLong(
+                    "prompt_token_ids",
+                    len(r.tokens),
+                    None,
+                    largest.num_blocks * largest.block_size,
+                    kv_blocks=(largest.num_blocks, largest.block_size),
+                )
+            )
+            return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
-        link = self._router.pick(r, up)
+        link = self._router.pick(r, room)
         self._where[r] = link
         log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
         link.assign(r, front=front)

@@ -367,3 +367,36 @@ def test_a_text_call_passes_over_a_worker_that_does_not_serve() -> None:
     tokens, calls, message = asyncio.run(main())
     assert tokens == [1, 2] and calls == [2, 1]
     assert message.startswith("no worker of the fleet could answer: ") and "DRAINING" in message
+
+
+def test_a_request_goes_only_to_a_worker_whose_kv_budget_holds_it(
+    pool: WorkerPool, start_fleet: Callable[..., Fleet]
+) -> None:
+    """A worker of 8 KV blocks (128 tokens, less than the model's context) never gets a
+    request it cannot hold alone (it waited there for good, holding up the requests
+    behind it); with no worker that can, the request is refused at once, naming why."""
+    small = Proc(["serve", "--model", str(pool.model), "--auto-init", "--num-blocks", "8",
+                  "--port", "0", "--grace-seconds", "1"])  # fmt: skip
+    try:
+        port = small.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        small.wait_for(r"^ready:")
+        tiny_kv = f"127.0.0.1:{port}"
+        [long] = distinct_prompts(1, 200, seed=31)
+        fleet = start_fleet([tiny_kv, pool.targets[1]], "--routing", "least-loaded")
+        for _ in range(3):  # least-loaded would take turns: the small worker is passed over
+            assert len(tokens_of(fleet.generate(token_request(long, 8)))) == 8
+        assert by_target(fleet.status())[tiny_kv].num_finished == 0
+        alone = start_fleet([tiny_kv])
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            alone.generate(token_request(long, 8))
+        assert time.monotonic() - began < 10
+        assert code_of(refused.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert details_of(refused.value) == (
+            "prompt_token_ids: the prompt has 200 tokens; the largest KV budget of a worker "
+            "of the model holds 128 tokens (8 blocks of 16), less than its context"
+        )
+        [short] = distinct_prompts(1, 20, seed=32)
+        assert len(tokens_of(alone.generate(token_request(short, 8)))) == 8
+    finally:
+        small.reap()

@@ -248,7 +248,7 @@ def _scalar(action: argparse.Action, value: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
-    """A file's value as the file spells it, for a message (`true`, `null`, a date)."""
+    """A file's value in the file's notation, for a message (`true`, `null`, a date)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:

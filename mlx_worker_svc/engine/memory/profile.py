@@ -70,7 +70,7 @@ def _check_quantized_attention(model: nn.Module, kv: KVFormat, where: str) -> No
     try:
         mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache=quantized.empty(model, kv)))
     except (TypeError, ValueError, AttributeError) as exc:
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        said = str(exc).strip().splitlines()[0].split(". ")[0].rstrip(".:") if str(exc) else ""
         raise InvalidArgument(
             f"{where}.kv_bits {kv.bits}: this model's attention ({type(model).__module__}) "
             f"does not run on a quantized KV cache ({type(exc).__name__}: {said}); leave "

@@ -51,7 +51,8 @@ def test_quantized_kv_on_gemma2_is_refused_naming_kv_bits(gemma2_dir: Path) -> N
         assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
         assert details_of(info.value).startswith(
             "DetermineMemory.kv_bits 8: this model's attention (mlx_lm.models.gemma2) does "
-            "not run on a quantized KV cache (TypeError: "
+            "not run on a quantized KV cache (TypeError: expand_dims(): incompatible function "
+            "arguments); leave kv_bits 0"
         )
         assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_MODEL_LOADED
         assert stub.DetermineMemory(pb.DetermineMemoryRequest()).bytes_per_block > 0

@@ -133,9 +133,9 @@ class AdapterPlacement:
             except ClientError as exc:  # a worker lost meanwhile: its link finds out
                 log.debug("no adapter list from %s: %s", link.target, exc)
                 return
-            self._holds(link, listing)
+            self.take_listing(link, listing)
 
-    def _holds(self, link: WorkerLink, listing: pb.ListLorasResponse) -> None:
+    def take_listing(self, link: WorkerLink, listing: pb.ListLorasResponse) -> None:
         """Takes what a worker's ListLoras says it holds now: an adapter added from
         outside runs on this worker's model and is loaded again from its path when
         removed (the fleet made room, or a RemoveLora from outside)."""
@@ -210,7 +210,7 @@ class AdapterPlacement:
     async def _load(self, link: WorkerLink, name: str, path: str) -> None:
         async with self._locks.setdefault(link.target, asyncio.Lock()):
             listing = await link.client.list_loras(pb.ListLorasRequest())
-            self._holds(link, listing)
+            self.take_listing(link, listing)
             if name in link.adapters or not await self._make_room(link, listing, name):
                 return
             log.info("loading adapter %s on %s", name, link.target)

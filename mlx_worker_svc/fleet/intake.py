@@ -139,7 +139,8 @@ class Intake:
         try:
             ask = check_forms(request)
             lora = request.lora_name  # its model is the request's when that names none
-            await self.refresh_adapters(lora)
+            if lora:  # a plain request reads no adapter list
+                await self.refresh_adapters(lora)
             base = self.adapters.model_of(lora, self.links)
             try:
                 model = await self._resolve(request.model or base)

@@ -71,6 +71,7 @@ class WorkerLink:
         on_up: Callable[[WorkerLink], None],
         emit: Callable[[WorkerLink, FleetRequest], bool],
         on_load_failed: Callable[[WorkerLink, str, Exception], None] | None = None,
+        on_adapters: Callable[[WorkerLink, pb.ListLorasResponse], None] | None = None,
         catalog: ModelCatalog | None = None,
         initial: str = "",
     ) -> None:
@@ -78,6 +79,9 @@ class WorkerLink:
         self.config = config
         self.catalog = catalog or ModelCatalog()
         self.initial = initial  # LoadModel's model when the worker holds none
+        # What the worker holds just before the fleet swaps its model (which drops its
+        # adapters): those added from outside are learned with the model they ran on.
+        self._on_adapters = on_adapters
         self.client = AsyncWorkerClient(target, config.client)
         self._prober = Prober(target, config)
         self.up = False
@@ -241,6 +245,8 @@ class WorkerLink:
                 self.last_error = "the worker is bringing itself up (serve --auto-init): waiting"
                 return "starting"
             began = time.monotonic()
+            if self._swap and self.model_name and self._on_adapters is not None:
+                self._on_adapters(self, await self.client.list_loras(pb.ListLorasRequest()))
             info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
             loras = await held_adapters(self.client)
         except (ClientError, RuntimeError) as exc:

@@ -83,6 +83,7 @@ class FleetScheduler(Intake):
                 on_up=self._on_up,
                 emit=self._emit,
                 on_load_failed=self.pending.load_failed,
+                on_adapters=self.adapters.take_listing,
                 catalog=self.catalog,
                 initial=self.catalog.initial(i),
             )

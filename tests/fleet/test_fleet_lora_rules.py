@@ -323,3 +323,28 @@ def test_an_adapter_whose_model_left_the_fleet_is_named_for_a_request_of_no_mode
                 started.proc.reap()
     finally:
         proc.reap()
+
+
+def test_an_adapter_added_from_outside_outlives_a_model_swap(tree: dict[str, Path]) -> None:
+    """An operator's AddLora of `e` on the one worker (model a); the fleet then swaps the
+    worker to model b, which drops its adapters: a request naming only `e` brings a and
+    `e` back (it was NOT_FOUND: the fleet never read the worker's adapters before the
+    swap, so it had no path for `e`)."""
+    proc, target = worker()
+    started = None
+    try:
+        started = fleet([target], "--models", f"a={tree['a']}", f"b={tree['b']}")
+        [first, second] = distinct_prompts(2, 10, seed=14)
+        [want_e] = reference(tree["a"], tree["y"], [second])
+        assert len(tokens_of(started.generate(ask(first, "a", "")))) == TOKENS
+        with grpc.insecure_channel(target) as channel:
+            pb_grpc.WorkerServiceStub(channel).AddLora(
+                pb.AddLoraRequest(name="e", path=str(tree["y"]))
+            )
+        assert len(tokens_of(started.generate(ask(first, "b", "")))) == TOKENS  # the swap
+        assert tokens_of(started.generate(ask(second, "", "e"))) == want_e
+    finally:
+        if started is not None:
+            started.channel.close()
+            started.proc.reap()
+        proc.reap()

@@ -89,6 +89,17 @@ def refuse_step(
     else:
         # The worker refused the request itself (or the only one left): fail it.
         victims = started or list(queues.running.values())
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(victims) == 1:
+            # Alone and out of KV: its own tokens fill the worker's whole budget.
+            [r] = victims
+            said = exc.details.replace(repr(clip(r.worker_id)), repr(clip(r.request_id)))
+            exc = ClientError(
+                exc.code,
+                f"the request outgrew the KV budget of its worker, which it had to itself "
+                f"({said}); ask for fewer tokens (max_tokens), or give the worker more KV",
+                exc.method,
+                exc.attempts,
+            )
     # A refused step started nothing: only requests running before it are on the
     # worker, to be freed there.
     for r in victims:

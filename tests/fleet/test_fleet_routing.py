@@ -398,5 +398,17 @@ def test_a_request_goes_only_to_a_worker_whose_kv_budget_holds_it(
         )
         [short] = distinct_prompts(1, 20, seed=32)
         assert len(tokens_of(alone.generate(token_request(short, 8)))) == 8
+        # A prompt it holds, an answer that outgrows it: the tokens that fit, then why.
+        [medium] = distinct_prompts(1, 100, seed=33)
+        request = token_request(medium, 60)
+        request.request_id = "grows"
+        [grown] = run_streams(alone.stub, [request])
+        assert grown.error is not None and 20 <= len(grown.tokens) < 60
+        assert code_of(grown.error) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        said = details_of(grown.error)
+        assert said.startswith("the request outgrew the KV budget of its worker, which it had"), (
+            said
+        )
+        assert "'grows'" in said and "#" not in said, said
     finally:
         small.reap()

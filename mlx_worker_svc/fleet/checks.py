@@ -139,14 +139,21 @@ def check_fits(
     need = len(prompt) + ((max_tokens or 1) if reserve else 1)
     if max_context and need > max_context:
         raise ContextTooLong(field, len(prompt), max_tokens if reserve else None, max_context)
-    # A worker's whole KV budget may hold fewer tokens than the context: one that cannot
-    # hold the request alone never runs it (it would wait there for good).
+    check_kv_budgets(need, kv_budgets, field, len(prompt), max_tokens if reserve else None)
+
+
+def check_kv_budgets(
+    need: int,
+    kv_budgets: Sequence[tuple[int, int]],
+    field: str,
+    prompt_tokens: int,
+    max_tokens: int | None = None,
+) -> None:
+    """Raises ContextTooLong when no worker's whole KV budget, (num_blocks, block_size)
+    each (none known: not checked), holds `need` tokens: a worker's budget may hold fewer
+    than the context, and one that cannot hold a request alone never runs it (it would
+    wait there for good)."""
     largest = max(kv_budgets, default=(0, 0), key=lambda budget: budget[0] * budget[1])
     if largest[0] and need > largest[0] * largest[1]:
-        raise ContextTooLong(
-            field,
-            len(prompt),
-            max_tokens if reserve else None,
-            largest[0] * largest[1],
-            kv_blocks=largest,
-        )
+        tokens = largest[0] * largest[1]
+        raise ContextTooLong(field, prompt_tokens, max_tokens, tokens, kv_blocks=largest)

@@ -33,6 +33,7 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
+from mlx_worker_svc.fleet.checks import check_kv_budgets
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
     ContextTooLong,
@@ -284,20 +285,14 @@ class FleetScheduler(Intake):
             return
         # Only a worker whose whole KV budget holds the request: on another it would wait
         # for room that never comes (and hold up the requests behind it).
-        room = [link for link in up if link.holds(len(r.tokens) + 1)]
-        if not room:
-            largest = max(up, key=lambda link: link.num_blocks)
+        need, budgets = len(r.tokens) + 1, [(link.num_blocks, link.block_size) for link in up]
+        try:
+            check_kv_budgets(need, budgets, "prompt_token_ids", len(r.tokens))
+        except ContextTooLong as exc:
             r.phase = Phase.DONE
-            r.outbox.put_nowait(
-                ContextTooLong(
-                    "prompt_token_ids",
-                    len(r.tokens),
-                    None,
-                    largest.num_blocks * largest.block_size,
-                    kv_blocks=(largest.num_blocks, largest.block_size),
-                )
-            )
+            r.outbox.put_nowait(exc)
             return
+        room = [link for link in up if link.holds(need)]
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
         link = self._router.pick(r, room)

@@ -117,7 +117,7 @@ class StepStream:
         plan, skipped = self._without_finished(plan)
         step = StreamedStep(plan.step_id, already_finished=skipped)
         try:
-            plan = self._without_uncreated(plan)
+            plan, meant = self._without_uncreated(plan)
             step.result = self._execute(plan, received_ns)
         except WorkerError as exc:
             step.error = exc  # the step changed nothing: none was created
@@ -127,6 +127,10 @@ class StepStream:
             log.exception("an ExecuteStream step failed with an unexpected error")
             step.error = Internal(f"ExecuteStream: {type(exc).__name__}: {exc}")
             return step
+        # Finishes of ids a failed step was to create are done with once a step runs
+        # (a step that fails changes nothing: the next try's finish is dropped too).
+        for req_id in meant:
+            self._uncreated.pop(req_id, None)
         self._record(plan, step.result)
         return step
 
@@ -167,12 +171,15 @@ class StepStream:
         )
         return plan, sorted(gone | (leaving - new))
 
-    def _without_uncreated(self, plan: StepPlan) -> StepPlan:
+    def _without_uncreated(self, plan: StepPlan) -> tuple[StepPlan, set[str]]:
         """Refuses (NOT_FOUND) a step that schedules a request an earlier failed step of
         this stream was to create; drops such ids from finished_req_ids (the request
-        they meant does not exist, and the live one under the id is another's)."""
+        they meant does not exist, and the live one under the id is another's). Also
+        returns those ids: the stream forgets them once the step has run (a step that
+        fails leaves them remembered, so the scheduler's next try at the finish is
+        dropped too)."""
         if not self._uncreated:
-            return plan
+            return plan, set()
         new = {r.req_id for r in plan.new_requests}
         for i, cached in enumerate(plan.cached_requests):
             failed = self._uncreated.get(cached.req_id)
@@ -184,15 +191,13 @@ class StepStream:
                     "request (a live one under the id is not the one the step means)"
                 )
         meant = {r for r in plan.finished_req_ids if r in self._uncreated and r not in new}
-        for req_id in meant:
-            del self._uncreated[req_id]
         # This stream's own request under the id goes: the scheduler finished it once
         # already (the step that failed) and means to be rid of it either way.
         gone = {r for r in meant if not self._is_own(r)}
         if not gone:
-            return plan
+            return plan, meant
         kept = tuple(r for r in plan.finished_req_ids if r not in gone)
-        return replace(plan, finished_req_ids=kept)
+        return replace(plan, finished_req_ids=kept), meant
 
     def _is_own(self, req_id: str) -> bool:
         """Whether the live request under `req_id` is one this stream created."""

@@ -466,6 +466,31 @@ def test_a_step_ahead_never_runs_on_the_streams_own_request_it_failed_to_finish(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_a_failed_step_keeps_the_streams_memory_of_a_request_never_created(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """Step 1 was to create "u" and fails; step 2 finishes "u" and fails for a reason of
+    its own: it changed nothing, so step 3's finish of "u" (the scheduler trying step 2
+    again) is still the finish of a request this stream never had, and is dropped, not
+    NOT_FOUND."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        creating = _starting("u", [5, 6, 7], epoch, step_id=1)
+        creating.num_scheduled_tokens["nope"] = 1  # fails: scheduled, and in no list
+        stream.send(creating)
+        leaving = pb.ExecuteRequest(step_id=2, worker_epoch=epoch, finished_req_ids=["u"])
+        leaving.num_scheduled_tokens["nope"] = 1
+        stream.send(leaving)
+        stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, finished_req_ids=["u"]))
+        for step in (1, 2):
+            with pytest.raises(StepFailed) as failed:
+                raise_for_error(stream.receive())
+            assert "num_scheduled_tokens['nope']" in failed.value.message, step
+        assert raise_for_error(stream.receive()).step_id == 3
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [

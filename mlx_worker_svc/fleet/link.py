@@ -46,6 +46,7 @@ from mlx_worker_svc.fleet.request import FleetRequest, Phase
 from mlx_worker_svc.fleet.step_outcome import (
     Queues,
     apply_outputs,
+    cancel,
     lost_adapter,
     refuse_step,
     undo_step,
@@ -177,11 +178,7 @@ class WorkerLink:
 
     def cancel(self, request: FleetRequest) -> None:
         """Frees a request's worker state at the next step (sent at once when idle)."""
-        request.cancelled = True
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if self.running.pop(request.worker_id, None) is not None:
-            self.to_free.append(request.worker_id)
+        cancel(request, self._queues)
         self._wake.set()
 
     def swap_model(self, name: str, path: str) -> None:

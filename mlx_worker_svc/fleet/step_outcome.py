@@ -1,13 +1,16 @@
 """What a step's reply does to the requests of one worker (the link's lists).
 
 `apply_outputs` takes a step's outputs into the requests (tokens, cache hits,
-finishes); `refuse_step` settles a step the worker refused without being lost:
-the step changed nothing there, so its new requests go back to the queue, a
-request out of KV is put back or preempted, and a request the worker refused
-fails in its own terms. `undo_step` puts back a step that failed behind an
-earlier failure. `worker_lost` says when an error means the worker (not the
-request) is gone or restarted, which the link handles by failing everything
-over. These only move requests between `waiting`, `running` and `to_free`.
+finishes); `cancel` takes off a request its caller gave up. `refuse_step`
+settles a step the worker refused without being lost: the step changed
+nothing there, so its new requests go back to the queue (a cancelled one
+does not, and nothing frees it on the worker, which never held it), a
+request out of KV is put back or preempted, and a request the worker
+refused fails in its own terms. `undo_step` puts back a step that failed
+behind an earlier failure. `worker_lost` says when an error means the worker
+(not the request) is gone or restarted, which the link handles by failing
+everything over. These only move requests between `waiting`, `running` and
+`to_free`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ class Queues:
     to_free: list[str]  # worker ids to free at the next step
 
 
+def cancel(r: FleetRequest, queues: Queues) -> None:
+    """Takes a cancelled request off the lists; one the worker holds is freed next step."""
+    r.cancelled = True
+    if r in queues.waiting:
+        queues.waiting.remove(r)
+    if queues.running.pop(r.worker_id, None) is not None:
+        queues.to_free.append(r.worker_id)
+
+
 def worker_lost(exc: ClientError) -> bool:
     """The worker is down, answers for another epoch (it restarted), or is in a state
     that takes no requests (put to sleep by another client: "the worker is SLEEPING")."""
@@ -62,28 +74,23 @@ def refuse_step(
         queues.to_free.extend(request.finished_req_ids)
     # Read before the attempts go back: the worker named the step's ids.
     named = _named_request(exc, started, queues) if exc.code == INVALID else None
-    for r in started:
-        queues.running.pop(r.worker_id, None)
-        r.attempt -= 1
-    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (started or len(queues.running) > 1):
+    back = _unstart(started, queues)
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         # Out of KV or memory: put back the newest request (preempt it if running).
         if started:
-            for r in reversed(started):
-                r.phase = Phase.QUEUED
-                queues.waiting.insert(0, r)
-        else:
-            newest = list(queues.running.values())[-1]
-            _preempt(newest, queues)
-        return
+            _requeue(back, queues)
+            return
+        if len(queues.running) > 1:
+            _preempt(list(queues.running.values())[-1], queues)
+            return
+        if set(request.num_scheduled_tokens) != set(queues.running):
+            return  # the step's others have left since (cancelled, stopped): try again
     if named is not None:
         # One request's own field (a grammar that does not compile, or that reached
         # a limit of the worker's engine while it ran): fail only it, in its own
         # terms; the step's others start or run again next time.
         bad, detail = named
-        for r in reversed(started):
-            if r is not bad:
-                r.phase = Phase.QUEUED
-                queues.waiting.insert(0, r)
+        _requeue([r for r in back if r is not bad], queues)
         exc = ClientError(exc.code, detail, exc.method, exc.attempts)
         victims = [bad]
     else:
@@ -155,9 +162,31 @@ def undo_step(
 ) -> None:
     """A step that failed behind an earlier failure changed nothing: plan it again."""
     queues.to_free.extend(request.finished_req_ids)
-    for r in reversed(started):
+    _requeue(_unstart(started, queues), queues)
+
+
+def _unstart(started: list[FleetRequest], queues: Queues) -> list[FleetRequest]:
+    """Takes back the requests a refused step was to create; returns those to queue again.
+
+    The worker never held them: a free queued for one since (its caller cancelled it,
+    or the link preempted it while the step was in flight) is dropped, as the worker
+    would refuse it (NOT_FOUND) and with it the step of other requests that carries
+    it. A cancelled one does not go back, nor one that is queued already (preempted).
+    """
+    back = []
+    for r in started:
         queues.running.pop(r.worker_id, None)
+        while r.worker_id in queues.to_free:
+            queues.to_free.remove(r.worker_id)
         r.attempt -= 1
+        if not r.cancelled and r not in queues.waiting:
+            back.append(r)
+    return back
+
+
+def _requeue(requests: list[FleetRequest], queues: Queues) -> None:
+    """Puts requests back at the head of the queue, in their order."""
+    for r in reversed(requests):
         r.phase = Phase.QUEUED
         queues.waiting.insert(0, r)
 

@@ -1,0 +1,129 @@
+"""A refused step's requests, settled directly: what goes back, what is freed, who fails.
+
+The link plans a step, and before its reply comes a caller may cancel one of
+its requests, the link may preempt one, or (steps ahead) another step may be
+in flight. A step the worker refused changed nothing there: a request it was
+to create was never held, so nothing may free it (the worker would refuse
+that free, NOT_FOUND, and with it the step of other requests carrying it),
+and a cancelled one never runs again. A request is told it outgrew its
+worker's KV only when the refused step was its alone.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from mlx_worker_svc.client.worker import ClientError
+from mlx_worker_svc.fleet.request import FleetRequest, Phase
+from mlx_worker_svc.fleet.step_outcome import Queues, cancel, refuse_step, undo_step
+from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
+
+OUT_OF_KV = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _queues() -> Queues:
+    return Queues(waiting=[], running={}, to_free=[])
+
+
+def _request(name: str) -> FleetRequest:
+    return FleetRequest(request_id=name, prompt=[5, 6, 7], params=pb.SamplingParams())
+
+
+def _creating(queues: Queues, *requests: FleetRequest) -> pb.ExecuteRequest:
+    """A step that creates `requests` (as plan_step leaves them: running, attempt 1)."""
+    step = pb.ExecuteRequest(step_id=1)
+    for r in requests:
+        r.attempt, r.phase = r.attempt + 1, Phase.RUNNING
+        queues.running[r.worker_id] = r
+        step.new_requests.append(pb.NewRequest(req_id=r.worker_id, prompt_token_ids=r.prompt))
+        step.num_scheduled_tokens[r.worker_id] = len(r.prompt)
+    return step
+
+
+def _decoding(*requests: FleetRequest) -> pb.ExecuteRequest:
+    step = pb.ExecuteRequest(step_id=2)
+    for r in requests:
+        step.cached_requests.append(pb.CachedRequest(req_id=r.worker_id, num_computed_tokens=3))
+        step.num_scheduled_tokens[r.worker_id] = 1
+    return step
+
+
+def _error(code: grpc.StatusCode, details: str) -> ClientError:
+    return ClientError(code, details, "Execute", 1)
+
+
+def test_a_request_cancelled_while_its_refused_create_was_in_flight_is_dropped() -> None:
+    queues = _queues()
+    gone, kept = _request("gone"), _request("kept")
+    step = _creating(queues, gone, kept)
+    cancel(gone, queues)
+    assert queues.to_free == ["gone#1"]
+    refuse_step(_error(OUT_OF_KV, "not enough KV blocks"), step, [gone, kept], queues)
+    assert queues.waiting == [kept] and kept.worker_id == "kept#0"
+    assert queues.to_free == [] and queues.running == {}  # the worker never held gone#1
+    assert gone.outbox.empty() and kept.outbox.empty()
+
+
+def test_a_cancelled_request_of_a_step_undone_behind_a_failure_is_dropped() -> None:
+    queues = _queues()
+    gone, kept = _request("gone"), _request("kept")
+    step = _creating(queues, gone, kept)
+    cancel(gone, queues)
+    undo_step(step, [gone, kept], queues)
+    assert queues.waiting == [kept] and queues.to_free == [] and queues.running == {}
+
+
+def test_a_cancelled_request_is_dropped_when_another_of_its_step_is_refused() -> None:
+    queues = _queues()
+    gone, bad = _request("gone"), _request("bad")
+    step = _creating(queues, gone, bad)
+    cancel(gone, queues)
+    refused = "new_requests[1] (req_id 'bad#1').sampling_params.max_tokens: too many"
+    refuse_step(_error(grpc.StatusCode.INVALID_ARGUMENT, refused), step, [gone, bad], queues)
+    assert queues.waiting == [] and queues.to_free == [] and queues.running == {}
+    error = bad.outbox.get_nowait()
+    assert (
+        isinstance(error, ClientError) and error.details == "sampling_params.max_tokens: too many"
+    )
+
+
+def test_a_request_preempted_while_its_create_was_in_flight_is_queued_once() -> None:
+    """Step 1 decodes `old`; step 2, sent ahead, creates `new`. Step 1 is refused for want
+    of KV: the newest running request (`new`) is preempted. Step 2 then fails behind it
+    and is undone: `new` is queued once, and its free is dropped (never created)."""
+    queues = _queues()
+    old, new = _request("old"), _request("new")
+    _creating(queues, old)
+    first = _decoding(old)
+    second = _creating(queues, new)
+    refuse_step(_error(OUT_OF_KV, "not enough KV blocks"), first, [], queues)
+    assert queues.waiting == [new] and queues.to_free == ["new#1"]
+    undo_step(second, [new], queues)
+    assert queues.waiting == [new] and queues.to_free == []
+    assert list(queues.running) == ["old#1"] and new.phase is Phase.PREEMPTED
+
+
+def test_a_request_is_not_failed_for_want_of_kv_that_others_of_its_step_took() -> None:
+    """The refused step decoded two requests; one was cancelled before the reply came.
+    The one left is not told it outgrew its worker: it runs again, alone."""
+    queues = _queues()
+    left, gone = _request("left"), _request("gone")
+    _creating(queues, left, gone)
+    step = _decoding(left, gone)
+    cancel(gone, queues)
+    refuse_step(_error(OUT_OF_KV, "req_id 'left#1': not enough KV blocks"), step, [], queues)
+    assert left.outbox.empty() and list(queues.running) == ["left#1"]
+    assert queues.to_free == ["gone#1"]  # it was held: freed next step
+
+
+def test_a_request_alone_in_a_step_refused_for_kv_is_told_it_outgrew_its_worker() -> None:
+    queues = _queues()
+    alone = _request("alone")
+    _creating(queues, alone)
+    step = _decoding(alone)
+    refuse_step(_error(OUT_OF_KV, "req_id 'alone#1': not enough KV blocks"), step, [], queues)
+    error = alone.outbox.get_nowait()
+    assert isinstance(error, ClientError) and error.code is OUT_OF_KV
+    assert error.details.startswith("the request outgrew the KV budget of its worker")
+    assert "req_id 'alone': not enough KV blocks" in error.details
+    assert queues.running == {} and queues.to_free == ["alone#1"]

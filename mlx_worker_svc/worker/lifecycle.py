@@ -3,9 +3,10 @@
 `Lifecycle` takes the worker's core up through its states (NEW →
 DEVICE_READY → MODEL_LOADED → MEMORY_PROFILED → READY → SERVING); Sleep,
 WakeUp and the drain (SLEEPING, DRAINING → STOPPED) are sleep_drain.py's.
-Each call checks its arguments on the caller's thread,
-then runs as one job on the engine thread. Invariants: a call in the wrong
-state fails with FAILED_PRECONDITION naming the call that must come first;
+Each call checks the state it needs, then its arguments, on the caller's
+thread, then runs as one job on the engine thread. Invariants: a call in the
+wrong state fails with FAILED_PRECONDITION naming the call that must come
+first (whatever arguments it carries);
 a call that fails changes nothing; repeating InitDevice, LoadModel or
 InitCache with the same arguments does nothing; a new model, KV budget or
 sleep starts a new worker epoch.
@@ -23,7 +24,7 @@ from mlx_worker_svc.core.errors import (
     InvalidArgument,
     WorkerError,
 )
-from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
+from mlx_worker_svc.core.lifecycle import ORDER, DeviceArgs, default_profile_tokens
 from mlx_worker_svc.core.limits import MAX_NUM_BLOCKS
 from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, WorkerState
 from mlx_worker_svc.engine import options as engine_options
@@ -41,6 +42,14 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 GaveUp = Callable[[], bool] | None
 """Tells a lifecycle call whether its caller left (lifecycle_calls.py)."""
 
+
+# The state each call of the way up needs, or a later one (InitDevice: NEW).
+NEEDS = {
+    "LoadModel": S.DEVICE_READY,
+    "DetermineMemory": S.MODEL_LOADED,
+    "InitCache": S.MEMORY_PROFILED,
+    "WarmUp": S.READY,
+}
 
 # Upper bounds on lifecycle arguments: past them a call would only exhaust memory.
 MAX_BLOCK_SIZE = 1024
@@ -71,6 +80,16 @@ class Lifecycle:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
+
+    def check_order(self, call: str) -> None:
+        """FAILED_PRECONDITION for a call of the way up that the worker's state has not
+        reached, before its arguments are checked: out of order, the call that must
+        come first is the answer, whatever the call carries. (While another lifecycle
+        call runs, this call's turn answers: ABORTED, or the state it finds.)"""
+        core, needs = self.core, NEEDS[call]
+        early = core.state in ORDER and ORDER.index(core.state) < ORDER.index(needs)
+        if early and not core.lifecycle.busy:
+            core.require(call, needs)
 
     # --------------------------------------------------------- lifecycle
     def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
@@ -113,7 +132,8 @@ class Lifecycle:
         self, spec: LoadSpec, *, gave_up: GaveUp = None
     ) -> tuple[loader.LoadedModel, int]:
         core = self.core
-        if spec.max_model_len == 1:  # a mistake in any state
+        self.check_order("LoadModel")
+        if spec.max_model_len == 1:  # a mistake in any state but the wrong one
             raise InvalidArgument(
                 "LoadModelRequest.max_model_len is 1: a prompt must be shorter than the "
                 "context, so no request would fit (0 keeps the model's context)"
@@ -124,7 +144,7 @@ class Lifecycle:
             # which ends the sleep (a scheduler's model swap).
             swap = core.state is S.SLEEPING and core.sleep_level == 2
             if not swap:
-                core.require("LoadModel", S.DEVICE_READY)
+                core.require("LoadModel", NEEDS["LoadModel"])
             if core.loaded is not None and loader.same_load(spec, core.load_spec):
                 return core.loaded, core.epoch
             core.require_idle("LoadModel")
@@ -169,6 +189,7 @@ class Lifecycle:
         `max_num_batched_tokens` 0 takes the device's default size.
         """
         core = self.core
+        self.check_order("DetermineMemory")
         kv = engine_options.kv_format(kv_bits, kv_group_size, _kv_fields("DetermineMemory"))
         util = memory_utilization or DEFAULT_MEMORY_UTILIZATION
         if not 0 < util <= 1:
@@ -181,7 +202,7 @@ class Lifecycle:
         _check_block_size(block, "DetermineMemory.block_size")
 
         def job() -> MemoryProfile:
-            core.require("DetermineMemory", S.MODEL_LOADED)
+            core.require("DetermineMemory", NEEDS["DetermineMemory"])
             loaded = core.need_model()
             if tokens > loaded.info.max_context_length:
                 raise InvalidArgument(
@@ -222,6 +243,7 @@ class Lifecycle:
         gave_up: GaveUp = None,
     ) -> CacheConfig:
         core = self.core
+        self.check_order("InitCache")
         kv = engine_options.kv_format(kv_bits, kv_group_size, _kv_fields("InitCache"))
         if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
             raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
@@ -229,7 +251,7 @@ class Lifecycle:
             _check_block_size(block_size, "InitCache.block_size")
 
         def job() -> CacheConfig:
-            core.require("InitCache", S.MEMORY_PROFILED)
+            core.require("InitCache", NEEDS["InitCache"])
             profile = core.memory
             assert profile is not None
             loaded = core.need_model()
@@ -276,6 +298,7 @@ class Lifecycle:
         self, batch_sizes: list[int], prefill_lengths: list[int], *, gave_up: GaveUp = None
     ) -> tuple[int, float]:
         core = self.core
+        self.check_order("WarmUp")
         sizes = batch_sizes or [1]
         lengths = prefill_lengths or [16]
         for name, values in (("batch_sizes", sizes), ("prefill_lengths", lengths)):
@@ -293,7 +316,7 @@ class Lifecycle:
             )
 
         def job() -> tuple[int, float]:
-            core.require("WarmUp", S.READY)
+            core.require("WarmUp", NEEDS["WarmUp"])
             loaded = core.need_model()
             too_long = [n for n in lengths if n > loaded.info.max_context_length]
             if too_long:

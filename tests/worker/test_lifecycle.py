@@ -45,6 +45,24 @@ def _calls(stub: Stub, model: Path) -> dict[str, Callable[[], Any]]:
     }
 
 
+def _bad_calls(stub: Stub) -> dict[str, Callable[[], Any]]:
+    """Each call with fields left at their defaults or out of range: out of order, the
+    state is the answer all the same (the README: FAILED_PRECONDITION naming the call
+    that must come first)."""
+    return {
+        "LoadModel": lambda: stub.LoadModel(pb.LoadModelRequest(max_model_len=1)),
+        "DetermineMemory": lambda: stub.DetermineMemory(
+            pb.DetermineMemoryRequest(memory_utilization=2.0, block_size=4096)
+        ),
+        "InitCache": lambda: stub.InitCache(pb.InitCacheRequest()),
+        "WarmUp": lambda: stub.WarmUp(pb.WarmUpRequest(batch_sizes=[0])),
+        "Execute": lambda: stub.Execute(pb.ExecuteRequest(finished_req_ids=[""])),
+        "Generate": lambda: list(stub.Generate(pb.GenerateRequest())),
+        "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest()),
+        "Detokenize": lambda: stub.Detokenize(pb.DetokenizeRequest()),
+    }
+
+
 # For each state reached by the calls before it: the calls that must still fail,
 # and the call the error message must name.
 _OUT_OF_ORDER = [
@@ -79,10 +97,12 @@ def test_out_of_order_calls_fail_with_failed_precondition(
     )
     too_early = [n for n, need in _NEEDS.items() if _ORDER.index(need) > _ORDER.index(state)]
     assert too_early
+    bad = _bad_calls(stub)
     for name in too_early:
-        code, message = _code(calls[name])
-        assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, message)
-        assert state in message and f"call {next_call} first" in message, message
+        for call in (calls[name], bad[name]):
+            code, message = _code(call)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, message)
+            assert state in message and f"call {next_call} first" in message, message
 
 
 def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> None:

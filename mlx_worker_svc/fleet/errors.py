@@ -84,6 +84,20 @@ class ContextTooLong(BadRequest):
         self.context_length = context_length
 
 
+class Outgrew(FleetError, ResourceExhausted):
+    """A request that ran (moving off a lost worker) fits no worker of its model now."""
+
+    def __init__(self, prompt_tokens: int, generated: int, kv_blocks: tuple[int, int]) -> None:
+        blocks, size = kv_blocks
+        super().__init__(
+            f"the request outgrew the KV budget of every worker of its model: its "
+            f"{prompt_tokens + generated} tokens ({prompt_tokens} of the prompt, {generated} "
+            f"generated) and the next do not fit the largest, {blocks * size} tokens "
+            f"({blocks} blocks of {size}); ask for fewer tokens (max_tokens), or give the "
+            "workers more KV"
+        )
+
+
 class PromptTooLarge(BadRequest):
     """The prompt's text (`field`) is more bytes than a worker of the model takes in one
     message, which is sized to its context: longer than any prompt it serves."""

@@ -66,6 +66,14 @@ class FleetRequest:
         """The id on the worker of attempt `attempt`."""
         return f"{self.worker_key or self.request_id}#{attempt}"
 
+    def final_length(self, context: int) -> int:
+        """The tokens its sequence holds at its end if it runs to max_tokens, or to the
+        model's `context` (0: unknown) when max_tokens is unset."""
+        if self.params.HasField("max_tokens"):
+            end = len(self.prompt) + self.params.max_tokens
+            return min(end, context) if context else end
+        return context or len(self.tokens) + 1
+
     @property
     def tokens(self) -> list[int]:
         """The sequence the worker holds: prompt, then generated tokens."""

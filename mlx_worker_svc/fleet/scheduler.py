@@ -33,12 +33,13 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
-from mlx_worker_svc.fleet.checks import check_kv_budgets
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
     ContextTooLong,
+    FleetError,
     LoadFailed,
     NoWorkers,
+    Outgrew,
     ShutDown,
 )
 from mlx_worker_svc.fleet.intake import Intake
@@ -285,20 +286,39 @@ class FleetScheduler(Intake):
             return
         # Only a worker whose whole KV budget holds the request: on another it would wait
         # for room that never comes (and hold up the requests behind it).
-        need, budgets = len(r.tokens) + 1, [(link.num_blocks, link.block_size) for link in up]
-        try:
-            check_kv_budgets(need, budgets, "prompt_token_ids", len(r.tokens))
-        except ContextTooLong as exc:
-            r.phase = Phase.DONE
-            r.outbox.put_nowait(exc)
-            return
+        need = len(r.tokens) + 1
         room = [link for link in up if link.holds(need)]
+        if not room:
+            self._unheld(r, need, up, front=front)
+            return
         if r.waited_for_load and not r.streamed and not r.attempt:
             self.metrics.load_wait(r.model, time.monotonic() - r.admitted)
-        link = self._router.pick(r, room)
+        # Where its whole answer fits, if a worker's budget holds that: elsewhere it would
+        # outgrow the worker's KV before it ends.
+        whole = [link for link in room if link.holds(r.final_length(link.max_context))]
+        link = self._router.pick(r, whole or room)
         self._where[r] = link
         log.debug("request routed", extra={"req_id": clip(r.request_id), "worker": link.target})
         link.assign(r, front=front)
+
+    def _unheld(self, r: FleetRequest, need: int, up: list[WorkerLink], *, front: bool) -> None:
+        """A request no worker up holds: a new one is refused at once; one that ran (moving
+        off a lost worker) waits for a worker of its model that held it, while one may
+        come back, and otherwise fails saying how far it got."""
+        largest = max(((link.num_blocks, link.block_size) for link in up), key=_tokens)
+        error: FleetError
+        if r.attempt or r.generated:
+            mine = [link for link in self.links if r.model in ("", link.model_name)]
+            if any(not link.up and link.holds(need) for link in mine):
+                self.pending.put(r, front=front)
+                return
+            error = Outgrew(len(r.prompt), len(r.generated), largest)
+        else:
+            error = ContextTooLong(
+                "prompt_token_ids", len(r.tokens), None, _tokens(largest), kv_blocks=largest
+            )
+        r.phase = Phase.DONE
+        r.outbox.put_nowait(error)
 
     def _on_up(self, link: WorkerLink) -> None:
         self.residency.on_up(link)
@@ -351,3 +371,8 @@ class FleetScheduler(Intake):
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
         return stopped
+
+
+def _tokens(budget: tuple[int, int]) -> int:
+    """The tokens a KV budget (num_blocks, block_size) holds."""
+    return budget[0] * budget[1]

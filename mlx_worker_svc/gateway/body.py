@@ -68,6 +68,14 @@ def only_keys(value: dict[str, Any], known: Collection[str], where: str, why: st
             )
 
 
+def check_description(spec: dict[str, Any], where: str) -> None:
+    """A tool's or schema's `description`, when given, is a string (it reaches the
+    prompt as text)."""
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"{where}.description", f"expected a string, got {json_type(description)}")
+
+
 def json_type(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     names |= {list: "an array", dict: "an object", type(None): "null"}

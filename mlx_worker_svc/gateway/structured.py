@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from mlx_worker_svc.core.structured_outputs import inexact_number, inexact_number_message
-from mlx_worker_svc.gateway.body import only_keys
+from mlx_worker_svc.gateway.body import check_description, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -99,6 +99,7 @@ def _response_format(value: Any) -> pb.StructuredOutputs:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise invalid(where, "expected an object with a 'name' string")
     only_keys(spec, ("name", "description", "schema", "strict"), where)
+    check_description(spec, where)
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{where}.strict", "expected a boolean")

@@ -24,7 +24,7 @@ from typing import Any, Literal, cast
 import regress
 from jsonschema import Draft202012Validator, FormatChecker, validators
 
-from mlx_worker_svc.gateway.body import json_type, only_keys
+from mlx_worker_svc.gateway.body import check_description, json_type, only_keys
 from mlx_worker_svc.gateway.errors import invalid
 from mlx_worker_svc.gateway.structured import check_exact_numbers
 
@@ -201,6 +201,7 @@ def check_function(
     if name in names:
         raise invalid(f"{where}.name", f"tool names must be unique: {names[name]} is {name!r}")
     names[name] = where
+    check_description(function, where)
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{where}.strict", f"expected a boolean, got {json_type(strict)}")

@@ -342,3 +342,33 @@ def test_a_tool_strict_that_is_not_a_boolean_is_a_400_naming_it(strict: Any) -> 
         parse_messages(body | {"tools": [anthropic_tool]})
     assert anthropic_route.value.param == "tools[0].strict"
     assert "expected a boolean" in anthropic_route.value.message
+
+
+@pytest.mark.parametrize("description", [12345, {"x": 1}, ["a"], True])
+def test_a_description_that_is_not_a_string_is_a_400_naming_it(description: Any) -> None:
+    """It reaches the chat template as text: a tool's on both routes, and a schema's."""
+    tool = {"name": "f", "parameters": {"type": "object"}, "description": description}
+    with pytest.raises(ApiError) as openai_route:
+        parse_tools({"tools": [{"type": "function", "function": tool}]})
+    assert openai_route.value.param == "tools[0].function.description"
+    anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, "description": description}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError) as anthropic_route:
+        parse_messages(body | {"tools": [anthropic_tool]})
+    assert anthropic_route.value.param == "tools[0].description"
+    assert "expected a string" in anthropic_route.value.message
+    schema = {"name": "a", "schema": {"type": "object"}, "description": description}
+    with pytest.raises(ApiError) as response_format:
+        parse_structured({"response_format": {"type": "json_schema", "json_schema": schema}})
+    assert response_format.value.param == "response_format.json_schema.description"
+
+
+@pytest.mark.parametrize("stops", [{}, 0, False, 0.0, ""])
+def test_anthropic_stop_sequences_that_are_not_an_array_are_a_400_even_when_falsy(
+    stops: Any,
+) -> None:
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError) as refused:
+        parse_messages(body | {"stop_sequences": stops})
+    assert (refused.value.status, refused.value.param) == (400, "stop_sequences")
+    parse_messages(body | {"stop_sequences": None})  # null: absent

@@ -175,7 +175,8 @@ def _sampling(fields: Fields) -> pb.SamplingParams:
     top_p = fields.number("top_p", 0.0, 1.0)
     params.top_k = fields.integer("top_k", 0, UINT32 >> 1) or 0
     apply_top_p(params, top_p)
-    stops = fields.get("stop_sequences") or []
+    stops = fields.get("stop_sequences")
+    stops = [] if stops is None else stops  # null is absent; false, 0 or "" are not lists
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("stop_sequences", "expected an array of non-empty strings")
     if len(stops) > MAX_STOP_SEQUENCES:
@@ -254,9 +255,7 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid(f"{where}.input_schema", "Field required (a JSON Schema object)")
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise invalid(f"{where}.description", "expected a string")
+        description = tool.get("description")  # a string (check_function)
         function = {"name": tool["name"], "parameters": schema}
         if description:
             function["description"] = description

@@ -221,6 +221,27 @@ def test_a_tools_image_is_a_line_of_text_saying_so(client: anthropic.Anthropic) 
         client.messages.create(messages=own, **greedy)
 
 
+def test_a_failed_tool_result_says_so_in_its_text(client: anthropic.Anthropic) -> None:
+    """Claude Code and Cline mark a failed call `is_error: true`: the model reads a line
+    saying so before the result (the same prompt as that line given as text); false is
+    the same as leaving it out."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"cmd": "ls"}}
+    tools: list[Any] = [{"name": "Bash", "input_schema": {"type": "object"}}]
+
+    def count(text: str, **flag: Any) -> int:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": text, **flag}
+        turns: list[Any] = [
+            *ASK,
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]},
+        ]
+        return client.messages.count_tokens(model=MODEL, messages=turns, tools=tools).input_tokens
+
+    said = count("[the tool call failed]\nno such file")
+    assert count("no such file", is_error=True) == said
+    assert count("no such file", is_error=False) == count("no such file") < said
+
+
 def test_the_anthropic_sdk_lists_the_models(client: anthropic.Anthropic, gateway: Gateway) -> None:
     """/v1/models answers both SDKs: OpenAI's fields and Anthropic's (type, display_name,
     created_at, the paging ids)."""

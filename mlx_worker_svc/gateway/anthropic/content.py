@@ -183,9 +183,15 @@ def _tool_result(block: dict[str, Any], where: str, asked: dict[str, str]) -> pb
     else:
         allowed = "text, image and document blocks are"
         text = _texts(_visible(content, f"{where}.content"), f"{where}.content", allowed)
-    if not isinstance(block.get("is_error", False), bool):
+    failed = block.get("is_error")
+    if failed is not None and not isinstance(failed, bool):
         raise invalid(f"{where}.is_error", "expected a boolean")
+    if failed:  # the model reads the result as text: a line says the call failed
+        text = f"{_FAILED}\n{text}" if text else _FAILED
     return pb.ChatMessage(role="tool", content=text, tool_call_id=call_id, name=name)
+
+
+_FAILED = "[the tool call failed]"
 
 
 # A tool's image or document, which a text model cannot read: the result says so in text.

@@ -51,6 +51,7 @@ from mlx_worker_svc.gateway.calls import (
 from mlx_worker_svc.gateway.choices import all_or_none, combine, combined_usage, fan_out, merge
 from mlx_worker_svc.gateway.errors import ApiError, error_body, invalid
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
+from mlx_worker_svc.gateway.paging import page
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import OpenAIKind, ParsedRequest, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -121,11 +122,11 @@ class Gateway:
 
     async def list_models(self, request: Request) -> JSONResponse:
         await self.fleet.refresh_adapters()  # adapters added to a worker from outside
-        names = self.model_names()
-        cards = [self._model_card(n) for n in names]
-        # OpenAI's list, with Anthropic's paging fields (one page: every model).
-        paging = {"has_more": False, "first_id": names[0] if names else None}
-        paging["last_id"] = names[-1] if names else None
+        # OpenAI's list, with Anthropic's paging (paging.py).
+        names = page(self.model_names(), request.query_params)
+        cards = [self._model_card(n) for n in names.ids]
+        first, last = (names.ids[0], names.ids[-1]) if names.ids else (None, None)
+        paging = {"has_more": names.has_more, "first_id": first, "last_id": last}
         return JSONResponse({"object": "list", "data": cards, **paging})
 
     async def get_model(self, request: Request) -> JSONResponse:

@@ -249,6 +249,10 @@ def test_the_anthropic_sdk_lists_the_models(client: anthropic.Anthropic, gateway
     assert [(m.id, m.type, m.display_name) for m in page.data] == [(MODEL, "model", MODEL)]
     assert page.data[0].created_at.year >= 2025
     assert (page.first_id, page.last_id, page.has_more) == (MODEL, MODEL, False)
+    assert [m.id for m in client.models.list(limit=1)] == [MODEL]  # the SDK's own paging
+    assert client.models.list(after_id=MODEL).data == []
+    with pytest.raises(anthropic.BadRequestError, match="limit"):
+        client.models.list(limit=0)
     assert client.models.retrieve(MODEL).display_name == MODEL
     openai_view = gateway.http.get("/v1/models").json()
     assert openai_view["object"] == "list" and openai_view["data"][0]["object"] == "model"

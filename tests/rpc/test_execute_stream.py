@@ -369,6 +369,37 @@ def test_a_finish_sent_for_a_finished_id_never_frees_anothers_request_under_it(
     assert wait_until_idle(stub, 30).num_running_requests == 0
 
 
+def test_once_the_stream_makes_a_finished_id_again_the_id_means_the_new_request(
+    worker: tuple[pb_grpc.WorkerServiceStub, int, int],
+) -> None:
+    """Step 1 finishes "x" (max_tokens 1); step 2 creates a new "x"; step 3's preemption of
+    "x" is the new one's: it is preempted, and nothing is listed as already finished."""
+    stub, epoch, _ = worker
+    with ExecuteStreamCall(stub) as stream:
+        stream.send(
+            pb.ExecuteRequest(
+                step_id=1,
+                worker_epoch=epoch,
+                new_requests=[_new("x", [5, 6, 7], 1)],
+                num_scheduled_tokens={"x": 3},
+            )
+        )
+        stream.send(_starting("x", [8, 9, 10], epoch, step_id=2))
+        stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, preempted_req_ids=["x"]))
+        [out] = raise_for_error(stream.receive()).outputs
+        assert out.finish_reason == pb.FINISH_REASON_LENGTH
+        raise_for_error(stream.receive())
+        reply = stream.receive()
+        raise_for_error(reply)
+        assert list(reply.already_finished_req_ids) == []
+        health = stub.CheckHealth(pb.CheckHealthRequest())
+        assert (health.num_running_requests, health.num_preempted_requests) == (0, 1)
+        stream.send(pb.ExecuteRequest(step_id=4, worker_epoch=epoch, finished_req_ids=["x"]))
+        raise_for_error(stream.receive())
+        stream.close()
+    assert wait_until_idle(stub, 30).num_running_requests == 0
+
+
 def test_an_error_names_the_index_the_scheduler_sent(
     worker: tuple[pb_grpc.WorkerServiceStub, int, int],
 ) -> None:

@@ -237,7 +237,9 @@ class WorkerServiceServicer:
         or another stream, which a later step schedules as usual (but a later
         finished_req_ids or preempted_req_ids entry for the id means the one this
         stream saw finish: it is dropped and listed, and never frees or preempts
-        the other). Errors name a request at its index in the step as sent.
+        the other; once a step of this stream creates a new request under the id,
+        the id means that one). Errors name a request at its index in the step
+        as sent.
         - A failing step changes nothing (as a failed Execute) and gets its error
         in its own response (error); the stream goes on. So does a step that
         sets a field this server does not know (UNIMPLEMENTED, naming it). A later step that

@@ -101,13 +101,14 @@ class AdapterPlacement:
         self._background: set[asyncio.Future[None]] = set()  # place()'s loads
         self._reading: asyncio.Future[None] | None = None  # refresh()'s ListLoras calls
         self._shadowed: set[str] = set()  # adapters named like a model, logged once
+        self._clashes: set[tuple[str, str]] = set()  # (adapter, another path), logged once
 
     def learn(self, link: WorkerLink) -> None:
         """Takes the model of a worker that came up as the base of the adapters it is
         the first seen holding (a worker's own --lora-modules stay with the model they
         came with, whatever model the worker holds later), and their paths."""
         for name, path in link.adapter_paths.items():
-            self.seen.setdefault(name, path)
+            self._see(name, path, link.target)
         if link.model_name:
             for name in link.adapters:
                 self.bases.setdefault(name, link.model_name)
@@ -141,8 +142,25 @@ class AdapterPlacement:
         removed (the fleet made room, or a RemoveLora from outside)."""
         link.adapters = set(listing.names)
         for adapter in listing.adapters:
-            self.seen.setdefault(adapter.name, adapter.path)
+            self._see(adapter.name, adapter.path, link.target)
         self.learn(link)
+
+    def _see(self, name: str, path: str, target: str) -> None:
+        """Keeps the first path seen for an adapter; logs (once each) a worker holding
+        one of its name from another path: the fleet knows an adapter by its name, and
+        routes a request for it to either."""
+        first = self.configured.get(name) or self.seen.setdefault(name, path)
+        if path and first and path != first and (name, path) not in self._clashes:
+            self._clashes.add((name, path))
+            log.warning(
+                "adapter %s on worker %s comes from %s, but the fleet knows it from %s: "
+                "requests for %s may run on either; give different adapters different names",
+                name,
+                target,
+                path,
+                first,
+                name,
+            )
 
     def warn_shadowed(self, links: list[WorkerLink], models: list[str]) -> None:
         """Logs, once each, the adapters named like a model of the fleet (a name learned

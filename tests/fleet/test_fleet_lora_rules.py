@@ -146,7 +146,9 @@ def test_a_workers_own_adapter_keeps_the_model_it_came_with() -> None:
     """Learned from the first worker seen holding it: the same worker holding another
     model later (the fleet swapped it) does not move the adapter to that model."""
     placement = AdapterPlacement()
-    link = SimpleNamespace(model_name="b", adapters={"own"}, adapter_paths={"own": "/own"})
+    link = SimpleNamespace(
+        target="w", model_name="b", adapters={"own"}, adapter_paths={"own": "/own"}
+    )
     placement.learn(link)  # type: ignore[arg-type]
     link.model_name = "a"  # swapped; the worker's --lora-modules loaded `own` again
     placement.learn(link)  # type: ignore[arg-type]
@@ -154,6 +156,32 @@ def test_a_workers_own_adapter_keeps_the_model_it_came_with() -> None:
     assert placement.path_of("own") == "/own"  # the worker reported it: loaded again when gone
     with pytest.raises(Exception, match="adapter 'own' is an adapter of model 'b'"):
         placement.check("own", "a")
+
+
+def test_one_adapter_name_from_two_paths_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The fleet knows an adapter by its name: a worker holding one of a known name from
+    another path may run requests meant for the first; a WARNING says so, once."""
+    placement = AdapterPlacement({"cfg": "/cfg"})
+    first = SimpleNamespace(
+        target="w1", model_name="a", adapters={"ext", "cfg"}, adapter_paths={"ext": "/a/ext"}
+    )
+    other = SimpleNamespace(
+        target="w2",
+        model_name="a",
+        adapters={"ext", "cfg"},
+        adapter_paths={"ext": "/b/ext", "cfg": "/elsewhere"},
+    )
+    with caplog.at_level("WARNING", logger="mlx_worker_svc.fleet.adapters"):
+        for link in (first, first, other, other):
+            placement.learn(link)  # type: ignore[arg-type]
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "adapter ext on worker w2 comes from /b/ext, but the fleet knows it from /a/ext: "
+        "requests for ext may run on either; give different adapters different names",
+        "adapter cfg on worker w2 comes from /elsewhere, but the fleet knows it from /cfg: "
+        "requests for cfg may run on either; give different adapters different names",
+    ]
+    assert (placement.path_of("ext"), placement.path_of("cfg")) == ("/a/ext", "/cfg")
 
 
 @pytest.fixture(scope="module")

@@ -253,6 +253,17 @@ def _shown(value: Any) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
-    if isinstance(value, str | int | float | list | dict):
-        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(item) for item in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        pairs = (f"{_key(key)} = {_shown(item)}" for key, item in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    if isinstance(value, str | int | float):
+        return repr(value)  # 'text': a literal string
     return str(value)  # a TOML or YAML date or time
+
+
+def _key(key: object) -> str:
+    """A table's key as the file writes it: bare, else quoted."""
+    text = str(key)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else repr(text)

@@ -164,7 +164,12 @@ def test_a_misspelt_key_is_refused_with_its_name(
         ("[serve]\nauto-init = 'yes'\n", [], "[serve] auto-init = 'yes': expected true or false"),
         ("[serve]\nport = true\n", [], "[serve] port = true: expected a string or a number"),
         ("[serve]\nport = 1979-05-27\n", [], "port = 1979-05-27: expected a string or a number"),
-        ("[serve]\nport = {a = 1}\n", [], "port = {'a': 1}: expected a string or a number"),
+        ("[serve]\nport = {a = 1}\n", [], "port = {a = 1}: expected a string or a number"),
+        (
+            "[serve]\nport = [1, 'x', {'b c' = true}]\n",
+            [],
+            "port = [1, 'x', {'b c' = true}]: expected a string or a number",
+        ),
         ("[serve]\nkv-bits = 4.5\n", [], "[serve] kv-bits = 4.5: must be an integer, got 4.5"),
         # A flag on the command line wins, and the file's value is still checked.
         ("[serve]\nport = 70000\n", ["--port", "5"], "port = 70000: must be a port"),

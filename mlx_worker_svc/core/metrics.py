@@ -16,9 +16,13 @@ import bisect
 import itertools
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+# No `*_created` series (a gauge per labelled counter and histogram, in the text format):
+# operations.md lists every series there is; vLLM leaves them out too.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Step and request latencies: a tiny model's step is ~1 ms, a large prefill seconds.
 LATENCY_BUCKETS = (

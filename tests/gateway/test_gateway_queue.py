@@ -70,6 +70,7 @@ def test_a_full_queue_is_a_429_while_no_worker_is_up(route: str) -> None:
                 assert "the fleet's queue is full (2 requests waiting)" in error["message"]
             metrics = http.get("/metrics").text
             assert 'mlx_fleet_requests_total{outcome="resource_exhausted"} 2.0' in metrics
+            assert "_created" not in metrics  # operations.md lists every series: none of these
     finally:
         gateway.reap()
 

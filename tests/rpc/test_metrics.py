@@ -174,6 +174,7 @@ def test_worker_counters_match_the_work_done(worker: Live) -> None:
     assert after("mlx_worker_max_queued_steps") == limits.max_queued_steps
     assert after("mlx_worker_state", state="SERVING") == 1  # Generate steps ran
     assert after("mlx_worker_state", state="NEW") == 0
+    assert "_created" not in after.text  # operations.md lists every series: none of these
 
 
 def test_every_token_of_a_multi_step_execute_counts_as_generated(worker: Live) -> None:

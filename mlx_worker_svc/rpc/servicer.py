@@ -41,6 +41,8 @@ _PROFILE_SORT = {
 # Status messages travel in a header; gRPC refuses headers past 8 KiB, and a
 # message may quote the caller's input (a path, say), so keep them short.
 _MAX_MESSAGE = 2000
+# How long a stream whose requests ended waits for gRPC to tell a cancel (_settle).
+STREAM_END_SETTLE_S = 0.02
 
 
 def _short(message: str) -> str:
@@ -61,6 +63,17 @@ def _status(
         "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
     )
     context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
+
+
+def _settle(context: grpc.ServicerContext, seconds: float = STREAM_END_SETTLE_S) -> None:
+    """Waits (briefly) for gRPC to say whether a stream whose requests ended was cancelled:
+    it may end a cancelled call's request iterator as if the caller had closed its side,
+    and only then mark the call inactive; the call's status is then counted as its
+    caller saw it (CANCELLED, not OK). A caller that did close its side waits that long
+    for the status."""
+    deadline = time.monotonic() + seconds
+    while context.is_active() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _gave_up(context: grpc.ServicerContext) -> Callable[[], bool]:
@@ -182,6 +195,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         try:
             for step in reader:
                 yield convert.streamed_step(step)
+            _settle(context)
         except Exception as exc:
             _status(context, exc, "ExecuteStream")
         finally:

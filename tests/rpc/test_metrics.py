@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import queue
 import time
 import urllib.error
 import urllib.request
@@ -201,6 +202,36 @@ def test_every_token_of_a_multi_step_execute_counts_as_generated(worker: Live) -
     after = Scrape(worker.port)
     assert delta(before, after, "mlx_worker_generation_tokens_total") == 2 + 6 + 2
     assert delta(before, after, "mlx_worker_computed_tokens_total") == 2 * 3 + 6 + 2
+
+
+def test_an_execute_stream_its_caller_cancels_counts_as_cancelled(worker: Live) -> None:
+    """As operations.md has rpcs_total: the status its caller saw. The worker's side ends
+    normally (its request stream ended) before gRPC may say the call was cancelled."""
+    stream = {"service": "mlx_worker.v1.WorkerService", "method": "ExecuteStream"}
+    before = Scrape(worker.port)
+    requests: list[queue.SimpleQueue[pb.ExecuteStreamRequest | None]] = []
+    for n in range(60):
+        outgoing: queue.SimpleQueue[pb.ExecuteStreamRequest | None] = queue.SimpleQueue()
+        requests.append(outgoing)
+        step = pb.ExecuteRequest(step_id=1, worker_epoch=worker.epoch)
+        step.new_requests.add(req_id=f"c{n}", prompt_token_ids=[5, 6, 7]).sampling_params.CopyFrom(
+            greedy(4)
+        )
+        step.num_scheduled_tokens[f"c{n}"] = 3
+        outgoing.put(pb.ExecuteStreamRequest(step=step))
+        call = worker.stub.ExecuteStream(iter(outgoing.get, None))
+        if n % 2:
+            next(call)  # after its reply, or before it
+        call.cancel()  # the request side stays open: no half-close races the cancel
+
+    def counted(scrape: Scrape) -> bool:
+        return delta(before, scrape, "mlx_worker_rpcs_total", **stream, code="CANCELLED") == 60
+
+    after = wait_for(worker.port, "every cancelled stream counted", counted)
+    assert delta(before, after, "mlx_worker_rpcs_total", **stream, code="OK") == 0
+    for outgoing in requests:
+        outgoing.put(None)  # the client's request threads end
+    assert wait_for(worker.port, "idle", lambda s: s("mlx_worker_kv_blocks_used") == 0)
 
 
 def test_a_scrape_during_a_run_sees_it_running(worker: Live) -> None:

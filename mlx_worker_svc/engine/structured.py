@@ -25,6 +25,7 @@ scheduler masks, are in grammar_mask.py.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -203,6 +204,9 @@ class GrammarCompiler:
         )
 
 
+_GBNF_ROOT = re.compile(r"^\s*root\s*::=", re.MULTILINE)
+
+
 def _grammar_text(spec: StructuredOutputs, where: str) -> str:
     """llguidance's grammar for `spec` (not yet checked)."""
     try:
@@ -221,6 +225,8 @@ def _grammar_text(spec: StructuredOutputs, where: str) -> str:
             return str(llguidance.grammar_from("choice", json.dumps(list(spec.choices))))
         if spec.kind == "lark_grammar":
             return str(llguidance.grammar_from("lark", spec.text))
+        if not _GBNF_ROOT.search(spec.text):  # the engine takes `start ::=` for Lark
+            raise InvalidArgument(f"{where}: no 'root' rule (GBNF's start rule: root ::= ...)")
         return str(llguidance.grammar_from("gbnf", spec.text))
     except ValueError as exc:  # not JSON, or GBNF that does not convert
         raise InvalidArgument(f"{where}: {exc}") from exc

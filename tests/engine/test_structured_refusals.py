@@ -106,6 +106,8 @@ BAD_SPECS = [
     ({"regex": "a["}, "structured_outputs.regex"),
     ({"lark_grammar": "start: foo"}, "structured_outputs.lark_grammar"),
     ({"gbnf_grammar": "root ::= foo"}, "structured_outputs.gbnf_grammar"),
+    # Lark's start rule in GBNF (the engine took it for Lark and quoted a parse error).
+    ({"gbnf_grammar": 'start ::= "a"'}, "gbnf_grammar: no 'root' rule (GBNF's start rule"),
     ({"choice": pb.StructuredChoice()}, "structured_outputs.choice.choices is empty"),
     ({"json_schema": "false"}, "json_schema is the schema false: no JSON value matches it"),
     ({"json_schema": "[1, 2]"}, "json_schema: a JSON Schema is an object (or true), got an array"),

@@ -330,33 +330,31 @@ def test_a_compact_answer_beside_tools_stays_compact(ll_tokenizer: llguidance.LL
     assert accepts(spaced, '{"a": 1}', ll_tokenizer)
 
 
-@pytest.mark.parametrize("strict", ["yes", 1, "false"])
-def test_a_tool_strict_that_is_not_a_boolean_is_a_400_naming_it(strict: Any) -> None:
-    tool = {"name": "f", "parameters": {"type": "object"}, "strict": strict}
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        *(("strict", v, "expected a boolean") for v in ("yes", 1, "false")),
+        # It reaches the chat template as text.
+        *(("description", v, "expected a string") for v in (12345, {"x": 1}, ["a"], True)),
+    ],
+)
+def test_a_tool_field_of_the_wrong_type_is_a_400_naming_it(
+    field: str, value: Any, says: str
+) -> None:
+    tool = {"name": "f", "parameters": {"type": "object"}, field: value}
     with pytest.raises(ApiError) as openai_route:
         parse_tools({"tools": [{"type": "function", "function": tool}]})
-    assert openai_route.value.param == "tools[0].function.strict"
-    anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, "strict": strict}
+    assert openai_route.value.param == f"tools[0].function.{field}"
+    anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, field: value}
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(ApiError) as anthropic_route:
         parse_messages(body | {"tools": [anthropic_tool]})
-    assert anthropic_route.value.param == "tools[0].strict"
-    assert "expected a boolean" in anthropic_route.value.message
+    assert anthropic_route.value.param == f"tools[0].{field}"
+    assert says in anthropic_route.value.message
 
 
 @pytest.mark.parametrize("description", [12345, {"x": 1}, ["a"], True])
-def test_a_description_that_is_not_a_string_is_a_400_naming_it(description: Any) -> None:
-    """It reaches the chat template as text: a tool's on both routes, and a schema's."""
-    tool = {"name": "f", "parameters": {"type": "object"}, "description": description}
-    with pytest.raises(ApiError) as openai_route:
-        parse_tools({"tools": [{"type": "function", "function": tool}]})
-    assert openai_route.value.param == "tools[0].function.description"
-    anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, "description": description}
-    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    with pytest.raises(ApiError) as anthropic_route:
-        parse_messages(body | {"tools": [anthropic_tool]})
-    assert anthropic_route.value.param == "tools[0].description"
-    assert "expected a string" in anthropic_route.value.message
+def test_a_schema_description_that_is_not_a_string_is_a_400_naming_it(description: Any) -> None:
     schema = {"name": "a", "schema": {"type": "object"}, "description": description}
     with pytest.raises(ApiError) as response_format:
         parse_structured({"response_format": {"type": "json_schema", "json_schema": schema}})

@@ -100,12 +100,14 @@ def _decoding(
     )
 
 
-def _starting(req_id: str, prompt: list[int], epoch: int, step_id: int = 1) -> pb.ExecuteRequest:
-    """A step that starts one request (50 tokens) and prefills its whole prompt."""
+def _starting(
+    req_id: str, prompt: list[int], epoch: int, step_id: int = 1, max_tokens: int = 50
+) -> pb.ExecuteRequest:
+    """A step that starts one request and prefills its whole prompt."""
     return pb.ExecuteRequest(
         step_id=step_id,
         worker_epoch=epoch,
-        new_requests=[_new(req_id, prompt, 50)],
+        new_requests=[_new(req_id, prompt, max_tokens)],
         num_scheduled_tokens={req_id: len(prompt)},
     )
 
@@ -376,14 +378,7 @@ def test_once_the_stream_makes_a_finished_id_again_the_id_means_the_new_request(
     "x" is the new one's: it is preempted, and nothing is listed as already finished."""
     stub, epoch, _ = worker
     with ExecuteStreamCall(stub) as stream:
-        stream.send(
-            pb.ExecuteRequest(
-                step_id=1,
-                worker_epoch=epoch,
-                new_requests=[_new("x", [5, 6, 7], 1)],
-                num_scheduled_tokens={"x": 3},
-            )
-        )
+        stream.send(_starting("x", [5, 6, 7], epoch, step_id=1, max_tokens=1))
         stream.send(_starting("x", [8, 9, 10], epoch, step_id=2))
         stream.send(pb.ExecuteRequest(step_id=3, worker_epoch=epoch, preempted_req_ids=["x"]))
         [out] = raise_for_error(stream.receive()).outputs

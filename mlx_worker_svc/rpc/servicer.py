@@ -255,6 +255,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.ServicerContext
     ) -> pb.TokenizeResponse:
+        self._worker.check_state("Tokenize")  # the wrong state first, whatever the fields
         if request.text and request.messages:
             raise InvalidArgument("Tokenize takes text or messages, not both")
         if request.tools_json and not request.messages:
@@ -307,6 +308,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         try:
+            self._worker.check_state("Generate")  # the wrong state first, whatever the fields
             chunks, cancel = self._worker.generate(text_convert.generate_spec(request))
         except Exception as exc:
             _status(context, exc, "Generate", request.request_id)

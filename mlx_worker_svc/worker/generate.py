@@ -32,7 +32,7 @@ class GenerateCalls:
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
 
-    def _require_tokenizer(self, call: str) -> None:
+    def require_tokenizer(self, call: str) -> None:
         """Text calls need a model; a light sleep (level 1) keeps it."""
         if self.core.state is S.SLEEPING:
             self.core.need_model(call)
@@ -40,7 +40,7 @@ class GenerateCalls:
             self.core.require(call, S.MODEL_LOADED)
 
     def tokenize_text(self, value: str, add_special_tokens: bool) -> list[int]:
-        self._require_tokenizer("Tokenize")
+        self.require_tokenizer("Tokenize")
         return text.encode_text(
             self.core.need_model().tokenizer, value, add_special_tokens=add_special_tokens
         )
@@ -48,7 +48,7 @@ class GenerateCalls:
     def tokenize_chat(
         self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, tools_json: str = ""
     ) -> tuple[list[int], str]:
-        self._require_tokenizer("Tokenize")
+        self.require_tokenizer("Tokenize")
         return text.render_chat(
             self.core.need_model().tokenizer,
             messages,
@@ -60,7 +60,7 @@ class GenerateCalls:
         self, ids: list[int], skip_special_tokens: bool, *, token_bytes: bool = False
     ) -> tuple[str, list[bytes]]:
         """The text of `ids` and, with `token_bytes`, each token's own bytes."""
-        self._require_tokenizer("Detokenize")
+        self.require_tokenizer("Detokenize")
         loaded = self.core.need_model()
         for i, token in enumerate(ids):
             if not 0 <= token < loaded.info.vocab_size:

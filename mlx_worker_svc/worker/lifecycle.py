@@ -24,7 +24,7 @@ from mlx_worker_svc.core.errors import (
     InvalidArgument,
     WorkerError,
 )
-from mlx_worker_svc.core.lifecycle import ORDER, DeviceArgs, default_profile_tokens
+from mlx_worker_svc.core.lifecycle import DeviceArgs, default_profile_tokens
 from mlx_worker_svc.core.limits import MAX_NUM_BLOCKS
 from mlx_worker_svc.core.reports import DeviceInfo, LoadSpec, WorkerState
 from mlx_worker_svc.engine import options as engine_options
@@ -82,14 +82,15 @@ class Lifecycle:
         self.core = core
 
     def check_order(self, call: str) -> None:
-        """FAILED_PRECONDITION for a call of the way up that the worker's state has not
-        reached, before its arguments are checked: out of order, the call that must
-        come first is the answer, whatever the call carries. (While another lifecycle
-        call runs, this call's turn answers: ABORTED, or the state it finds.)"""
-        core, needs = self.core, NEEDS[call]
-        early = core.state in ORDER and ORDER.index(core.state) < ORDER.index(needs)
-        if early and not core.lifecycle.busy:
-            core.require(call, needs)
+        """FAILED_PRECONDITION for a call of the way up that the worker's state does not
+        take (not reached yet, or asleep; UNAVAILABLE while draining), before its
+        arguments are checked: the state is the answer, whatever the call carries.
+        (While another lifecycle call runs, this call's turn answers: ABORTED, or the
+        state it finds.)"""
+        core = self.core
+        swap = call == "LoadModel" and core.state is S.SLEEPING and core.sleep_level == 2
+        if not (swap or core.lifecycle.busy):
+            core.require(call, NEEDS[call])
 
     # --------------------------------------------------------- lifecycle
     def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:

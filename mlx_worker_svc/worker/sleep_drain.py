@@ -31,6 +31,8 @@ class SleepAndDrain:
     def sleep(self, level: int) -> SleepReport:
         """Frees all KV (level 1) and also the weights (level 2); see the proto."""
         core = self.core
+        if core.state is not S.SLEEPING and not core.lifecycle.busy:
+            core.require("Sleep", S.READY)  # the wrong state first, whatever the level
         if level not in (0, 1, 2):
             raise InvalidArgument(f"Sleep.level must be 1 or 2 (0 means 1), got {level}")
         level = level or 1

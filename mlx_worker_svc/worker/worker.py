@@ -139,6 +139,15 @@ class Worker:
     def init_device(self, args: DeviceArgs, *, gave_up: GaveUp = None) -> DeviceInfo:
         return self.states.init_device(args, gave_up=gave_up)
 
+    def check_state(self, call: str) -> None:
+        """FAILED_PRECONDITION (UNAVAILABLE while draining) for Generate or Tokenize in a
+        state that does not take it, before their fields are read: a call in the wrong
+        state is told the state, whatever it carries."""
+        if call == "Generate":
+            self.core.require(call, WorkerState.READY)
+        else:
+            self.text.require_tokenizer(call)
+
     def load_model(
         self, spec: LoadSpec, *, gave_up: GaveUp = None
     ) -> tuple[loader.LoadedModel, int]:

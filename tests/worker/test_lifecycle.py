@@ -38,6 +38,7 @@ def _calls(stub: Stub, model: Path) -> dict[str, Callable[[], Any]]:
         ),
         "InitCache": lambda: stub.InitCache(pb.InitCacheRequest(num_blocks=64, block_size=16)),
         "WarmUp": lambda: stub.WarmUp(pb.WarmUpRequest()),
+        "Sleep": lambda: stub.Sleep(pb.SleepRequest(level=1)),
         "Execute": lambda: stub.Execute(pb.ExecuteRequest(step_id=1)),
         "Generate": lambda: list(stub.Generate(pb.GenerateRequest(prompt="hi"))),
         "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(text="hi")),
@@ -56,9 +57,14 @@ def _bad_calls(stub: Stub) -> dict[str, Callable[[], Any]]:
         ),
         "InitCache": lambda: stub.InitCache(pb.InitCacheRequest()),
         "WarmUp": lambda: stub.WarmUp(pb.WarmUpRequest(batch_sizes=[0])),
+        "Sleep": lambda: stub.Sleep(pb.SleepRequest(level=9)),
         "Execute": lambda: stub.Execute(pb.ExecuteRequest(finished_req_ids=[""])),
-        "Generate": lambda: list(stub.Generate(pb.GenerateRequest())),
-        "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest()),
+        "Generate": lambda: list(
+            stub.Generate(
+                pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(temperature=-5))
+            )
+        ),
+        "Tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(text="x", tools_json="[]")),
         "Detokenize": lambda: stub.Detokenize(pb.DetokenizeRequest()),
     }
 
@@ -76,6 +82,7 @@ _NEEDS = {
     "DetermineMemory": "MODEL_LOADED",
     "InitCache": "MEMORY_PROFILED",
     "WarmUp": "READY",
+    "Sleep": "READY",
     "Execute": "READY",
     "Generate": "READY",
     "Tokenize": "MODEL_LOADED",
@@ -103,6 +110,21 @@ def test_out_of_order_calls_fail_with_failed_precondition(
             code, message = _code(call)
             assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, message)
             assert state in message and f"call {next_call} first" in message, message
+
+
+def test_a_sleeping_worker_says_so_whatever_a_call_carries(stub: Stub, tiny_dir: Path) -> None:
+    """Asleep (level 1), the calls it does not take get FAILED_PRECONDITION "call WakeUp
+    first", with fields left at their defaults or out of range as well."""
+    bring_up(stub, tiny_dir)
+    stub.Sleep(pb.SleepRequest(level=1))
+    bad = _bad_calls(stub)
+    for name in ("DetermineMemory", "InitCache", "WarmUp", "Execute", "Generate"):
+        for call in (_calls(stub, tiny_dir)[name], bad[name]):
+            code, message = _code(call)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, message)
+            assert "SLEEPING: call WakeUp first" in message, message
+    code, message = _code(bad["Sleep"])  # asleep, Sleep deepens it: its level is checked
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "Sleep.level" in message, message
 
 
 def test_full_lifecycle_and_idempotent_repeats(stub: Stub, tiny_dir: Path) -> None:

@@ -80,9 +80,9 @@ def hint(exc: Exception, config: LinkConfig) -> str:
         )
     if "Hostname Verification" in exc.details:
         return " (the worker's certificate must name the host or IP address --worker gives)"
-    closed = exc.code is grpc.StatusCode.UNAVAILABLE and (
-        "Socket closed" in exc.details or "handshake" in exc.details.lower()
-    )
+    # A stream gRPC removed was up: the worker died or restarted, no TLS mismatch.
+    closed = exc.code is grpc.StatusCode.UNAVAILABLE and "Stream removed" not in exc.details
+    closed = closed and ("Socket closed" in exc.details or "handshake" in exc.details.lower())
     if closed and config.client.credentials is None:
         return " (does the worker serve TLS? then give --worker-ca)"
     if closed:  # over TLS: a worker with --tls-client-ca refused the fleet's certificate

@@ -134,6 +134,8 @@ def test_a_worker_that_cannot_be_reached_names_the_flag_to_look_at() -> None:
         grpc.StatusCode.UNAVAILABLE, "ipv4:127.0.0.1:1: Socket closed", "CheckHealth"
     )
     assert hint(closed, plain) == " (does the worker serve TLS? then give --worker-ca)"
+    died = ClientError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)", "Execute")
+    assert hint(died, plain) == ""  # a worker killed mid-call: no TLS mismatch
     tls = LinkConfig(client=ClientConfig(credentials=grpc.ssl_channel_credentials()))
     assert hint(closed, tls).endswith("check --worker-client-cert and --worker-client-key)")
     # gRPC's words for a certificate the fleet's own check refuses: a failed handshake too.

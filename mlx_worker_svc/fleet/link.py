@@ -49,6 +49,7 @@ from mlx_worker_svc.fleet.step_outcome import (
     cancel,
     lost_adapter,
     refuse_step,
+    restart_stalled,
     undo_step,
     without_adapter,
     worker_lost,
@@ -357,6 +358,16 @@ class WorkerLink:
             kv=kv,
             max_bytes=self.max_message,
         )
+        idle = not self._in_flight
+        stalled = restart_stalled(request, self._queues, idle=idle)
+        if stalled:  # a bug: logged so that it is found, and mended here
+            log.warning(
+                "worker %s: a step planned nothing for its %d running requests (computed, "
+                "length: %s); they restart from their tokens",
+                self.target,
+                len(stalled),
+                ", ".join(f"{w} {views.get(w)}" for w in stalled),
+            )
         request.num_decode_steps = decode_steps(
             self.config.decode_steps,
             request,

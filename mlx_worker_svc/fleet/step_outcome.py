@@ -191,6 +191,22 @@ def _requeue(requests: list[FleetRequest], queues: Queues) -> None:
         queues.waiting.insert(0, r)
 
 
+def restart_stalled(request: pb.ExecuteRequest, queues: Queues, *, idle: bool) -> list[str]:
+    """Preempts the running requests when a step planned with nothing in flight (`idle`)
+    schedules none of them: each always has a token to compute then, so their counts
+    went wrong; left so, they would wait for good with the worker idle. Each restarts
+    from prompt + tokens (nothing streamed is lost), freed by this step. Returns their
+    worker ids, for the caller to log."""
+    if not idle or not queues.running or request.num_scheduled_tokens:
+        return []
+    stalled = list(queues.running)
+    for r in list(queues.running.values()):
+        _preempt(r, queues)
+    request.finished_req_ids.extend(queues.to_free)  # freed as this step starts
+    queues.to_free.clear()
+    return stalled
+
+
 def _preempt(r: FleetRequest, queues: Queues) -> None:
     """Frees a running request's KV; it restarts later from prompt + tokens."""
     queues.running.pop(r.worker_id, None)

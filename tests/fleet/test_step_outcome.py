@@ -12,6 +12,7 @@ worker's KV only when the refused step was its alone.
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.fleet.request import FleetRequest, Phase
@@ -127,3 +128,38 @@ def test_a_request_alone_in_a_step_refused_for_kv_is_told_it_outgrew_its_worker(
     assert error.details.startswith("the request outgrew the KV budget of its worker")
     assert "req_id 'alone': not enough KV blocks" in error.details
     assert queues.running == {} and queues.to_free == ["alone#1"]
+
+
+def test_running_requests_a_step_leaves_out_with_nothing_in_flight_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With nothing in flight every running request has a token to compute: a step that
+    schedules none of them means their counts went wrong. The link logs it and restarts
+    them from their tokens (freed by that step) instead of waiting for good."""
+    import asyncio
+
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+    from mlx_worker_svc.fleet.pipeline import views_of
+
+    async def main() -> tuple[pb.ExecuteRequest, pb.ExecuteRequest, FleetRequest]:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig())  # not started
+        [link] = fleet.links
+        link.up, link.num_blocks, link.block_size, link.max_seqs = True, 64, 16, 8
+        sound = _request("sound")
+        _creating(link._queues, sound)
+        sound.generated, sound.computed = [9], 3  # prompt computed, one token sampled
+        healthy, _ = link._plan(views_of(None, link.running))
+        stuck = _request("stuck")
+        link.running.clear()
+        _creating(link._queues, stuck)
+        stuck.generated, stuck.computed = [9], 4  # as if its last token were computed
+        stalled, _ = link._plan(views_of(None, link.running))
+        return healthy, stalled, stuck
+
+    with caplog.at_level("WARNING", logger="mlx_worker_svc.fleet.link"):
+        healthy, stalled, stuck = asyncio.run(main())
+    assert "a step planned nothing for its 1 running requests" in caplog.text
+    assert "stuck#1 (4, 4)" in caplog.text
+    assert dict(healthy.num_scheduled_tokens) == {"sound#1": 1}
+    assert list(stalled.finished_req_ids) == ["stuck#1"] and not stalled.num_scheduled_tokens
+    assert stuck.phase is Phase.PREEMPTED

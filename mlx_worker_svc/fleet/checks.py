@@ -153,7 +153,26 @@ def check_kv_budgets(
     each (none known: not checked), holds `need` tokens: a worker's budget may hold fewer
     than the context, and one that cannot hold a request alone never runs it (it would
     wait there for good)."""
-    largest = max(kv_budgets, default=(0, 0), key=lambda budget: budget[0] * budget[1])
+    refusal = kv_budget_refusal(need, kv_budgets, field, prompt_tokens, max_tokens)
+    if refusal is not None:
+        raise refusal
+
+
+def kv_budget_refusal(
+    need: int,
+    kv_budgets: Sequence[tuple[int, int]],
+    field: str,
+    prompt_tokens: int,
+    max_tokens: int | None = None,
+) -> ContextTooLong | None:
+    """`check_kv_budgets`'s error, or None where a budget holds `need` tokens."""
+    largest = largest_kv_budget(kv_budgets)
     if largest[0] and need > largest[0] * largest[1]:
         tokens = largest[0] * largest[1]
-        raise ContextTooLong(field, prompt_tokens, max_tokens, tokens, kv_blocks=largest)
+        return ContextTooLong(field, prompt_tokens, max_tokens, tokens, kv_blocks=largest)
+    return None
+
+
+def largest_kv_budget(kv_budgets: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The (num_blocks, block_size) that holds the most tokens ((0, 0): none known)."""
+    return max(kv_budgets, default=(0, 0), key=lambda budget: budget[0] * budget[1])

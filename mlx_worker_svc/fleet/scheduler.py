@@ -33,9 +33,9 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.fleet.adapters import AdapterPlacement
+from mlx_worker_svc.fleet.checks import kv_budget_refusal, largest_kv_budget
 from mlx_worker_svc.fleet.config import FleetConfig
 from mlx_worker_svc.fleet.errors import (
-    ContextTooLong,
     FleetError,
     LoadFailed,
     NoWorkers,
@@ -305,18 +305,17 @@ class FleetScheduler(Intake):
         """A request no worker up holds: a new one is refused at once; one that ran (moving
         off a lost worker) waits for a worker of its model that held it, while one may
         come back, and otherwise fails saying how far it got."""
-        largest = max(((link.num_blocks, link.block_size) for link in up), key=_tokens)
-        error: FleetError
+        budgets = [(link.num_blocks, link.block_size) for link in up]
+        error: FleetError | None
         if r.attempt or r.generated:
             mine = [link for link in self.links if r.model in ("", link.model_name)]
             if any(not link.up and link.holds(need) for link in mine):
                 self.pending.put(r, front=front)
                 return
-            error = Outgrew(len(r.prompt), len(r.generated), largest)
+            error = Outgrew(len(r.prompt), len(r.generated), largest_kv_budget(budgets))
         else:
-            error = ContextTooLong(
-                "prompt_token_ids", len(r.tokens), None, _tokens(largest), kv_blocks=largest
-            )
+            error = kv_budget_refusal(need, budgets, "prompt_token_ids", len(r.tokens))
+        assert error is not None  # every worker up has a budget, and none holds `need`
         r.phase = Phase.DONE
         r.outbox.put_nowait(error)
 
@@ -371,8 +370,3 @@ class FleetScheduler(Intake):
         if message.token_ids or message.text or message.finish_reason:
             r.outbox.put_nowait(message)
         return stopped
-
-
-def _tokens(budget: tuple[int, int]) -> int:
-    """The tokens a KV budget (num_blocks, block_size) holds."""
-    return budget[0] * budget[1]

@@ -2,7 +2,8 @@
 
 `ModelRunner` composes the parts that share one `EngineState` (engine/state.py):
 `Admission` validates a step without changing any request (`plan`), `Prefill`
-computes prompt KV, and `run` applies a step all or nothing under a
+computes prompt KV, `KVRelease` (engine/release.py) decides where a leaving
+request's KV goes, and `run` applies a step all or nothing under a
 `StepJournal` (engine/recovery.py): removals, additions, private prefill
 chunks, then ONE batched forward for every request that samples in this step
 (and, with `num_decode_steps`, further decode steps without a round trip).
@@ -21,7 +22,6 @@ from collections.abc import Sequence as Sequence_
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
 
@@ -50,6 +50,7 @@ from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.engine.planning import Limits, check_prompt, check_sampling
 from mlx_worker_svc.engine.prefill import Prefill
 from mlx_worker_svc.engine.recovery import StepJournal
+from mlx_worker_svc.engine.release import KVRelease
 from mlx_worker_svc.engine.rewrite import decode_step, dequant, fused, grouped_mask, transposed
 from mlx_worker_svc.engine.sampling import RequestSampler
 from mlx_worker_svc.engine.sequence import NewSequence, RequestKey, Sequence, Work
@@ -116,6 +117,7 @@ class ModelRunner:
             batch_prefill=batchable(self.model, aligned=options.aligned_decode),
         )
         self.kv = config.kv  # how every request's KV is stored
+        self.release = KVRelease(self.state)  # where a leaving request's KV goes
         self.prefill = Prefill(self.state, self.model, self.admission, config.kv)
         self.decoder = Decoder(
             self.state,
@@ -264,7 +266,7 @@ class ModelRunner:
         seq = self.state.seqs.pop(key, None)
         if seq is None:
             return
-        self._release_kv(seq, keep_prefix)
+        self.release.release(seq, keep_prefix)
         if self.state.step is not None:
             self.state.step.freed.append(key)
         self._remember_finished(key)
@@ -292,62 +294,6 @@ class ModelRunner:
         for key in keys:
             self.free(key)
 
-    def _preempt(self, key: RequestKey) -> None:
-        seq = self.state.seqs[key]
-        self._release_kv(seq, True)
-        seq.num_computed = 0
-        seq.preempted, seq.kv_lost = True, False
-
-    def _prefix_capacity(self, leaving: RequestKey | None = None) -> int:
-        """Blocks the prefix cache may hold now without crowding out requests.
-
-        During a step, the requests' blocks at the end of the step are
-        reserved, so an insertion never takes room a later forward needs. The
-        blocks of a request `leaving` (finished or preempted) count as free:
-        its own KV may fill them.
-        """
-        state = self.state
-        requests = max(state.request_blocks(leaving=leaving), sum(state.reserved.values()))
-        return max(state.budget.num_blocks - requests, 0)
-
-    def _release_kv(self, seq: Sequence, keep: bool) -> None:
-        """Drops a request's KV, giving its whole blocks to the prefix cache if `keep`."""
-        state = self.state
-        keep = keep and state.prefix is not None and not seq.kv_lost
-        state.reserved.pop(seq.key, None)  # it ends this step holding nothing
-        capacity = self._prefix_capacity(leaving=seq.key)
-        keep = keep and seq.num_computed >= state.budget.block_size and capacity > 0
-        cache = seq.cache
-        if seq.key in state.batch:
-            if keep:
-                cache = state.batch.extract({seq.key})[seq.key]
-            else:
-                state.batch.remove({seq.key})
-        seq.cache = None
-        if keep and cache is not None:
-            self._to_prefix(seq, cache, capacity)
-
-    def _to_prefix(self, seq: Sequence, cache: list[Any], capacity: int) -> None:
-        """Caches the whole blocks of `seq`'s KV `cache`; a running step notes the blocks
-        it adds, which a failed step takes out again (engine/recovery.py)."""
-        state = self.state
-        if state.prefix is not None:
-            added = state.prefix.insert(seq.tokens, cache, capacity, state.root(seq.adapter))
-            if state.step is not None:
-                state.step.cached += added
-
-    def _fit_prefix(self, work: Work) -> None:
-        """Evicts prefix blocks so the requests of `work` have their blocks."""
-        if self.state.prefix is None:
-            return
-        blocks_for = self.state.budget.blocks_for
-        projected = self.admission.projected(work)
-        self.state.reserved = {key: blocks_for(tokens) for key, tokens in projected.items()}
-        excess = sum(self.state.reserved.values()) + len(self.state.prefix)
-        excess -= self.state.budget.num_blocks
-        if excess > 0:
-            self.state.prefix.evict(excess)
-
     def run(self, work: Work) -> StepOutcome:
         """Applies a validated step and computes it, all or nothing.
 
@@ -371,10 +317,11 @@ class ModelRunner:
 
     def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()
-        self._fit_prefix(work)
+        if self.state.prefix is not None:
+            self.release.reserve(self.admission.projected(work))
         self._free_all(work.finished)
         for key in work.preempted:
-            self._preempt(key)
+            self.release.preempt(self.state.seqs[key])
         for new in work.new:
             self.state.seqs[new.key] = self._new_sequence(new)
         # Requests whose outputs carry text: their detokenizer and the tokens appended.
@@ -409,7 +356,7 @@ class ModelRunner:
         for seq, private_end, samples in prefills:
             outputs[seq.key].prompt_logprobs.extend(self.prefill.prefill(seq, private_end))
             if samples and self.state.prefix is not None and seq.cache is not None:
-                self._to_prefix(seq, seq.cache, self._prefix_capacity())
+                self.release.to_prefix(seq, seq.cache, self.release.capacity())
         decode_rows = len(sampling)  # the step's batched decode (later steps may hold fewer)
         if sampling:
             self.decoder.decode(sampling, outputs, work.bitmasks)

@@ -146,11 +146,20 @@ class ModelRunner:
 
     def detach(self) -> None:
         """Unhooks the runner from its model's adapters once another runner, or none (asleep),
-        takes its place: their callbacks would otherwise keep it, and its KV, alive."""
+        takes its place: their callbacks would otherwise keep it, and its KV, alive. Its KV
+        (requests' and prefix cache's) goes now: the runner is in reference cycles, so the
+        garbage collector would free it only at some later collection. The requests' ids
+        stay (`state.seqs`, `recently_finished`) for the worker to remember them."""
         if self.adapters.in_use == self.adapter_users:
             self.adapters.in_use = Counter
         if self.adapters.on_drop == self._drop_adapter_kv:
             self.adapters.on_drop = lambda _root: None
+        state = self.state
+        if state.prefix is not None:
+            state.prefix.clear()
+        state.batch.clear()
+        for seq in state.seqs.values():
+            seq.cache = None
 
     # ------------------------------------------------------------ admission
     def plan(self, plan: StepPlan) -> Work:

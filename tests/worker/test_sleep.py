@@ -135,6 +135,23 @@ def test_sleep_level_1_gives_back_the_memory_of_the_kv_it_frees(stub: Stub, tiny
         stub.WakeUp(pb.WakeUpRequest())
 
 
+def test_init_cache_replacing_the_cache_gives_back_the_memory_of_the_one_it_replaces(
+    stub: Stub, tiny_dir: Path
+) -> None:
+    epoch = bring_up(stub, tiny_dir, num_blocks=40)
+    idle = stub.CheckHealth(pb.CheckHealthRequest()).memory.active_bytes
+    for num_blocks in (41, 42, 43):  # each InitCache on an idle worker replaces the cache
+        drive(stub, epoch, [list(range(5, 205)), list(range(7, 107))], max_tokens=4)
+        kv = stub.CheckHealth(pb.CheckHealthRequest()).kv
+        assert kv.used_blocks == 0 and kv.prefix_cache_blocks == 18  # 12 + 6 whole blocks
+        stub.InitCache(pb.InitCacheRequest(num_blocks=num_blocks, block_size=16))
+        health = stub.CheckHealth(pb.CheckHealthRequest())
+        assert health.kv.num_blocks == num_blocks and health.kv.prefix_cache_blocks == 0
+        # The old cache's blocks are freed with it, not whenever Python collects it.
+        after = health.memory.active_bytes
+        assert after <= idle + 4096, (num_blocks, idle, after)
+
+
 def test_load_model_of_another_model_gives_back_the_one_it_replaces(
     stub: Stub, tiny_dir: Path, tiny_tools_dir: Path
 ) -> None:

@@ -91,7 +91,7 @@ def parse_body(raw: bytes) -> Any:
     """
     cannot = "We could not parse the JSON body of your request"
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_int=_integer)
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"{cannot}: it is not UTF-8 text ({exc})") from exc
     except ValueError as exc:
@@ -104,6 +104,15 @@ def parse_body(raw: bytes) -> Any:
         why = "a string holds a lone surrogate escape (\\ud800 to \\udfff without its pair)"
         raise ApiError(400, f"{cannot}: {why}") from exc
     return body
+
+
+def _integer(digits: str) -> int | float:
+    """A JSON integer; one longer than Python converts (4,300 digits) reads as the float it
+    is, an infinity, which every numeric field refuses naming itself (as it does 1e400)."""
+    try:
+        return int(digits)
+    except ValueError:
+        return float(digits)
 
 
 def _no_constant(name: str) -> Any:

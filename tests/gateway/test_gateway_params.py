@@ -215,6 +215,13 @@ def test_fields_clients_send_on_every_call_are_accepted(
         bad = gateway.http.post("/v1/completions", content=raw)
         error = bad.json()["error"]
         assert bad.status_code == 400 and constant in error["message"], error
+    # An integer longer than Python converts (4,300 digits) is a value its field refuses.
+    for name in ("max_tokens", "temperature"):
+        raw = f'{{"prompt": "x", "{name}": {"9" * 5000}}}'
+        bad = gateway.http.post("/v1/completions", content=raw)
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and error["param"] == name, error
+        assert "digits" not in error["message"], error
 
 
 # ------------------------------------------ logprobs and the stop token (item 12)

@@ -24,6 +24,7 @@ import difflib
 import re
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,10 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         for option in action.option_strings
         if option.startswith("--")
     }
+    notation = _Notation(yaml=path.suffix != ".toml")
     try:
-        values, origins = _section(_load(path), name, given.config_section, set(flags))
+        data = _load(path)
+        values, origins = _section(data, name, given.config_section, set(flags), notation)
     except ValueError as exc:
         command.error(f"{path}: {exc}")
     spelled: dict[str, str] = {}
@@ -90,16 +93,17 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             known = [f for f in flags if f not in _NOT_KEYS]
             close = difflib.get_close_matches(flag, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            command.error(f"{path}: unknown key '{key}' in [{origins[key]}]{hint}")
+            where = notation.section(origins[key])
+            command.error(f"{path}: unknown key '{key}' in {where}{hint}")
         try:  # checked even where the command line gives the flag: the file is wrong
             converted = _convert(action, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            command.error(f"{path}: [{origins[key]}] {key} = {_shown(value)}: {exc}")
+            command.error(f"{path}: {notation.setting(origins[key], key, value)}: {exc}")
         if _on_command_line(action, argv):
             continue
         command.set_defaults(**{action.dest: converted})
         action.required = False
-        sources[f"--{flag}"] = f"{path}: [{origins[key]}] {key} = {_shown(value)}"
+        sources[f"--{flag}"] = f"{path}: {notation.setting(origins[key], key, value)}"
     command.set_defaults(config_values=sources)
 
 
@@ -165,7 +169,7 @@ def _one_line(exc: Exception) -> str:
 
 
 def _section(
-    data: Any, name: str, sub: str | None, flags: set[str]
+    data: Any, name: str, sub: str | None, flags: set[str], notation: _Notation
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The keys for command `name` (with sub-section `sub`), and the section of each.
 
@@ -183,20 +187,23 @@ def _section(
         if not isinstance(value, dict):
             raise ValueError(f"section '{section}' holds no keys (it is {value!r})")
     if name not in data:
-        raise ValueError(f"no [{name}] section")
+        raise ValueError(f"no {notation.section(name)} section")
     keys = {k: v for k, v in data[name].items() if not table(k, v)}
     subs = {k: v for k, v in data[name].items() if table(k, v)}
     if sub is None:
         if subs:
             names = ", ".join(subs)
-            raise ValueError(f"[{name}] has sub-sections ({names}): pick one with --config-section")
+            raise ValueError(
+                f"{notation.section(name)} has sub-sections ({names}): pick one with "
+                "--config-section"
+            )
         return keys, dict.fromkeys(keys, name)
     if sub not in subs:
         have = f" (it has: {', '.join(subs)})" if subs else ""
-        raise ValueError(f"no [{name}.{sub}] section{have}")
+        raise ValueError(f"no {notation.section(f'{name}.{sub}')} section{have}")
     for key, value in subs[sub].items():
         if table(key, value):
-            raise ValueError(f"[{name}.{sub}] {key}: sections do not nest further")
+            raise ValueError(f"{notation.key(f'{name}.{sub}', key)}: sections do not nest further")
     # The sub-section's key replaces the section's, however either spells it.
     replaced = {_flag_name(key) for key in subs[sub]}
     keys = {k: v for k, v in keys.items() if _flag_name(k) not in replaced}
@@ -247,23 +254,44 @@ def _scalar(action: argparse.Action, value: Any) -> Any:
     return converted
 
 
-def _shown(value: Any) -> str:
-    """A file's value in the file's notation, for a message (`true`, `null`, a date)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, list):
-        return "[" + ", ".join(_shown(item) for item in value) + "]"
-    if isinstance(value, dict):  # an inline table
-        pairs = (f"{_key(key)} = {_shown(item)}" for key, item in value.items())
-        return "{" + ", ".join(pairs) + "}"
-    if isinstance(value, str | int | float):
-        return repr(value)  # 'text': a literal string
-    return str(value)  # a TOML or YAML date or time
+@dataclass(frozen=True)
+class _Notation:
+    """How a message writes the file's sections, keys and values: as the file does, TOML
+    (`[serve.w1] port = 'http'`) or YAML (`serve.w1.port: 'http'`)."""
+
+    yaml: bool
+
+    def section(self, path: str) -> str:
+        """A section (`serve`, `serve.w1`) as the file's notation names it."""
+        return path if self.yaml else f"[{path}]"
+
+    def key(self, path: str, key: str) -> str:
+        """A key of a section."""
+        return f"{path}.{_key(key)}" if self.yaml else f"[{path}] {_key(key)}"
+
+    def setting(self, path: str, key: str, value: Any) -> str:
+        """A key and its value, as the file would write them."""
+        sign = ":" if self.yaml else " ="
+        return f"{self.key(path, key)}{sign} {self.value(value)}"
+
+    def value(self, value: Any) -> str:
+        """A value in the file's notation (`true`, `null`, a date, a table or mapping)."""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if value is None:
+            return "null"
+        if isinstance(value, list):
+            return "[" + ", ".join(self.value(item) for item in value) + "]"
+        if isinstance(value, dict):  # an inline table, or a flow mapping
+            sign = ":" if self.yaml else " ="
+            pairs = (f"{_key(k)}{sign} {self.value(v)}" for k, v in value.items())
+            return "{" + ", ".join(pairs) + "}"
+        if isinstance(value, str | int | float):
+            return repr(value)  # 'text': a literal string in TOML, single-quoted in YAML
+        return str(value)  # a TOML or YAML date or time
 
 
 def _key(key: object) -> str:
-    """A table's key as the file writes it: bare, else quoted."""
+    """A key as either notation writes it: bare, else quoted."""
     text = str(key)
     return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else repr(text)

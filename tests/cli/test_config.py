@@ -200,6 +200,29 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
 
 
 @pytest.mark.parametrize(
+    ("text", "argv", "message"),
+    [
+        ("serve:\n  port: http\n", [], "serve.port: 'http': must be an integer, got 'http'"),
+        ("serve:\n  port: {a: 1}\n", [], "serve.port: {a: 1}: expected a string or a number"),
+        ("serve:\n  port: [1, {b c: true}]\n", [], "port: [1, {'b c': true}]: expected"),
+        ("serve:\n  auto-init: null\n", [], "serve.auto-init: null: expected true or false"),
+        ("serve:\n  prot: 8\n", [], "unknown key 'prot' in serve (did you mean 'port'?)"),
+        ("gateway:\n  port: 1\n", [], "no serve section"),
+        ("serve:\n  a: {port: 1}\n", [], "serve has sub-sections (a): pick one"),
+        ("serve:\n  port: 1\n", ["--config-section", "b"], "no serve.b section"),
+        ("serve:\n  w1:\n    x: {port: 2}\n", ["--config-section", "w1"], "serve.w1.x: sections"),
+    ],
+)
+def test_a_yaml_files_errors_are_in_its_own_notation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    line = refusal(capsys, ["serve", "--config", str(path), *argv])
+    assert message in line and "[serve" not in line and " = " not in line, line
+
+
+@pytest.mark.parametrize(
     ("text", "says"),
     [
         ("[serve]\nkv-bits = 7\n", "--kv-bits 7 is not a width MLX quantizes to"),

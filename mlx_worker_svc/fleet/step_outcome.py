@@ -80,8 +80,12 @@ def refuse_step(
         if started:
             _requeue(back, queues)
             return
-        if len(queues.running) > 1:
-            _preempt(list(queues.running.values())[-1], queues)
+        # The newest the step scheduled, so held by the worker: a request started by a
+        # later step in flight holds nothing there yet, so preempting it frees nothing
+        # (and the same step would be refused again and again).
+        held = [r for r in queues.running.values() if r.worker_id in request.num_scheduled_tokens]
+        if len(held) > 1:
+            _preempt(held[-1], queues)
             return
         if set(request.num_scheduled_tokens) != set(queues.running):
             return  # the step's others have left since (cancelled, stopped): try again

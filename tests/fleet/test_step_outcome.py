@@ -88,20 +88,22 @@ def test_a_cancelled_request_is_dropped_when_another_of_its_step_is_refused() ->
     )
 
 
-def test_a_request_preempted_while_its_create_was_in_flight_is_queued_once() -> None:
+def test_a_request_created_by_a_step_in_flight_is_not_preempted_for_a_refused_step() -> None:
     """Step 1 decodes `old`; step 2, sent ahead, creates `new`. Step 1 is refused for want
-    of KV: the newest running request (`new`) is preempted. Step 2 then fails behind it
-    and is undone: `new` is queued once, and its free is dropped (never created)."""
+    of KV: `new` holds nothing on the worker yet, so it is not preempted (no free is
+    queued for it, which the worker would refuse). Step 2 then fails behind it and is
+    undone: `new` is queued once, to start again."""
     queues = _queues()
     old, new = _request("old"), _request("new")
     _creating(queues, old)
     first = _decoding(old)
     second = _creating(queues, new)
     refuse_step(_error(OUT_OF_KV, "not enough KV blocks"), first, [], queues)
-    assert queues.waiting == [new] and queues.to_free == ["new#1"]
+    assert queues.waiting == [] and queues.to_free == []
     undo_step(second, [new], queues)
     assert queues.waiting == [new] and queues.to_free == []
-    assert list(queues.running) == ["old#1"] and new.phase is Phase.PREEMPTED
+    assert list(queues.running) == ["old#1"] and new.phase is Phase.QUEUED
+    assert old.outbox.empty() and new.outbox.empty()
 
 
 def test_a_request_is_not_failed_for_want_of_kv_that_others_of_its_step_took() -> None:
@@ -163,3 +165,19 @@ def test_running_requests_a_step_leaves_out_with_nothing_in_flight_restart(
     assert dict(healthy.num_scheduled_tokens) == {"sound#1": 1}
     assert list(stalled.finished_req_ids) == ["stuck#1"] and not stalled.num_scheduled_tokens
     assert stuck.phase is Phase.PREEMPTED
+
+
+def test_out_of_kv_preempts_the_newest_request_the_refused_step_held() -> None:
+    """Steps ahead: a later step in flight has started `later` when the step before it
+    is refused for KV. Preempting `later` would free nothing on the worker (it holds
+    nothing yet), so the same step would be refused again and again: the newest request
+    the refused step scheduled goes instead."""
+    queues = _queues()
+    old, new, later = _request("old"), _request("new"), _request("later")
+    _creating(queues, old, new)
+    refused = _decoding(old, new)
+    _creating(queues, later)  # the next step, in flight
+    refuse_step(_error(OUT_OF_KV, "step 2 needs 25 KV blocks"), refused, [], queues)
+    assert queues.to_free == ["new#1"] and queues.waiting == [new]
+    assert list(queues.running) == ["old#1", "later#1"] and new.phase is Phase.PREEMPTED
+    assert old.outbox.empty() and new.outbox.empty() and later.outbox.empty()

@@ -4,13 +4,15 @@ A worker of 8 KV blocks (128 tokens) beside the pool's (whose budgets hold the
 context): a request goes only where its prompt fits, and where its whole answer
 (max_tokens) fits when a worker's budget holds that; one nowhere held is refused
 at once, one that outgrows its worker alone says so, and one moving off a lost
-worker that only that worker held waits for it to come back.
+worker that only that worker held waits for it to come back. Requests that
+outnumber a worker's KV many times over all end, whole, with steps run ahead.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -100,3 +102,30 @@ def test_a_request_only_its_lost_worker_held_waits_for_it_and_goes_on(
     workers = by_target(fleet.status())
     assert workers[pool.targets[1]].num_failed_over == 1
     assert workers[small].num_finished == 0
+
+
+def test_requests_that_outnumber_a_workers_kv_all_end_when_steps_run_ahead(
+    fleet_model: object, start_fleet: Callable[..., Fleet]
+) -> None:
+    """Twenty answers of 70 tokens at once on a worker of 24 KV blocks (four fit), steps
+    ahead: each step the worker refuses for KV preempts a request it holds, so every
+    request ends, whole. (A refused step preempted a request a later step in flight had
+    just started, which freed nothing: the same step was planned and refused again,
+    and the worker's requests got no token until one was cancelled.)"""
+    proc = Proc(["serve", "--model", str(fleet_model), "--auto-init", "--num-blocks", "24",
+                 "--port", "0", "--grace-seconds", "1"])  # fmt: skip
+    try:
+        port = proc.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        target = f"127.0.0.1:{port}"
+        proc.wait_for(r"^ready:")
+        fleet = start_fleet([target], "--steps-ahead", "2", "--decode-steps", "4")
+        request = token_request([400, 500, 600] * 10, 40)
+        alone = tokens_of(fleet.generate(request))
+        for _ in range(3):
+            calls = [fleet.stub.Generate(request, timeout=60) for _ in range(20)]
+            with ThreadPoolExecutor(len(calls)) as pool:
+                answers = list(pool.map(lambda call: tokens_of(list(call)), calls))
+            assert answers == [alone] * len(calls)
+        assert fleet.worker(target).num_running == 0
+    finally:
+        proc.reap()

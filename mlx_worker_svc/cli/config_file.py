@@ -188,6 +188,7 @@ def _section(
             raise ValueError(f"section '{section}' holds no keys (it is {value!r})")
     if name not in data:
         raise ValueError(f"no {notation.section(name)} section")
+    _check_names(data[name], name, notation)
     keys = {k: v for k, v in data[name].items() if not table(k, v)}
     subs = {k: v for k, v in data[name].items() if table(k, v)}
     if sub is None:
@@ -201,6 +202,7 @@ def _section(
     if sub not in subs:
         have = f" (it has: {', '.join(subs)})" if subs else ""
         raise ValueError(f"no {notation.section(f'{name}.{sub}')} section{have}")
+    _check_names(subs[sub], f"{name}.{sub}", notation)
     for key, value in subs[sub].items():
         if table(key, value):
             raise ValueError(f"{notation.key(f'{name}.{sub}', key)}: sections do not nest further")
@@ -209,6 +211,17 @@ def _section(
     keys = {k: v for k, v in keys.items() if _flag_name(k) not in replaced}
     origins = dict.fromkeys(keys, name) | dict.fromkeys(subs[sub], f"{name}.{sub}")
     return keys | subs[sub], origins
+
+
+def _check_names(section: dict[Any, Any], path: str, notation: _Notation) -> None:
+    """Refuses a key that is not a name (YAML reads `1:`, `true:` or `null:` as a number,
+    a boolean or null): a key is a flag's long name."""
+    for key in section:
+        if not isinstance(key, str):
+            raise ValueError(
+                f"{notation.section(path)}: the key {notation.value(key)} is not a flag's "
+                "name (a key is a long flag without its dashes, such as max-num-seqs)"
+            )
 
 
 def _flag_name(key: str) -> str:

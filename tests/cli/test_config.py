@@ -211,6 +211,9 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
         ("serve:\n  a: {port: 1}\n", [], "serve has sub-sections (a): pick one"),
         ("serve:\n  port: 1\n", ["--config-section", "b"], "no serve.b section"),
         ("serve:\n  w1:\n    x: {port: 2}\n", ["--config-section", "w1"], "serve.w1.x: sections"),
+        ("serve:\n  1: 2\n", [], "serve: the key 1 is not a flag's name"),
+        ("serve:\n  true: 2\n", [], "serve: the key true is not a flag's name"),
+        ("serve:\n  w1:\n    null: 2\n", ["--config-section", "w1"], "serve.w1: the key null"),
     ],
 )
 def test_a_yaml_files_errors_are_in_its_own_notation(

@@ -286,6 +286,34 @@ def blocks(message: Any) -> list[tuple[Any, ...]]:
     ]
 
 
+def test_tools_reach_the_model_as_the_chat_routes_functions(
+    gateway: Gateway, client: anthropic.Anthropic
+) -> None:
+    """The same tools on both routes render the same prompt: the greedy answers agree."""
+    functions = [
+        {"name": t["name"]}
+        | ({"description": t["description"]} if "description" in t else {})
+        | {"parameters": t["input_schema"]}
+        for t in TOOLS
+    ]
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0}
+    body["tools"] = [{"type": "function", "function": f} for f in functions]
+    chat = gateway.http.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ).json()
+    answer = chat["choices"][0]["message"]
+    message = create(client, tools=TOOLS)
+    text = "".join(b.text for b in message.content if b.type == "text")
+    calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert text == (answer["content"] or "")
+    expected = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in answer.get("tool_calls") or []
+    ]
+    assert calls == expected
+    assert message.usage.output_tokens == chat["usage"]["completion_tokens"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_any_returns_a_tool_use_whose_input_validates(
     client: anthropic.Anthropic, stream: bool

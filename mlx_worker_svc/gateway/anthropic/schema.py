@@ -256,9 +256,12 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         if not isinstance(schema, dict):
             raise invalid(f"{where}.input_schema", "Field required (a JSON Schema object)")
         description = tool.get("description")  # a string (check_function)
-        function = {"name": tool["name"], "parameters": schema}
+        # The OpenAI route's function, key for key in its order: the template shows
+        # the tool as JSON, so the same tool is the same prompt on both routes.
+        function: dict[str, Any] = {"name": tool["name"]}
         if description:
             function["description"] = description
+        function["parameters"] = schema
         if tool.get("strict"):  # the whole schema holds the input, as OpenAI's strict function's
             function["strict"] = True
         tools.append(function)

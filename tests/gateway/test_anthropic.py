@@ -276,6 +276,36 @@ def test_count_tokens_counts_what_a_message_computes(
     prefill = [*ASK, {"role": "assistant", "content": "The sea is"}]
     continued = client.messages.count_tokens(model=MODEL, messages=prefill, system=system)
     assert continued.input_tokens > counted.input_tokens
+    # The fields a message takes that change no prompt, as the SDK types them.
+    labelled = client.messages.count_tokens(
+        model=MODEL, messages=ASK, system=system, speed="fast", user_profile_id="u1",
+        workspace_id="wrkspc_1",
+    )  # fmt: skip
+    assert labelled.input_tokens == counted.input_tokens
+
+
+def test_fields_that_route_a_request_at_anthropic_are_checked_and_change_nothing(
+    gateway: Gateway, client: anthropic.Anthropic
+) -> None:
+    plain = create(client, max_tokens=4)
+    labelled = create(
+        client, max_tokens=4, inference_geo="us", user_profile_id="u1", workspace_id="w1",
+        diagnostics={"previous_message_id": None},
+    )  # fmt: skip
+    assert labelled.content == plain.content
+    headers = {"x-api-key": KEY}
+    for name, value in (
+        ("inference_geo", 1),
+        ("workspace_id", ["w"]),
+        ("diagnostics", "msg_1"),
+        ("diagnostics.previous_message_id", 7),
+        ("diagnostics.bogus", 1),
+    ):
+        field, _, key = name.partition(".")
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 2}
+        body[field] = {key: value} if key else value
+        bad = gateway.http.post("/v1/messages", json=body, headers=headers)
+        assert bad.status_code == 400 and name in bad.json()["error"]["message"], bad.json()
 
 
 # ------------------------------------------------------------ tool use

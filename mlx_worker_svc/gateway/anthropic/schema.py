@@ -46,8 +46,10 @@ from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 MAX_STOP_SEQUENCES = 16
 _COUNT_FIELDS = {
     "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
-    "context_management", "output_config",
+    "context_management", "output_config", "speed", "user_profile_id", "workspace_id",
 }  # fmt: skip
+# Strings the SDK types that route or attribute a request at Anthropic: checked, no effect.
+_LABELS = ("inference_geo", "user_profile_id", "workspace_id")
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _CREATE_FIELDS = _COUNT_FIELDS | {
     "max_tokens",
@@ -58,8 +60,9 @@ _CREATE_FIELDS = _COUNT_FIELDS | {
     "top_k",
     "metadata",
     "service_tier",
-    "speed",
     "output_config",
+    "inference_geo",
+    "diagnostics",
 }
 # Known to Anthropic, not honoured here (None/absent is fine).
 _UNSUPPORTED = {
@@ -131,6 +134,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     params = pb.SamplingParams() if count else _sampling(fields)
     check_thinking(fields.get("thinking"), None if count else params.max_tokens)
     check_context_management(fields.get("context_management"), fields.get("thinking"))
+    _labels(fields)
     spec = _output_config(fields.get("output_config"))
     if count:  # the answer's format is no part of the prompt
         spec = None
@@ -186,10 +190,33 @@ def _sampling(fields: Fields) -> pb.SamplingParams:
     tier = fields.get("service_tier")
     if tier not in (None, "auto", "standard_only"):
         raise invalid("service_tier", f"{tier!r} is not one of ['auto', 'standard_only']")
-    speed = fields.get("speed")  # Claude Code's /fast: this server has one speed
+    _diagnostics(fields.get("diagnostics"))
+    return params
+
+
+def _labels(fields: Fields) -> None:
+    """`speed` and the fields that route or attribute a request at Anthropic: checked,
+    and they change nothing (this server has one speed, one place, one workspace)."""
+    speed = fields.get("speed")  # Claude Code's /fast
     if speed not in (None, "fast", "standard"):
         raise invalid("speed", f"{speed!r} is not one of ['fast', 'standard']")
-    return params
+    for name in _LABELS:
+        value = fields.get(name)
+        if value is not None and not isinstance(value, str):
+            raise invalid(name, f"expected a string, got {json_type(value)}")
+
+
+def _diagnostics(value: Any) -> None:
+    """`diagnostics.previous_message_id` asks Anthropic why a prompt-cache prefix was not
+    reused; this server reports no `diagnostics` (its prefix cache is per worker)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("diagnostics", f"expected an object, got {json_type(value)}")
+    only_keys(value, ("previous_message_id",), "diagnostics", _EXTRA)
+    previous = value.get("previous_message_id")
+    if previous is not None and not isinstance(previous, str):
+        raise invalid("diagnostics.previous_message_id", "expected a string or null")
 
 
 def _metadata(value: Any) -> None:

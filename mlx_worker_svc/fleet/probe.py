@@ -78,6 +78,11 @@ def hint(exc: Exception, config: LinkConfig) -> str:
             " (--worker-ca must hold the CA that signed the worker's certificate, and the "
             "certificate must be valid now)"
         )
+    if "WRONG_VERSION_NUMBER" in exc.details:  # TLS spoken to a plaintext listener
+        return (
+            " (the worker does not serve TLS: start it with --tls-cert and --tls-key, or "
+            "leave out --worker-ca)"
+        )
     if "Hostname Verification" in exc.details:
         return " (the worker's certificate must name the host or IP address --worker gives)"
     # A stream gRPC removed was up: the worker died or restarted, no TLS mismatch.

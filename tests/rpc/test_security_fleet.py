@@ -155,3 +155,11 @@ def test_a_worker_that_cannot_be_reached_names_the_flag_to_look_at() -> None:
         "CheckHealth",
     )
     assert hint(misnamed, tls).startswith(" (the worker's certificate must name the host")
+    plaintext = ClientError(
+        grpc.StatusCode.UNAVAILABLE,
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Ssl "
+        "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL "
+        "routines:OPENSSL_internal:WRONG_VERSION_NUMBER",
+        "CheckHealth",
+    )
+    assert hint(plaintext, tls).startswith(" (the worker does not serve TLS")

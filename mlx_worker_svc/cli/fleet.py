@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -23,7 +22,7 @@ from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.core.flag_values import count, non_negative, seconds, target, within
 from mlx_worker_svc.core.flag_values import host as host_value
 from mlx_worker_svc.core.flag_values import port as port_value
-from mlx_worker_svc.core.signals import Signals
+from mlx_worker_svc.core.signals import STOP_SIGNALS, Signals
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
 
@@ -129,7 +128,7 @@ async def _run_fleet(args: argparse.Namespace) -> int:
         stop.set()
 
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal)
     await stop.wait()
     await fleet.drain(args.grace_seconds)  # health NOT_SERVING, new calls UNAVAILABLE
@@ -177,7 +176,7 @@ async def _run_gateway(args: argparse.Namespace) -> int:
             server.stop()
 
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal)
     await server.wait()
     return 0

@@ -32,6 +32,7 @@ from types import FrameType
 from typing import IO
 
 from mlx_worker_svc.cli.config_file import usage_error
+from mlx_worker_svc.core.signals import STOP_SIGNALS
 
 # Every rank prints RANK_LINE once it has joined the group; rank 0 prints
 # EXIT_LINE just before it exits.
@@ -251,7 +252,7 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             else:
                 os.killpg(group.pid, signal.SIGTERM)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         assert group.stdout is not None
         for line in group.stdout:

@@ -30,6 +30,7 @@ from mlx_worker_svc.core.flag_values import (
     within,
 )
 from mlx_worker_svc.core.log_format import add_logging_arguments, configure_logging
+from mlx_worker_svc.core.signals import STOP_SIGNALS
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -326,7 +327,7 @@ def _stop_signals_exit() -> None:
     def stop(_signum: int, _frame: object) -> None:
         raise SystemExit(0)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
 
 

@@ -1,4 +1,9 @@
-"""Telling an operator's second SIGTERM or SIGINT from one signal delivered twice.
+"""The signals that stop a process, and an operator's second one told from a duplicate.
+
+SIGTERM, SIGINT and SIGHUP (`STOP_SIGNALS`) each start the same drain: SIGHUP
+is what a closed terminal sends, and what an operator used to daemons that
+reload on it sends; these processes have nothing to reload, so it drains
+rather than kill the process with its requests in flight.
 
 The first signal starts a drain; a second cuts its grace period short. Some
 senders deliver one signal twice (GNU `timeout` sends it to the command and to
@@ -8,8 +13,10 @@ the same signal, not a second one.
 
 from __future__ import annotations
 
+import signal
 import time
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SAME_SIGNAL_SECONDS = 1.0
 
 

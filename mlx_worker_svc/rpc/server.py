@@ -36,7 +36,7 @@ from mlx_worker_svc.core.flag_values import bind_address
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
 from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.core.reports import WorkerState
-from mlx_worker_svc.core.signals import Signals
+from mlx_worker_svc.core.signals import STOP_SIGNALS, Signals
 from mlx_worker_svc.engine.options import EngineOptions
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
@@ -275,7 +275,7 @@ class WorkerServer:
             log.info("stopped")
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT start the same drain as the Shutdown RPC; a second one
+        """SIGTERM, SIGINT and SIGHUP start the same drain as the Shutdown RPC; a second one
         during the drain cuts its grace period short (`cut_drain`)."""
 
         signals = Signals()
@@ -291,8 +291,8 @@ class WorkerServer:
             log.info("signal %d: shutting down", signum)
             self.shutdown()
 
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, handle)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server has stopped; returns whether it has."""

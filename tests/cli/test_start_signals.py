@@ -1,6 +1,6 @@
 """A stop signal before a command has installed its drain ends it at once, exit 0.
 
-`serve`, `fleet` and `gateway` drain on SIGTERM or SIGINT once they are up;
+`serve`, `fleet` and `gateway` drain on SIGTERM, SIGINT or SIGHUP once they are up;
 before that (the first second or so, while the engine's modules import) a
 signal must not leave Python's exit 143 or a KeyboardInterrupt traceback.
 """
@@ -18,9 +18,9 @@ import pytest
 
 def _wait_for_handlers(pid: int) -> None:
     """Waits until the command has set its start-up handlers (Linux: /proc's SigCgt shows
-    SIGTERM caught, which Python itself never catches; it catches SIGINT from its own
-    start), so that a busy machine's slow interpreter start does not meet the signal
-    before the command runs; elsewhere, half a second."""
+    SIGTERM and SIGHUP caught, which Python itself never catches; it catches SIGINT from
+    its own start), so that a busy machine's slow interpreter start does not meet the
+    signal before the command runs; elsewhere, half a second."""
     status = Path(f"/proc/{pid}/status")
     if not status.exists():
         time.sleep(0.5)
@@ -35,13 +35,13 @@ def _wait_for_handlers(pid: int) -> None:
             ),
             "0",
         )
-        if int(caught, 16) >> (signal.SIGTERM - 1) & 1:
+        if all(int(caught, 16) >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGHUP)):
             return
         time.sleep(0.005)
     raise AssertionError("the command never set its start-up signal handlers")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_during_start_up_exits_0_quietly(tiny_dir: Path, signum: int) -> None:
     serve = [sys.executable, "-m", "mlx_worker_svc", "serve", "--model", str(tiny_dir)]
     proc = subprocess.Popen(

@@ -117,6 +117,22 @@ def test_sigterm_past_the_grace_period_ends_streams_with_a_clear_status(
     assert worker.exit_code() == 0
 
 
+def test_sighup_drains_as_sigterm_does(start_worker: Callable[[float], ServeProcess]) -> None:
+    """A closed terminal or a reload habit does not kill a worker with its work in flight."""
+    worker = start_worker(30.0)
+    chan = worker.channel()
+    stub = pb_grpc.WorkerServiceStub(chan)
+    stream = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(60, ignore_eos=True))
+    )
+    first = next(stream)
+    os.kill(worker.proc.pid, signal.SIGHUP)
+    _wait_not_serving(health_pb2_grpc.HealthStub(chan))
+    tokens = [*first.token_ids, *(t for message in stream for t in message.token_ids)]
+    assert len(tokens) == 60
+    assert worker.exit_code() == 0
+
+
 def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
     server = WorkerServer(ServerConfig(port=0, grace_seconds=5.0))
     port = server.start()

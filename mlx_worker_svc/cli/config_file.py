@@ -194,9 +194,14 @@ def _section(
     if sub is None:
         if subs:
             names = ", ".join(subs)
+            # A table under a misspelt key reads as a sub-section: name the key it may be.
+            close = [
+                (k, m[0]) for k in subs if (m := difflib.get_close_matches(_flag_name(k), flags, 1))
+            ]
+            hint = "".join(f" ('{k}' is no key: did you mean '{m}'?)" for k, m in close)
             raise ValueError(
                 f"{notation.section(name)} has sub-sections ({names}): pick one with "
-                "--config-section"
+                f"--config-section{hint}"
             )
         return keys, dict.fromkeys(keys, name)
     if sub not in subs:

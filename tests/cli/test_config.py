@@ -187,6 +187,11 @@ def test_a_misspelt_key_is_refused_with_its_name(
             "[serve] has sub-sections (a): pick one with --config-section",
         ),
         ("[serve]\nport = 1\n", ["--config-section", "b"], "no [serve.b] section"),
+        (
+            "[serve]\nmax-running-request = {a = 1}\n",
+            [],
+            "('max-running-request' is no key: did you mean 'max-running-requests'?)",
+        ),
         ("[serve\n", [], "not TOML"),
     ],
 )

@@ -316,15 +316,18 @@ def blocks(message: Any) -> list[tuple[Any, ...]]:
     ]
 
 
+@pytest.mark.parametrize("blank", [False, True])
 def test_tools_reach_the_model_as_the_chat_routes_functions(
-    gateway: Gateway, client: anthropic.Anthropic
+    gateway: Gateway, client: anthropic.Anthropic, blank: bool
 ) -> None:
-    """The same tools on both routes render the same prompt: the greedy answers agree."""
+    """The same tools on both routes render the same prompt: the greedy answers agree
+    (an empty description is passed on as it is, on both)."""
+    tools = [{**t, "description": ""} for t in TOOLS] if blank else TOOLS
     functions = [
         {"name": t["name"]}
         | ({"description": t["description"]} if "description" in t else {})
         | {"parameters": t["input_schema"]}
-        for t in TOOLS
+        for t in tools
     ]
     body = {"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0}
     body["tools"] = [{"type": "function", "function": f} for f in functions]
@@ -332,7 +335,7 @@ def test_tools_reach_the_model_as_the_chat_routes_functions(
         "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
     ).json()
     answer = chat["choices"][0]["message"]
-    message = create(client, tools=TOOLS)
+    message = create(client, tools=tools)
     text = "".join(b.text for b in message.content if b.type == "text")
     calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
     assert text == (answer["content"] or "")

@@ -286,7 +286,7 @@ def _tools(value: Any, choice: Any) -> ToolRequest:
         # The OpenAI route's function, key for key in its order: the template shows
         # the tool as JSON, so the same tool is the same prompt on both routes.
         function: dict[str, Any] = {"name": tool["name"]}
-        if description:
+        if description is not None:  # "" too: the OpenAI route passes it as it is
             function["description"] = description
         function["parameters"] = schema
         if tool.get("strict"):  # the whole schema holds the input, as OpenAI's strict function's

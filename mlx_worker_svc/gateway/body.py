@@ -98,6 +98,10 @@ def parse_body(raw: bytes) -> Any:
         raise ApiError(400, f"{cannot}: {exc}") from exc
     except RecursionError as exc:
         raise ApiError(400, f"{cannot}: it nests too deeply") from exc
+    long = _too_long(body)
+    if long is not None:
+        where, why = long
+        raise invalid(where, why) if where else ApiError(400, f"{cannot}: {why}")
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -106,13 +110,48 @@ def parse_body(raw: bytes) -> Any:
     return body
 
 
-def _integer(digits: str) -> int | float:
-    """A JSON integer; one longer than Python converts (4,300 digits) reads as the float it
-    is, an infinity, which every numeric field refuses naming itself (as it does 1e400)."""
+class _TooLong:
+    """A JSON integer longer than Python converts (4,300 digits): refused by its path."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = len(digits.lstrip("-"))
+
+
+def _integer(digits: str) -> int | _TooLong:
     try:
         return int(digits)
     except ValueError:
-        return float(digits)
+        return _TooLong(digits)
+
+
+def _too_long(value: Any) -> tuple[str, str] | None:
+    """The path (`a.b[0].c`) of the first integer too long to read in `value`, and why it
+    is refused; None when there is none. (Iterative: a body may nest as deep as the JSON
+    reader allows.)"""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, _TooLong):
+            return path, f"an integer of {item.digits} digits, more than this server reads (4300)"
+        if isinstance(item, dict):
+            todo += reversed([(f"{path}.{k}" if path else str(k), v) for k, v in item.items()])
+        elif isinstance(item, list):
+            todo += reversed([(f"{path}[{i}]", v) for i, v in enumerate(item)])
+    return None
+
+
+def json_text(text: str, param: str) -> Any:
+    """The JSON value of a field that holds JSON text (a schema given as a string);
+    raises `invalid(param, ...)` when it is not JSON, as the body's own reading does."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_int=_integer)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(param, f"not JSON ({exc})") from exc
+    long = _too_long(value)
+    if long is not None:
+        where, why = long
+        raise invalid(f"{param}.{where}" if where else param, why)
+    return value
 
 
 def _no_constant(name: str) -> Any:

@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from mlx_worker_svc.core.structured_outputs import inexact_number, inexact_number_message
-from mlx_worker_svc.gateway.body import check_description, only_keys
+from mlx_worker_svc.gateway.body import check_description, json_text, only_keys
 from mlx_worker_svc.gateway.errors import ApiError, invalid
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 
@@ -199,10 +199,7 @@ def _spec(param: str, kind: str, value: Any) -> pb.StructuredOutputs:
     """One constraint of `kind` (vLLM's names) from `value`; errors name `param`."""
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise invalid(param, f"not JSON ({exc})") from exc
+            value = json_text(value, param)
         if not isinstance(value, dict):
             raise invalid(param, "expected a JSON Schema (an object)")
         check_exact_numbers(value, param)  # beside tools it reaches the engine as Lark

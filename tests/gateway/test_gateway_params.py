@@ -215,13 +215,20 @@ def test_fields_clients_send_on_every_call_are_accepted(
         bad = gateway.http.post("/v1/completions", content=raw)
         error = bad.json()["error"]
         assert bad.status_code == 400 and constant in error["message"], error
-    # An integer longer than Python converts (4,300 digits) is a value its field refuses.
-    for name in ("max_tokens", "temperature"):
-        raw = f'{{"prompt": "x", "{name}": {"9" * 5000}}}'
+    # An integer longer than Python converts (4,300 digits) is refused by its path.
+    big = "9" * 5000
+    schema = '{"type": "object", "properties": {"a": {"default": ' + big + "}}}"
+    form = '{"type": "json_schema", "json_schema": {"name": "n", "schema": ' + schema + "}}"
+    for name, value in (
+        ("max_tokens", big),
+        ("temperature", "-" + big),
+        ("response_format.json_schema.schema.properties.a.default", form),
+    ):
+        raw = f'{{"prompt": "x", "{name.split(".")[0]}": {value}}}'
         bad = gateway.http.post("/v1/completions", content=raw)
         error = bad.json()["error"]
         assert bad.status_code == 400 and error["param"] == name, error
-        assert "digits" not in error["message"], error
+        assert "5000 digits" in error["message"] and "sys." not in error["message"], error
 
 
 # ------------------------------------------ logprobs and the stop token (item 12)

@@ -81,7 +81,7 @@ def hint(exc: Exception, config: LinkConfig) -> str:
     if "WRONG_VERSION_NUMBER" in exc.details:  # TLS spoken to a plaintext listener
         return (
             " (the worker does not serve TLS: start it with --tls-cert and --tls-key, or "
-            "leave out --worker-ca)"
+            "dial it in plaintext: no --worker-ca, --worker-client-cert or --worker-client-key)"
         )
     if "Hostname Verification" in exc.details:
         return " (the worker's certificate must name the host or IP address --worker gives)"

@@ -180,12 +180,14 @@ def _section(
         return isinstance(value, dict) and _flag_name(key) not in flags
 
     if not isinstance(data, dict):
-        raise ValueError("expected sections [serve], [fleet] and/or [gateway]")
+        sections = ", ".join(notation.section(c) for c in COMMANDS[:-1])
+        raise ValueError(f"expected sections {sections} and/or {notation.section(COMMANDS[-1])}")
     for section, value in data.items():
         if section not in COMMANDS:
-            raise ValueError(f"unknown section '{section}' (sections: {', '.join(COMMANDS)})")
+            shown = section if isinstance(section, str) else notation.value(section)
+            raise ValueError(f"unknown section '{shown}' (sections: {', '.join(COMMANDS)})")
         if not isinstance(value, dict):
-            raise ValueError(f"section '{section}' holds no keys (it is {value!r})")
+            raise ValueError(f"section '{section}' holds no keys (it is {notation.value(value)})")
     if name not in data:
         raise ValueError(f"no {notation.section(name)} section")
     _check_names(data[name], name, notation)
@@ -205,6 +207,8 @@ def _section(
             )
         return keys, dict.fromkeys(keys, name)
     if sub not in subs:
+        if sub in keys:  # `mac1 = [1]`: a key's value, not a table
+            raise ValueError(f"{notation.key(name, sub)} is a key, not a section")
         have = f" (it has: {', '.join(subs)})" if subs else ""
         raise ValueError(f"no {notation.section(f'{name}.{sub}')} section{have}")
     _check_names(subs[sub], f"{name}.{sub}", notation)

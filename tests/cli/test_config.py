@@ -217,6 +217,10 @@ def test_a_value_its_flag_refuses_is_an_error_naming_the_key(
         ("serve:\n  port: 1\n", ["--config-section", "b"], "no serve.b section"),
         ("serve:\n  w1:\n    x: {port: 2}\n", ["--config-section", "w1"], "serve.w1.x: sections"),
         ("serve:\n  1: 2\n", [], "serve: the key 1 is not a flag's name"),
+        ("true:\n  port: 1\n", [], "unknown section 'true'"),
+        ("serve: null\n", [], "section 'serve' holds no keys (it is null)"),
+        ("- serve\n", [], "expected sections serve, fleet and/or gateway"),
+        ("serve:\n  mac1: [1]\n", ["--config-section", "mac1"], "serve.mac1 is a key, not a"),
         ("serve:\n  true: 2\n", [], "serve: the key true is not a flag's name"),
         ("serve:\n  w1:\n    null: 2\n", ["--config-section", "w1"], "serve.w1: the key null"),
     ],
@@ -287,7 +291,7 @@ def test_a_missing_or_unknown_kind_of_file_is_refused(
     )
     bad.write_text("serve:\n")
     assert refusal(capsys, ["serve", "--config", str(bad)]).endswith(
-        "section 'serve' holds no keys (it is None)"
+        "section 'serve' holds no keys (it is null)"
     )
 
 

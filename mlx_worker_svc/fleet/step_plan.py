@@ -64,7 +64,12 @@ def plan_step(
     while waiting and budget > 0 and len(running) < max_seqs:
         r = waiting[0]
         count = min(len(r.tokens), budget)
-        if used + kv.blocks(count + 1) > kv.num_blocks and running:
+        # The KV it may hold after this step: a prefix-cache hit, which only the worker
+        # knows, comes on top of `count` (up to all but the last prompt token), so its
+        # whole prompt is counted; counting `count` alone, a step of hits was refused
+        # for KV, put back, and planned the same again, for good.
+        holds = len(r.tokens)
+        if used + kv.blocks(holds + 1) > kv.num_blocks and running:
             break
         prompt, params = r.continuation()
         new = pb.NewRequest(
@@ -95,7 +100,7 @@ def plan_step(
         views[r.worker_id] = (0, len(prompt))
         started.append(r)
         budget -= count
-        used += kv.blocks(count)
+        used += kv.blocks(holds)
     return started, used
 
 

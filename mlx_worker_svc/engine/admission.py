@@ -131,7 +131,8 @@ class Admission:
                 grows.append((more, key[1]))
         grows.sort(key=lambda g: -g[0])
         shown = ", ".join(f"{n} for req_id {clip(r)!r}" for n, r in grows[:4])
-        rest = f" and {len(grows) - 4} more requests" if len(grows) > 4 else ""
+        others = len(grows) - 4
+        rest = f" and {others} more request{'s' if others > 1 else ''}" if others > 0 else ""
         return f" (it adds {sum(n for n, _ in grows)}: {shown}{rest})" if grows else ""
 
     def check_memory(self, work: Work, what: str, spans: Spans | None = None) -> None:

@@ -12,15 +12,20 @@ which a failed step takes out again (engine/recovery.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from mlx_worker_svc.engine.sequence import RequestKey, Sequence
+from mlx_worker_svc.engine.sequence import RequestKey, Sequence, Work
 from mlx_worker_svc.engine.state import EngineState
+
+# The KV tokens each request holds after a step (Admission.projected).
+Projected = Callable[[Work], dict[RequestKey, int]]
 
 
 class KVRelease:
-    def __init__(self, state: EngineState) -> None:
+    def __init__(self, state: EngineState, projected: Projected) -> None:
         self.state = state
+        self._projected = projected
 
     def capacity(self, leaving: RequestKey | None = None) -> int:
         """Blocks the prefix cache may hold now without crowding out requests.
@@ -63,12 +68,14 @@ class KVRelease:
             if state.step is not None:
                 state.step.cached += added
 
-    def reserve(self, projected: dict[RequestKey, int]) -> None:
-        """Reserves each request's blocks at the end of the step (`projected`: its tokens
-        then) and evicts the prefix blocks that would crowd them out."""
+    def reserve(self, work: Work) -> None:
+        """Reserves each request's blocks at the end of `work` and evicts the prefix blocks
+        that would crowd them out (nothing to do, and nothing computed, without a prefix
+        cache)."""
         state = self.state
         if state.prefix is None:
             return
+        projected = self._projected(work)
         state.reserved = {key: state.budget.blocks_for(n) for key, n in projected.items()}
         excess = sum(state.reserved.values()) + len(state.prefix) - state.budget.num_blocks
         if excess > 0:

@@ -117,7 +117,8 @@ class ModelRunner:
             batch_prefill=batchable(self.model, aligned=options.aligned_decode),
         )
         self.kv = config.kv  # how every request's KV is stored
-        self.release = KVRelease(self.state)  # where a leaving request's KV goes
+        # Where a leaving request's KV goes.
+        self.release = KVRelease(self.state, self.admission.projected)
         self.prefill = Prefill(self.state, self.model, self.admission, config.kv)
         self.decoder = Decoder(
             self.state,
@@ -326,8 +327,7 @@ class ModelRunner:
 
     def _apply(self, work: Work) -> StepOutcome:
         start = time.perf_counter_ns()
-        if self.state.prefix is not None:
-            self.release.reserve(self.admission.projected(work))
+        self.release.reserve(work)
         self._free_all(work.finished)
         for key in work.preempted:
             self.release.preempt(self.state.seqs[key])

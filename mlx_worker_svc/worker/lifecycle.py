@@ -257,6 +257,10 @@ class Lifecycle:
             assert profile is not None
             loaded = core.need_model()
             if kv != profile.kv:
+                if kv.quantized:  # a format this model cannot store: say so, not "measure"
+                    memory_profile.bytes_per_block(
+                        loaded.model, profile.block_size, kv, where="InitCache"
+                    )
                 raise InvalidArgument(
                     f"InitCache asks for {kv.describe()} KV (kv_bits {kv.bits}) but "
                     f"DetermineMemory measured bytes per block for {profile.kv.describe()} KV: "

@@ -287,6 +287,11 @@ def test_bytes_per_block_and_refusals(kv_model: Path) -> None:
         assert "call DetermineMemory with kv_bits 8" in says
         says = _refused(stub.InitCache, pb.InitCacheRequest(num_blocks=64, kv_bits=7))
         assert "InitCache.kv_bits 7" in says
+        # A group the model cannot take: named, not sent to a DetermineMemory that refuses it.
+        init = pb.InitCacheRequest(num_blocks=64, kv_bits=8, kv_group_size=128)
+        assert _refused(stub.InitCache, init).endswith(
+            "InitCache.kv_group_size 128 does not divide the model's head_dim 64: use 32 or 64"
+        )
         assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_MEMORY_PROFILED
         done = stub.InitCache(pb.InitCacheRequest(num_blocks=64, kv_bits=4))
         assert (done.kv_bits, done.kv_group_size) == (4, GROUP)

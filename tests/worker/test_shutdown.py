@@ -158,6 +158,16 @@ def test_shutdown_rpc_drains_like_sigterm(tiny_dir: Path) -> None:
         assert answer.num_in_flight == 1
         status = health.Check(health_pb2.HealthCheckRequest(service="")).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # No new work while it drains, a tokenization included (README's lifecycle).
+        for call, request in (
+            (stub.Tokenize, pb.TokenizeRequest(text="hi")),
+            (stub.Detokenize, pb.DetokenizeRequest(token_ids=[5])),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the worker is DRAINING and accepts no new work" in str(refused.value.details())
+        assert stub.GetInfo(pb.GetInfoRequest()).state == pb.WORKER_STATE_DRAINING
         rest = list(stream)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert server.wait(timeout=30)

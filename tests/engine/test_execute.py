@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import mlx.core as mx
 import pytest
 from driver import bring_up, code_of, details_of, drive, greedy, mlx_lm_tokens
@@ -243,6 +244,26 @@ def test_preempt_and_resume_continues_identically(
     _step(tiny_stub, epoch, 8, preempted_req_ids=["p"])
     health = tiny_stub.CheckHealth(pb.CheckHealthRequest())
     assert health.num_preempted_requests == 1 and health.kv.used_blocks == 0
+    # The proto's rules: preempted again frees nothing; unknown or also finished: refused.
+    _step(tiny_stub, epoch, 8, preempted_req_ids=["p"])
+    for fields, code, says in (
+        ({"preempted_req_ids": ["nobody"]}, "NOT_FOUND", "unknown req_id 'nobody'"),
+        (
+            {"preempted_req_ids": ["p"], "finished_req_ids": ["p"]},
+            "INVALID_ARGUMENT",
+            "req_id 'p' is both finished and preempted",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            _step(tiny_stub, epoch, 8, **fields)
+        assert (code_of(refused.value).name, says) == (code, says)
+        assert says in details_of(refused.value)
+    after = tiny_stub.CheckHealth(pb.CheckHealthRequest())
+    assert (after.num_preempted_requests, after.num_running_requests, after.kv) == (
+        health.num_preempted_requests,
+        health.num_running_requests,
+        health.kv,
+    )
     total = len(PROMPTS[4]) + len(tokens)
     out = _step(
         tiny_stub,
@@ -259,8 +280,6 @@ def test_preempt_and_resume_continues_identically(
 
 
 def test_kv_budget_is_enforced_before_anything_changes(stub: Stub, tiny_dir: Path) -> None:
-    import grpc
-
     epoch = bring_up(stub, tiny_dir, num_blocks=2)
     too_big = pb.NewRequest(req_id="big", prompt_token_ids=[1] * 33, sampling_params=greedy(4))
     with pytest.raises(grpc.RpcError) as info:

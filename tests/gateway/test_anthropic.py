@@ -667,17 +667,21 @@ def test_a_prefill_is_continued(client: anthropic.Anthropic) -> None:
 
 def test_an_answer_cut_to_nothing_goes_back_in_the_history(client: anthropic.Anthropic) -> None:
     """A stop sequence at the answer's start leaves its text block empty, streamed or
-    not; sent back as the assistant's turn, as agents do, it is accepted (it was a 400)."""
+    not, with tools too (it had no block then); sent back as the assistant's turn, as
+    agents do, it is accepted (it was a 400)."""
     first = create(client, max_tokens=4).content[0].text[0]
-    for stream in (False, True):
-        options: dict[str, Any] = {"max_tokens": 4, "stop_sequences": [first]}
-        answer = streamed(client, **options)[1] if stream else create(client, **options)
-        assert answer.stop_reason == "stop_sequence"
-        assert [(b.type, b.text) for b in answer.content] == [("text", "")]
-        turn = {"role": "assistant", "content": [b.model_dump() for b in answer.content]}
-        history = [*ASK, turn, {"role": "user", "content": "Go on."}]
-        assert create(client, messages=history, max_tokens=2).content
-        assert create(client, messages=[*ASK, turn], max_tokens=2).content  # as a prefill
+    calls = {"tools": TOOLS, "tool_choice": {"type": "any"}}  # the grammar opens a call
+    for tools, stop in (({}, first), (calls, "<tool_call>")):
+        for stream in (False, True):
+            options: dict[str, Any] = {"max_tokens": 16, "stop_sequences": [stop], **tools}
+            answer = streamed(client, **options)[1] if stream else create(client, **options)
+            assert answer.stop_reason == "stop_sequence"
+            assert [(b.type, b.text) for b in answer.content] == [("text", "")]
+            turn = {"role": "assistant", "content": [b.model_dump() for b in answer.content]}
+            history = [*ASK, turn, {"role": "user", "content": "Go on."}]
+            assert create(client, messages=history, max_tokens=2, tools=TOOLS).content
+            if not tools:  # a prefill cannot open an answer tool_choice any constrains
+                assert create(client, messages=[*ASK, turn], max_tokens=2).content
 
 
 def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic) -> None:

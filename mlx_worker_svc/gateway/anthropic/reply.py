@@ -7,7 +7,8 @@ call), each call becomes a `tool_use` block (`id` "toolu_...", `name`,
 `input`). A stream sends each block as `content_block_start`, its deltas
 (`text_delta`, or the call's whole arguments as one `input_json_delta`) and
 `content_block_stop`. Without tools the answer is one text block, opened
-before the first token.
+before the first token; with tools, an answer cut to nothing before its
+first text or call ends with an empty text block (never with no content).
 
 Usage is Anthropic's: `input_tokens` are the prompt tokens computed for this
 request and `cache_read_input_tokens` those the workers' prefix cache served
@@ -73,6 +74,13 @@ class Blocks:
                 self.content[-1]["text"] += piece
                 out.append(self._delta({"type": "text_delta", "text": piece}))
         return out
+
+    def finish(self) -> list[Sse]:
+        """Ends the answer: closes the open block, and gives an answer of no block (cut
+        to nothing before its first text or call) the empty text block an answer without
+        tools has, so that a client can send it back as it came."""
+        opened = [] if self.content else self._start({"type": "text", "text": ""})
+        return opened + self.close()
 
     def close(self) -> list[Sse]:
         """Ends the open block, if any."""
@@ -150,7 +158,7 @@ class MessageReply:
         }
         usage = self.usage(last.completion_tokens)
         return [
-            *blocks.close(),
+            *blocks.finish(),
             _event("message_delta", delta=delta, usage=usage),
             _event("message_stop"),
         ]

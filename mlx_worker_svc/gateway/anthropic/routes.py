@@ -114,6 +114,7 @@ class MessagesApi:
             return Response(status_code=CLIENT_CLOSED)
         text = "".join(m.text for m in done)
         blocks.feed(_pieces(answer, text, finished=True))
+        blocks.finish()
         self.count(done[-1])
         return JSONResponse(reply.message(blocks, done[-1]))
 

@@ -96,6 +96,7 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if not isinstance(value, dict):
         raise invalid("logit_bias", f"expected an object, got {json_type(value)}")
     bias: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key in value:
         # ASCII digits only: str.isdigit() also takes '²' (no int) and '٣' (int 3).
         if not (key.isascii() and key.isdigit() and int(key) <= UINT32):
@@ -103,5 +104,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
         number = Fields(value, "logit_bias").number(key, -100.0, 100.0)
         if number is None:
             raise invalid("logit_bias", f"no bias given for token {key}")
-        bias[int(key)] = number
+        token = int(key)
+        if token in keys:  # '045' and '45': one bias would silently win
+            raise invalid("logit_bias", f"{keys[token]!r} and {key!r} name one token, {token}")
+        keys[token], bias[token] = key, number
     return bias

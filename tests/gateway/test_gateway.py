@@ -224,6 +224,7 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
         # str.isdigit() is true of both; int() refuses the first and reads 3 from the second.
         ({"logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
         ({"logit_bias": {"\u0663": 1}}, 400, "logit_bias"),
+        ({"logit_bias": {"45": 1, "045": -1}}, 400, "logit_bias"),  # one token twice
         # Past float32, which the worker's field is: it would arrive as inf.
         ({"extra_body": {"repetition_penalty": 1e300}}, 400, "repetition_penalty"),
         ({"user": 42}, 400, "user"),

@@ -435,6 +435,17 @@ def test_a_tool_result_goes_back_to_the_model(client: anthropic.Anthropic) -> No
     text = {"type": "text", "text": "Tell me about the sea.", "citations": []}
     plain = create(client, messages=[{"role": "user", "content": [text]}])
     assert plain.content[0].text == create(client).content[0].text
+    # Text blocks are joined with a newline (gateway.md), system's too.
+    two = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "about the sea."}]
+    joined = [{"role": "user", "content": "Tell me\nabout the sea."}]
+    for options in ({"messages": [{"role": "user", "content": two}]}, {"system": two}):
+        same = (
+            {"messages": joined} if "messages" in options else {"system": "Tell me\nabout the sea."}
+        )
+        blocks, string = create(client, **options), create(client, **same)
+        assert blocks.content == string.content
+        prompts = [m.usage.input_tokens + m.usage.cache_read_input_tokens for m in (blocks, string)]
+        assert prompts[0] == prompts[1]
     with pytest.raises(anthropic.BadRequestError, match="tool_use_id"):
         bad = {**result, "tool_use_id": "toolu_unknown"}
         create(client, messages=[*history[:2], {"role": "user", "content": [bad]}], tools=TOOLS)

@@ -272,6 +272,21 @@ def test_logprobs_leave_out_the_stop_token(
         assert parts[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_text_parts_are_joined_with_a_newline(gateway: Gateway) -> None:
+    """gateway.md: the parts give the newline-joined string's prompt and answer."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    answers = [
+        post(
+            gateway,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": c}], "max_tokens": 4, "temperature": 0},
+        ).json()
+        for c in (parts, "hi\nthere")
+    ]
+    assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+
+
 def test_logprob_bytes_of_characters_split_over_tokens_join_to_them(gateway: Gateway) -> None:
     """A character the tokenizer splits into byte tokens: each token's `bytes` are its own
     (joined: the text's UTF-8), its `token` is `bytes:\\x..` (tiktoken's notation), and

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import FleetScheduler
+from mlx_worker_svc.gateway import request_ids
 from mlx_worker_svc.gateway.anthropic.routes import MessagesApi
 from mlx_worker_svc.gateway.auth import ApiKeyMiddleware
 from mlx_worker_svc.gateway.body import parse_body
@@ -52,6 +53,7 @@ from mlx_worker_svc.gateway.choices import all_or_none, combine, combined_usage,
 from mlx_worker_svc.gateway.errors import ApiError, error_body, invalid
 from mlx_worker_svc.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from mlx_worker_svc.gateway.paging import page
+from mlx_worker_svc.gateway.request_ids import RequestIdMiddleware
 from mlx_worker_svc.gateway.responses import Reply, TokenTexts, shown_logprobs, token_ids
 from mlx_worker_svc.gateway.schema import OpenAIKind, ParsedRequest, parse_request
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
@@ -204,7 +206,8 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: OpenAIKind) -> Response:
         route = request.url.path
-        parsed = parse_request(kind, parse_body(await request.body()))
+        parsed = parse_request(kind, parse_body(await request.body()), request_ids.base(request))
+        request_ids.answered(request, parsed.id)
         model = await self.model_for(parsed)
         capacity = self.fleet.config.queue_capacity
         if parsed.n > capacity:  # every choice passes through the queue: it could never fit
@@ -357,7 +360,10 @@ def create_app(fleet: FleetScheduler, config: GatewayConfig | None = None) -> St
         Route(HEALTH_PATH, gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
     ]
-    middleware = [Middleware(MetricsMiddleware, metrics=gateway.metrics, routes=routes)]
+    middleware = [
+        Middleware(RequestIdMiddleware),  # first: a 401 carries its request id too
+        Middleware(MetricsMiddleware, metrics=gateway.metrics, routes=routes),
+    ]
     check = token_check(config.security)
     if check is not None:
         open_paths = [HEALTH_PATH] if config.security.allow_health_without_token else []

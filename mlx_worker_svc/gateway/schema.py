@@ -15,7 +15,6 @@ surrogate escape is a 400 too (`body.parse_body`).
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -138,8 +137,9 @@ _UNSUPPORTED = {
 }
 
 
-def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
-    """Validates an OpenAI request body; raises `ApiError` (400) naming the bad field."""
+def parse_request(kind: OpenAIKind, body: Any, id_base: str) -> ParsedRequest:
+    """Validates an OpenAI request body; raises `ApiError` (400) naming the bad field.
+    The answer's id is built on `id_base` (request_ids.base)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
     for name in body:
@@ -161,7 +161,7 @@ def parse_request(kind: OpenAIKind, body: Any) -> ParsedRequest:
     stream = fields.boolean("stream")
     include_usage = _stream_options(fields, stream)
     request = pb.GenerateRequest(
-        sampling_params=openai_sampling(kind, fields), request_id=_new_id(kind)
+        sampling_params=openai_sampling(kind, fields), request_id=_new_id(kind, id_base)
     )
     tools = ToolRequest()
     if kind == "chat":
@@ -244,8 +244,8 @@ def _ignored(kind: OpenAIKind, fields: Fields) -> None:
             raise invalid(f"metadata.{key}", f"expected a string, got {json_type(value)}")
 
 
-def _new_id(kind: OpenAIKind) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+def _new_id(kind: OpenAIKind, id_base: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id_base}"
 
 
 def _stream_options(fields: Fields, stream: bool) -> bool:

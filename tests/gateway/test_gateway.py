@@ -10,6 +10,7 @@ real SmolLM2 model behind a second gateway and compares it with `mlx_lm.generate
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -288,6 +289,40 @@ def test_bad_parameters_get_openai_errors(
     assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
     assert (error.param, error.type) == (param, "invalid_request_error")
     assert param.split("[", maxsplit=1)[0] in error.message
+
+
+def test_every_response_carries_the_request_id_the_logs_show(
+    client: openai.OpenAI, gateway: Gateway
+) -> None:
+    """x-request-id (docs/gateway.md): the answer's id, or the client's own id, which the
+    answer's id is then built on; Anthropic's routes say it in request-id too."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="model", messages=CHAT, max_tokens=2
+    )
+    done = raw.parse()
+    assert raw.headers["x-request-id"] == done.id and done.id.startswith("chatcmpl-")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "model", "messages": CHAT, "max_tokens": 2}
+    for path, prefix in (("/v1/chat/completions", "chatcmpl-"), ("/v1/messages", "msg_")):
+        for stream in (False, True):
+            headers = auth | {"x-request-id": "trace-42"}
+            sent = body | {"stream": stream}
+            with gateway.http.stream("POST", path, json=sent, headers=headers) as response:
+                text = response.read().decode()
+            assert response.status_code == 200, text
+            assert response.headers["x-request-id"] == "trace-42"
+            assert f'"id":"{prefix}trace-42"' in text.replace(" ", "")
+            anthropic = path == "/v1/messages"
+            assert response.headers.get("request-id") == ("trace-42" if anthropic else None)
+    # Not 1 to 128 visible ASCII characters: left aside. No answer: a req_ id of its own.
+    for headers, path, status in (
+        (auth | {"x-request-id": "has space"}, "/v1/models/nope", 404),
+        (auth | {"x-request-id": "x" * 129}, "/v1/models/nope", 404),
+        ({"x-request-id": ""}, "/v1/models", 401),
+    ):
+        response = gateway.http.get(path, headers=headers)
+        assert response.status_code == status
+        assert re.fullmatch("req_[0-9a-f]{32}", response.headers["x-request-id"])
 
 
 def test_api_keys(gateway: Gateway) -> None:

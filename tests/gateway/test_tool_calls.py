@@ -348,7 +348,7 @@ def test_a_tool_field_of_the_wrong_type_is_a_400_naming_it(
     anthropic_tool = {"name": "f", "input_schema": {"type": "object"}, field: value}
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(ApiError) as anthropic_route:
-        parse_messages(body | {"tools": [anthropic_tool]})
+        parse_messages(body | {"tools": [anthropic_tool]}, "id")
     assert anthropic_route.value.param == f"tools[0].{field}"
     assert says in anthropic_route.value.message
 
@@ -367,6 +367,6 @@ def test_anthropic_stop_sequences_that_are_not_an_array_are_a_400_even_when_fals
 ) -> None:
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(ApiError) as refused:
-        parse_messages(body | {"stop_sequences": stops})
+        parse_messages(body | {"stop_sequences": stops}, "id")
     assert (refused.value.status, refused.value.param) == (400, "stop_sequences")
-    parse_messages(body | {"stop_sequences": None})  # null: absent
+    parse_messages(body | {"stop_sequences": None}, "id")  # null: absent

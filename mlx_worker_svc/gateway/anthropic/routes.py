@@ -23,6 +23,7 @@ from mlx_worker_svc.client.worker import ClientError
 from mlx_worker_svc.core.errors import WorkerError
 from mlx_worker_svc.fleet import FleetScheduler, PromptTooLarge
 from mlx_worker_svc.fleet.errors import ShuttingDown
+from mlx_worker_svc.gateway import request_ids
 from mlx_worker_svc.gateway.anthropic.reply import Blocks, MessageReply, Sse
 from mlx_worker_svc.gateway.anthropic.schema import MessagesRequest, parse_messages
 from mlx_worker_svc.gateway.body import parse_body
@@ -85,14 +86,16 @@ class MessagesApi:
     async def count_tokens(self, request: Request) -> Response:
         if self.fleet.draining:  # a new request, as a message is (it takes no queue place)
             raise api_error(ShuttingDown())
-        messages = parse_messages(parse_body(await request.body()), count=True)
+        body = parse_body(await request.body())
+        messages = parse_messages(body, request_ids.base(request), count=True)
         await self.model_for(messages.parsed)
         return JSONResponse({"input_tokens": len(await prompt_tokens(self.fleet, messages))})
 
     async def create(self, request: Request) -> Response:
         route = request.url.path
-        messages = parse_messages(parse_body(await request.body()))
+        messages = parse_messages(parse_body(await request.body()), request_ids.base(request))
         parsed = messages.parsed
+        request_ids.answered(request, parsed.id)
         model = await self.model_for(parsed)
         try:
             prompt = await until_disconnect(request, self._prompt(messages))

@@ -20,7 +20,6 @@ Tools map onto the OpenAI routes' `ToolRequest`: `input_schema` is a function's
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +90,9 @@ class MessagesRequest:
     prefill: str  # the text of a final assistant message ("" when there is none)
 
 
-def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
-    """Validates a `/v1/messages` body (`count`: a count_tokens body); raises `ApiError`."""
+def parse_messages(body: Any, id_base: str, *, count: bool = False) -> MessagesRequest:
+    """Validates a `/v1/messages` body (`count`: a count_tokens body); raises `ApiError`.
+    The answer's id is built on `id_base` (request_ids.base)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
     known = _COUNT_FIELDS if count else _CREATE_FIELDS
@@ -149,7 +149,7 @@ def parse_messages(body: Any, *, count: bool = False) -> MessagesRequest:
     answer_schema = apply_spec(params, spec, "output_config.format", tools=tools.may_call)
     check_cache_control(fields.get("cache_control"), "cache_control")
     request = pb.GenerateRequest(
-        messages=messages, sampling_params=params, request_id=f"msg_{uuid.uuid4().hex}"
+        messages=messages, sampling_params=params, request_id=f"msg_{id_base}"
     )
     parsed = ParsedRequest(
         kind="messages",

@@ -181,3 +181,22 @@ def test_out_of_kv_preempts_the_newest_request_the_refused_step_held() -> None:
     assert queues.to_free == ["new#1"] and queues.waiting == [new]
     assert list(queues.running) == ["old#1", "later#1"] and new.phase is Phase.PREEMPTED
     assert old.outbox.empty() and new.outbox.empty() and later.outbox.empty()
+
+
+def test_a_preempted_request_keeps_its_place_ahead_of_newer_ones_put_back() -> None:
+    """Steps ahead: the step after the refused one had started `newer`; refused in turn,
+    it puts `newer` back. The preempted request came first and goes first (it was
+    queued behind `newer`, and newer requests started while it waited)."""
+    queues = _queues()
+    old, preempted, newer, newest = (_request(n) for n in ("old", "pre", "newer", "newest"))
+    for i, r in enumerate((old, preempted, newer, newest)):
+        r.admitted = float(i)
+    _creating(queues, old, preempted)
+    refused = _decoding(old, preempted)
+    started = _creating(queues, newer)  # the next step, in flight
+    queues.waiting.append(newest)  # came since, waits
+    refuse_step(_error(OUT_OF_KV, "step 2 needs 25 KV blocks"), refused, [], queues)
+    assert queues.waiting == [preempted, newest]
+    undo_step(started, [newer], queues)  # the step in flight failed behind the refusal
+    assert queues.waiting == [preempted, newer, newest]
+    assert [r.phase for r in queues.waiting] == [Phase.PREEMPTED, Phase.QUEUED, Phase.QUEUED]

@@ -194,6 +194,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         reader = StepReader(request_iterator, stream, self._worker.limits.max_steps_in_flight)
         try:
             for step in reader:
+                if step.error is not None:
+                    self._step_failed(step.step_id, step.error)
                 yield convert.streamed_step(step)
             _settle(context)
         except Exception as exc:
@@ -201,6 +203,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         finally:
             reader.stop()
             stream.close()
+
+    def _step_failed(self, step_id: int, error: WorkerError) -> None:
+        """A stream's step answered with its error: logged and counted, as a failed
+        Execute is (the stream's own RPC ends OK)."""
+        code = error.code.name
+        self._worker.metrics.stream_step_errors.labels(code).inc()
+        extra = {"rpc": "ExecuteStream", "step_id": step_id, "code": code}
+        log.info("stream step failed", extra={**extra, "error": _short(error.message)})
 
     @_unary
     def CheckHealth(

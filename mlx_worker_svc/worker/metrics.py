@@ -4,7 +4,8 @@ Counted as the work happens, on the engine thread only (so with one-writer
 instruments: a few adds per step, no lock): step latency and requests per
 step (histograms), tokens computed, prompt tokens of admitted requests and
 generated tokens (counters); every RPC by method and status code
-(`core.metrics.RpcMetrics`). Read only when scraped, from the worker's
+(`core.metrics.RpcMetrics`), and ExecuteStream steps answered with an error
+by code. Read only when scraped, from the worker's
 health report: KV blocks used and free, prefix-cache blocks, running and
 preempted requests, steps queued for the engine (and the admission limits on
 both), MLX memory and the lifecycle state.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +49,14 @@ class WorkerMetrics(ServerMetrics):
         self.computed_tokens = self.counter(
             "computed_tokens",
             "Tokens whose KV the steps computed (prefill and decode; prefix-cache hits excluded)",
+        )
+        # Counted on the gRPC threads that answer the streams (a locked counter): the
+        # stream's RPC ends OK, so rpcs_total does not show its refused steps.
+        self.stream_step_errors = Counter(
+            f"{PREFIX}_stream_step_errors",
+            "ExecuteStream steps answered with an error, by gRPC status code",
+            ["code"],
+            registry=self.registry,
         )
 
     def observe_step(

@@ -39,6 +39,7 @@ from mlx_worker_svc.rpc.security import SecurityConfig
 from mlx_worker_svc.rpc.server import ServerConfig, WorkerServer
 
 NUM_BLOCKS = 512
+STEP_ERRORS = "mlx_worker_stream_step_errors_total"
 Labels = frozenset[tuple[str, str]]
 
 
@@ -262,6 +263,31 @@ def test_a_scrape_during_a_run_sees_it_running(worker: Live) -> None:
     )
     assert after("mlx_worker_requests_running") == 0
     assert delta(before, after, "mlx_worker_prompt_tokens_total") == len(prompt)
+
+
+def test_a_streams_refused_steps_are_logged_and_counted_by_code(
+    worker: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stream's RPC ends OK, so rpcs_total cannot show its refused steps:
+    mlx_worker_stream_step_errors_total{code} and a log line each (operations.md)."""
+    stale = pb.ExecuteRequest(step_id=7, worker_epoch=worker.epoch + 1)
+    unknown = pb.ExecuteRequest(step_id=8, worker_epoch=worker.epoch, finished_req_ids=["x"])
+    steps = [pb.ExecuteStreamRequest(step=s) for s in (stale, unknown)]
+    before = Scrape(worker.port)
+    with caplog.at_level(logging.INFO, logger="mlx_worker_svc"):
+        replies = list(worker.stub.ExecuteStream(iter(steps), timeout=60))
+    codes = [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND]
+    assert [r.error.code for r in replies] == [c.value[0] for c in codes]
+    after = Scrape(worker.port)
+    counted = [delta(before, after, STEP_ERRORS, code=c.name) for c in codes]
+    assert counted == [1, 1]
+    logged = [r for r in caplog.records if r.getMessage() == "stream step failed"]
+    lines = [json.loads(JsonFormatter().format(r)) for r in logged]
+    assert [(x["rpc"], x["step_id"], x["code"]) for x in lines] == [
+        ("ExecuteStream", 7, "FAILED_PRECONDITION"),
+        ("ExecuteStream", 8, "NOT_FOUND"),
+    ]
+    assert lines[1]["error"] == replies[1].error.message
 
 
 def test_worker_logs_carry_request_ids(worker: Live, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,8 +1,9 @@
 """The gRPC servicer: one thin method per RPC.
 
 Each method converts the request (convert.py), calls the worker and converts
-the answer. Errors are mapped in one place, `_status`: a WorkerError keeps its
-own status code; anything else is a bug and becomes INTERNAL with its text.
+the answer. Errors are mapped in one place, `status.abort_for`: a WorkerError
+keeps its own status code; anything else is a bug and becomes INTERNAL with
+its text.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from mlx_worker_svc.core.errors import InvalidArgument, WorkerError
 from mlx_worker_svc.core.lifecycle import DeviceArgs
-from mlx_worker_svc.core.log_format import clip
 from mlx_worker_svc.core.profiling import ProfileSort
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2 as pb
 from mlx_worker_svc.gen.mlx_worker.v1 import worker_pb2_grpc as pb_grpc
 from mlx_worker_svc.rpc import convert, text_convert
-from mlx_worker_svc.rpc.status import deadline_passed, grpc_code
+from mlx_worker_svc.rpc.status import abort_for, gave_up, settle_stream_end, short_message
 from mlx_worker_svc.rpc.step_reader import StepReader
 from mlx_worker_svc.worker.worker import Worker
 
@@ -38,57 +38,13 @@ _PROFILE_SORT = {
 }
 
 
-# Status messages travel in a header; gRPC refuses headers past 8 KiB, and a
-# message may quote the caller's input (a path, say), so keep them short.
-_MAX_MESSAGE = 2000
-# How long a stream whose requests ended waits for gRPC to tell a cancel (_settle).
-STREAM_END_SETTLE_S = 0.02
-
-
-def _short(message: str) -> str:
-    if len(message) <= _MAX_MESSAGE:
-        return message
-    return message[: _MAX_MESSAGE - 30] + f"... ({len(message)} characters)"
-
-
-def _status(
-    context: grpc.ServicerContext, exc: BaseException, method: str, req_id: str = ""
-) -> NoReturn:
-    fields = {"rpc": method, "req_id": clip(req_id)} if req_id else {"rpc": method}
-    if isinstance(exc, WorkerError):
-        message = _short(exc.message)
-        log.info("rpc failed", extra={**fields, "code": exc.code.name, "error": message})
-        context.abort(grpc_code(exc.code), message)
-    log.exception(
-        "%s failed with an unexpected error", method, extra={**fields, "code": "INTERNAL"}
-    )
-    context.abort(grpc.StatusCode.INTERNAL, _short(f"{method}: {type(exc).__name__}: {exc}"))
-
-
-def _settle(context: grpc.ServicerContext, seconds: float = STREAM_END_SETTLE_S) -> None:
-    """Waits (briefly) for gRPC to say whether a stream whose requests ended was cancelled:
-    it may end a cancelled call's request iterator as if the caller had closed its side,
-    and only then mark the call inactive; the call's status is then counted as its
-    caller saw it (CANCELLED, not OK). A caller that did close its side waits that long
-    for the status."""
-    deadline = time.monotonic() + seconds
-    while context.is_active() and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
-def _gave_up(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """Whether the caller left (deadline passed, cancelled): lifecycle calls stop waiting,
-    and a queued Execute step does not run."""
-    return lambda: not context.is_active() or deadline_passed(context)
-
-
 def _unary(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
         except Exception as exc:
-            _status(context, exc, fn.__name__)
+            abort_for(context, exc, fn.__name__)
 
     return wrapper  # type: ignore[return-value]
 
@@ -118,7 +74,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             world_size=request.world_size,
             distributed_init_method=request.distributed_init_method,
         )
-        info = self._worker.init_device(args, gave_up=_gave_up(context))
+        info = self._worker.init_device(args, gave_up=gave_up(context))
         return pb.InitDeviceResponse(
             device=convert.device_info(info), state=convert.state(self._worker.state)
         )
@@ -128,7 +84,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.LoadModelRequest, context: grpc.ServicerContext
     ) -> pb.LoadModelResponse:
         loaded, epoch = self._worker.load_model(
-            convert.load_spec(request), gave_up=_gave_up(context)
+            convert.load_spec(request), gave_up=gave_up(context)
         )
         return pb.LoadModelResponse(
             model=convert.model_info(loaded.info),
@@ -147,7 +103,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             request.block_size,
             kv_bits=request.kv_bits,
             kv_group_size=request.kv_group_size,
-            gave_up=_gave_up(context),
+            gave_up=gave_up(context),
         )
         return convert.memory_profile(profile, self._worker.state)
 
@@ -164,14 +120,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             memory_limit_bytes=request.memory_limit_bytes,
             kv_bits=request.kv_bits,
             kv_group_size=request.kv_group_size,
-            gave_up=_gave_up(context),
+            gave_up=gave_up(context),
         )
         return convert.cache_config(config, self._worker.state)
 
     @_unary
     def WarmUp(self, request: pb.WarmUpRequest, context: grpc.ServicerContext) -> pb.WarmUpResponse:
         shapes, seconds = self._worker.warm_up(
-            list(request.batch_sizes), list(request.prefill_lengths), gave_up=_gave_up(context)
+            list(request.batch_sizes), list(request.prefill_lengths), gave_up=gave_up(context)
         )
         return pb.WarmUpResponse(
             shapes_run=shapes, seconds=seconds, state=convert.state(self._worker.state)
@@ -183,7 +139,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> pb.ExecuteResponse:
         received = time.perf_counter_ns()
         plan = convert.step_plan(request)
-        result = self._worker.execute(plan, received_ns=received, gave_up=_gave_up(context))
+        result = self._worker.execute(plan, received_ns=received, gave_up=gave_up(context))
         return convert.step_result(result)
 
     def ExecuteStream(
@@ -197,9 +153,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 if step.error is not None:
                     self._step_failed(step.step_id, step.error)
                 yield convert.streamed_step(step)
-            _settle(context)
+            settle_stream_end(context)
         except Exception as exc:
-            _status(context, exc, "ExecuteStream")
+            abort_for(context, exc, "ExecuteStream")
         finally:
             reader.stop()
             stream.close()
@@ -210,7 +166,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         code = error.code.name
         self._worker.metrics.stream_step_errors.labels(code).inc()
         extra = {"rpc": "ExecuteStream", "step_id": step_id, "code": code}
-        log.info("stream step failed", extra={**extra, "error": _short(error.message)})
+        log.info("stream step failed", extra={**extra, "error": short_message(error.message)})
 
     @_unary
     def CheckHealth(
@@ -321,13 +277,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self._worker.check_state("Generate")  # the wrong state first, whatever the fields
             chunks, cancel = self._worker.generate(text_convert.generate_spec(request))
         except Exception as exc:
-            _status(context, exc, "Generate", request.request_id)
+            abort_for(context, exc, "Generate", request.request_id)
         context.add_callback(cancel)
         try:
             for chunk in chunks:
                 yield text_convert.generate_chunk(chunk)
         except Exception as exc:
-            _status(context, exc, "Generate", request.request_id)
+            abort_for(context, exc, "Generate", request.request_id)
 
     @_unary
     def Sleep(self, request: pb.SleepRequest, context: grpc.ServicerContext) -> pb.SleepResponse:

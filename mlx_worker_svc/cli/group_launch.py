@@ -38,7 +38,11 @@ from mlx_worker_svc.core.signals import STOP_SIGNALS
 # EXIT_LINE just before it exits.
 RANK_LINE = "mlx-worker group rank {rank} of {size} ({backend}) pid {pid} on {host}"
 EXIT_LINE = "mlx-worker rank 0 exits with status {status}"
-_RANK = re.compile(r"mlx-worker group rank (\d+) of \d+ \(\S+\) pid (\d+) on (\S+)")
+# The host ends at a space, the line's end, or the next rank's line: mlx.launch relays
+# the ranks' output in chunks, so two ranks' lines may come joined on one line.
+_RANK = re.compile(
+    r"mlx-worker group rank (\d+) of \d+ \(\S+\) pid (\d+) on (\S+?)(?=\s|$|mlx-worker group)"
+)
 _EXIT = re.compile(r"mlx-worker rank 0 exits with status (-?\d+)")
 # mlx.launch's line for a rank that ended without ours (killed by a signal: -N).
 _LAUNCHER_EXIT = re.compile(r"Node with rank 0 exited with code (-?\d+)")
@@ -258,9 +262,7 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
         for line in group.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            ranked = _RANK.search(line)
-            if ranked and ranked.group(1) == "0" and ranked.group(3) == socket.gethostname():
-                rank0 = int(ranked.group(2))
+            rank0 = rank_zero_pid(line, socket.gethostname()) or rank0
             # Rank 0's own line or the launcher's, whichever comes first (either order
             # happens): the status, and the timer for the ranks left behind.
             died, ended = _LAUNCHER_EXIT.search(line), _EXIT.search(line)
@@ -281,6 +283,17 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
             if pipe is not None:
                 pipe.close()
     return status if status is not None else 1
+
+
+def rank_zero_pid(line: str, host: str) -> int | None:
+    """The pid of rank 0 if `line` has its RANK_LINE and rank 0 runs on `host` (the line may
+    hold other ranks' lines before or after it). Only then can a stop signal go to rank 0
+    alone, whose drain stops every rank; without it the launcher's session is stopped, and
+    the group with it, undrained."""
+    for ranked in _RANK.finditer(line):
+        if ranked.group(1) == "0" and ranked.group(3) == host:
+            return int(ranked.group(2))
+    return None
 
 
 def _kill_session(group: subprocess.Popen[str]) -> None:

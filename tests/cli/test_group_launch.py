@@ -129,3 +129,15 @@ def test_the_command_exits_with_rank_0_when_another_rank_will_not_end(
     status = group_launch.run_group(_args(backend="ring", hostfile="hosts.json"), [])
     assert status == 3
     assert time.monotonic() - began < 30  # not the stuck rank's 600 s
+
+
+def test_rank_0_is_found_in_a_line_it_shares_with_another_ranks() -> None:
+    """mlx.launch relays the ranks' output in chunks: two ranks' lines came joined on one
+    line, rank 0's second. Unseen, rank 0 got no SIGTERM: the launcher's session was
+    stopped, and the group broke instead of draining."""
+    one = group_launch.RANK_LINE.format(rank=1, size=2, backend="ring", pid=30050, host="h")
+    zero = group_launch.RANK_LINE.format(rank=0, size=2, backend="ring", pid=30049, host="h")
+    for line in (zero + "\n", one + zero + "\n", zero + one, f"[x] {one} {zero}"):
+        assert group_launch.rank_zero_pid(line, "h") == 30049, line
+    assert group_launch.rank_zero_pid(one + "\n", "h") is None
+    assert group_launch.rank_zero_pid(zero, "other-host") is None  # rank 0 runs elsewhere

@@ -210,9 +210,13 @@ class Replica:
 
     def _profile(self, **options: Any) -> MemoryProfile:
         loaded = self._model()
+        ranks = self.device.ranks if self.device is not None else ()
+        here = [r for r in ranks if r.host == ranks[self.channel.rank].host] if ranks else []
+        share = max(len(here), 1)  # ranks on one machine share its memory
         profile: MemoryProfile
         profile, profiles = self._together(
-            lambda: memory.profile(loaded.model, loaded.info, **options), lambda p: p
+            lambda: memory.profile(loaded.model, loaded.info, host_share=share, **options),
+            lambda p: p,
         )
         return replace(profile, suggested_num_blocks=min(p.suggested_num_blocks for p in profiles))
 

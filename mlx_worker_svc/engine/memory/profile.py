@@ -127,10 +127,13 @@ def profile(
     block_size: int,
     kv: KVFormat = FLOAT_KV,
     adapter_bytes: int = 0,
+    host_share: int = 1,
 ) -> MemoryProfile:
     """Profiles forwards up to `max_num_batched_tokens` and sizes the KV budget for `kv`.
 
-    `adapter_bytes` (resident LoRA adapters) count with the weights.
+    `adapter_bytes` (resident LoRA adapters) count with the weights. `host_share`: the
+    processes of a worker group on this machine, which share its memory: each counts
+    that share of the working set it may use.
     """
     per_block = bytes_per_block(model, block_size, kv)  # first: it checks `kv`
     sizes = sorted(
@@ -149,7 +152,7 @@ def profile(
         else (0.0, activation / max_num_batched_tokens, 0.0)
     )
     total, recommended = memory_facts()
-    allowed = int(recommended * memory_utilization)
+    allowed = int(recommended * memory_utilization) // max(host_share, 1)
     weights = info.weight_bytes + adapter_bytes
     available = max(allowed - weights - activation, 0)
     return MemoryProfile(

@@ -83,6 +83,13 @@ def test_the_group_reports_its_ranks_and_each_holds_half_the_weights(
     )
     assert all(abs(share - 0.5) <= 0.05 for share in shares), shares
     assert info.model.weight_bytes == device.ranks[0].weight_bytes
+    # Both ranks on this machine share its memory: each sizes KV in half of it.
+    ask = pb.DetermineMemoryRequest(max_num_batched_tokens=16)
+    mine, alone = group.stub.DetermineMemory(ask), single.stub.DetermineMemory(ask)
+    assert mine.recommended_working_set_bytes == alone.recommended_working_set_bytes
+    half = alone.available_kv_bytes / 2
+    assert abs(mine.available_kv_bytes - half) < 64 << 20, (mine, alone)
+    assert mine.suggested_num_blocks < alone.suggested_num_blocks
     # A repeat naming the group's backend, or leaving it to the worker, is the same call.
     for method in ("", "ring"):
         again = group.stub.InitDevice(

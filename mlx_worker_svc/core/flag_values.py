@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import socket
 from collections.abc import Callable
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -144,3 +145,24 @@ def bind_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT; an OSError names --host and --port and the cause (a
+    port in use: "Address already in use"). The gRPC servers bind one and close it before
+    gRPC binds: gRPC's own failure is a C-core log line and a message without the cause."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise OSError(f"--host {host!r}: cannot listen there ({exc.strerror or exc})") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or exc
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({why})") from exc
+    return sock

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlx_worker_svc.client.worker import ClientError
-from mlx_worker_svc.core.flag_values import bind_address
+from mlx_worker_svc.core.flag_values import bind_address, listening_socket
 from mlx_worker_svc.fleet.errors import FleetError
 from mlx_worker_svc.fleet.scheduler import FleetScheduler
 from mlx_worker_svc.gen.mlx_worker.v1 import fleet_pb2, fleet_pb2_grpc
@@ -103,6 +103,8 @@ async def serve_fleet(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
     )
     address = bind_address(host, port)
+    if port:  # a port in use: said in one line, with its cause
+        listening_socket(host, port).close()
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)

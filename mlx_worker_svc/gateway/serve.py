@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl
 from collections.abc import Iterator
 
 import uvicorn
 
+from mlx_worker_svc.core.flag_values import listening_socket
 from mlx_worker_svc.fleet import FleetScheduler
 from mlx_worker_svc.gateway.app import GatewayConfig, create_app
 
@@ -32,25 +32,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket; an OSError names --host and --port and the cause."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise OSError(f"--host {host!r}: cannot listen there ({exc.strerror or exc})") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        why = exc.strerror or exc
-        raise OSError(f"--host {host} --port {port}: cannot listen there ({why})") from exc
-    return sock
 
 
 class GatewayServer:
@@ -69,7 +50,7 @@ class GatewayServer:
         self.host = host
         self._fleet, self._grace = fleet, grace
         self._draining: asyncio.Task[None] | None = None
-        self._sock = _bind(host, port)
+        self._sock = listening_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._server = _Server(
             uvicorn.Config(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mlx_worker_svc.core.flag_values import bind_address
+from mlx_worker_svc.core.flag_values import bind_address, listening_socket
 from mlx_worker_svc.core.lifecycle import EXECUTABLE
 from mlx_worker_svc.core.limits import FALLBACK_CONTEXT_TOKENS, AdmissionLimits, message_limit
 from mlx_worker_svc.core.reports import WorkerState
@@ -188,6 +188,8 @@ class WorkerServer:
         security = self.config.security
         check_bind(self.config.host, security)
         credentials = server_credentials(security)
+        if self.config.port:  # a port in use: said in one line, with its cause
+            listening_socket(self.config.host, self.config.port).close()
         try:
             if credentials is None:
                 self.port = self._server.add_insecure_port(address)

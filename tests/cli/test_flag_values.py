@@ -152,6 +152,24 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
+def test_a_port_in_use_is_one_line_naming_the_flags(tiny_dir: Path) -> None:
+    """serve and fleet on a port another process holds: exit 2, one line with the cause
+    (gRPC's own failure was a C-core log line and a message without the cause)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = int(held.getsockname()[1])
+        for command in (
+            ["serve", "--model", str(tiny_dir)],
+            ["fleet", "--worker", "127.0.0.1:1"],
+        ):
+            done = _run(*command, "--port", str(port))
+            lines = [line for line in (done.stdout + done.stderr).splitlines() if line]
+            assert done.returncode == 2 and len(lines) == 1, (done.stdout, done.stderr)
+            said = f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
+            assert lines[0].endswith(said), lines
+
+
 def test_checks_after_parsing_exit_2_with_one_line(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text("[]")

@@ -221,7 +221,7 @@ def _serve_worker(
             f"({up.device.kind.value}), {up.cache.num_blocks} KV blocks of "
             f"{up.profile.block_size} tokens, prefix cache "
             f"{'on' if up.cache.prefix_caching else 'off'}, "
-            f"memory limit {up.cache.memory_limit_bytes / 2**30:.1f} GiB, "
+            f"memory limit {_size(up.cache.memory_limit_bytes)}, "
             f"{up.cache.kv.describe()} KV",
             flush=True,
         )
@@ -315,3 +315,8 @@ def _launched() -> bool:
     if launched_backend() != "ring":  # found by the backend's own variables
         return True
     return bool(os.environ.get("MLX_RANK") and os.environ.get("MLX_HOSTFILE"))
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as the ready line shows them: GiB, or MiB below one GiB (not "0.0 GiB")."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -84,11 +84,19 @@ class AdapterCalls:
         give = given_up(self.core, adapters)
         held = core.runner.state.request_blocks() if core.runner is not None else 0
         if give and config.num_blocks - give < max(held, 1):
-            raise ResourceExhausted(
+            start = (
                 f"AddLora: the adapters would take {adapters} bytes, which the memory limit "
                 f"({config.memory_limit_bytes} bytes) leaves room for only if the KV budget "
-                f"gives up {give} of its {config.num_blocks} blocks, and requests hold {held}: "
-                "remove an adapter, finish requests, or set a smaller KV budget (InitCache)"
+                f"gives up {give} of its {config.num_blocks} blocks"
+            )
+            if give >= config.num_blocks:  # no request is in the way: nothing would be left
+                raise ResourceExhausted(
+                    f"{start}, which would leave it none: remove an adapter, or give the "
+                    "worker more memory (InitCache's memory_limit_bytes)"
+                )
+            raise ResourceExhausted(
+                f"{start}, and requests hold {held}: remove an adapter, finish requests, or "
+                "set a smaller KV budget (InitCache)"
             )
 
     def remove(self, name: str) -> str:

@@ -98,7 +98,11 @@ class _HealthGauges(Collector):
         for name, doc, value in (
             ("kv_blocks_used", "KV blocks the requests hold", kv.used_blocks),
             ("kv_blocks_free", "KV blocks of the budget not held by requests", kv.free_blocks),
-            ("kv_blocks_capacity", "KV blocks InitCache set (the budget)", kv.num_blocks),
+            (
+                "kv_blocks_capacity",
+                "KV blocks of the budget in force (InitCache's, less those adapters take)",
+                kv.num_blocks,
+            ),
             ("kv_bits", "Bits of the quantized KV (0: the model's float dtype)", kv.kv.bits),
             ("kv_group_size", "Quantization group of the KV (0: float KV)", kv.kv.group_size),
             (

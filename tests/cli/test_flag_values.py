@@ -246,3 +246,9 @@ def test_every_flag_with_a_default_says_it_in_its_help() -> None:
             if "default" not in (action.help or ""):
                 silent.append(f"{name} {action.option_strings[0]}")
     assert silent == []
+
+
+def test_the_ready_line_shows_a_small_memory_limit_in_mib() -> None:
+    from mlx_worker_svc.cli.serve import _size
+
+    assert (_size(33_500_000), _size(22_748_575_334)) == ("31.9 MiB", "21.2 GiB")

@@ -265,8 +265,39 @@ def test_adapter_bytes_count_in_memory(tiny_dir: Path, adapters: dict[str, Path]
         code, text = _fails(stub.AddLora, pb.AddLoraRequest(name="big", path=str(adapters["big"])))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory limit" in text
         assert "gives up" in text and "of its 4 blocks" in text
+        # No request holds a block: the budget would have none left, not "requests hold 0".
+        assert "which would leave it none" in text and "requests hold" not in text
         assert [a.name for a in stub.ListLoras(pb.ListLorasRequest()).adapters] == ["a"]
         assert stub.CheckHealth(pb.CheckHealthRequest()).kv.num_blocks == 4
+
+
+def _matrix_bytes(adapter: Path) -> int:
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    assert isinstance(weights, dict)
+    return sum(int(v.nbytes) for v in weights.values())
+
+
+def test_an_adapters_share_of_the_stacks_grows_beside_a_larger_one(
+    tiny_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """adapters.md: the stacks hold every adapter at the largest rank, for every layer any
+    adapts; an adapter's bytes are its matrices and an equal share of them."""
+    matrices = _matrix_bytes(adapters["a"])
+    with live_server() as (_, stub):
+        stub.InitDevice(pb.InitDeviceRequest())
+        stub.LoadModel(pb.LoadModelRequest(model=str(tiny_dir)))
+
+        def held() -> dict[str, int]:
+            return {a.name: a.bytes for a in stub.ListLoras(pb.ListLorasRequest()).adapters}
+
+        stub.AddLora(pb.AddLoraRequest(name="a", path=str(adapters["a"])))
+        alone = held()["a"]
+        assert 2 * matrices <= alone <= 3 * matrices, (alone, matrices)
+        stub.AddLora(pb.AddLoraRequest(name="big", path=str(adapters["big"])))
+        beside = held()
+        assert beside["a"] > 3 * matrices, (beside, matrices)  # rank 64, every layer
+        share = beside["big"] - _matrix_bytes(adapters["big"])
+        assert beside["a"] - matrices == share  # an equal share
 
 
 def test_adapters_determine_memory_counted_keep_init_caches_budget_whole(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -91,6 +93,20 @@ def test_an_adapter_whose_files_went_away_during_a_deep_sleep_is_dropped_at_wake
     assert [a.name for a in calls.list()[0]] == ["kept"]
     SleepAndDrain(core).sleep(2)  # and the next deep sleep does not try it again
     assert SleepAndDrain(core).wake_up().dropped_loras == ()
+
+
+def test_serve_with_a_start_adapter_that_does_not_load_exits_1(
+    tiny_dir: Path, tmp_path: Path, smollm_dir: Path
+) -> None:
+    """adapters.md: a --lora-modules path that exists but does not load on the model fails
+    auto-init at LoadModel (exit 1), where a missing one is exit 2 before anything."""
+    wider = build_tiny_model(tmp_path / "wider", smollm_dir, overrides={"hidden_size": 96})
+    other = make_adapter(tmp_path / "other", wider, seed=1)
+    command = [sys.executable, "-m", "mlx_worker_svc", "serve", "--model", str(tiny_dir)]
+    command += ["--port", "0", "--auto-init", "--lora-modules", f"x={other}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    said = f"auto-init failed: the worker's --lora-modules adapter 'x' ({other}) does not load"
+    assert done.returncode == 1 and said in done.stdout + done.stderr, done
 
 
 def test_a_start_adapter_that_does_not_fit_a_model_keeps_the_worker_as_it_was(

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+import grpc
+
 from mlx_worker_svc.client.step_stream import step_error
 from mlx_worker_svc.client.worker import AsyncWorkerClient, ClientError
 from mlx_worker_svc.fleet.bring_up import (
@@ -173,6 +175,8 @@ class WorkerLink(LinkState):
                 self._on_adapters(self, await self.client.list_loras(pb.ListLorasRequest()))
             info = await drive_up(self.client, self.config, load=self.initial, swap=self._swap)
             loras = await held_adapters(self.client)
+            if info.worker_epoch == self.epoch:
+                await self._free_orphans()
         except (ClientError, RuntimeError) as exc:
             # A worker that stays down fails the same way at every try: WARNING
             # once, DEBUG while the cause stays the same (Status has it meanwhile).
@@ -200,8 +204,6 @@ class WorkerLink(LinkState):
             took = time.monotonic() - began
             log.info("worker %s loaded model %s in %.1f s", self.target, self.loading, took)
         self.loading = self._swap = ""
-        if info.worker_epoch == self.epoch:
-            await self._free_orphans()
         self._orphans.clear()
         self.adopt(info, loras)
         self.up, self.last_error, self._prober.misses = True, "", 0
@@ -215,14 +217,19 @@ class WorkerLink(LinkState):
         return "up"
 
     async def _free_orphans(self) -> None:
-        """Back with the same epoch (it was hung, not restarted): free what it still holds."""
+        """Back with the same epoch (it was hung, not restarted): free what it still holds.
+        A refusal other than NOT_FOUND (the request never arrived) is raised: a worker
+        that will not free them (one that drains now: UNAVAILABLE) is not taken back."""
         for worker_id in self._orphans:
             step = pb.ExecuteRequest(
                 step_id=self._step_id, worker_epoch=self.epoch, finished_req_ids=[worker_id]
             )
             self._step_id += 1
-            with contextlib.suppress(ClientError):  # NOT_FOUND: it never arrived
+            try:
                 await self.client.execute(step)
+            except ClientError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND:
+                    raise
 
     def _lose_everything(self, why: str) -> None:
         """The worker died, hung or restarted: every request goes back to the fleet."""

@@ -111,7 +111,8 @@ class Intake:
         try:
             self._check_room()
         except WorkerError as exc:
-            self._ended(req_id, self._model_named(model), error_outcome(exc.code), started)
+            outcome = error_outcome(exc.code)
+            self._ended(req_id, self._model_named(model), outcome, started, error=str(exc))
             raise
         self._admitting += 1
         try:

@@ -9,6 +9,7 @@ being tokenized, while every admitted request completes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -367,3 +368,30 @@ def test_a_text_call_passes_over_a_worker_that_does_not_serve() -> None:
     tokens, calls, message = asyncio.run(main())
     assert tokens == [1, 2] and calls == [2, 1]
     assert message.startswith("no worker of the fleet could answer: ") and "DRAINING" in message
+
+
+def test_a_queue_place_refused_while_draining_logs_its_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gateway's Anthropic route takes a queue place before it tokenizes: refused
+    during a drain, it logs `request failed` with `outcome` and `error`, as generate's
+    refusals do (operations.md); the error said nothing of why before."""
+    from mlx_worker_svc.fleet import FleetConfig, FleetScheduler
+    from mlx_worker_svc.fleet.errors import ShuttingDown
+
+    async def main() -> None:
+        fleet = FleetScheduler(["127.0.0.1:9"], FleetConfig())  # nothing listens there
+        await fleet.start()
+        fleet.draining = True
+        with pytest.raises(ShuttingDown):
+            async with fleet.queue_slot("", "msg_1"):
+                pass
+        fleet.draining = False
+        await fleet.stop()
+
+    with caplog.at_level(logging.INFO, logger="mlx_worker_svc"):
+        asyncio.run(main())
+    [failed] = [r for r in caplog.records if getattr(r, "req_id", None) == "msg_1"]
+    assert failed.getMessage() == "request failed"
+    assert getattr(failed, "outcome", None) == "unavailable"
+    assert "the fleet is shutting down" in getattr(failed, "error", "")

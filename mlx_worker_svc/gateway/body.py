@@ -91,7 +91,12 @@ def parse_body(raw: bytes) -> Any:
     """
     cannot = "We could not parse the JSON body of your request"
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_int=_integer)
+        body = json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_no_constant,
+            parse_int=_integer,
+            object_pairs_hook=_unique_keys,
+        )
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"{cannot}: it is not UTF-8 text ({exc})") from exc
     except ValueError as exc:
@@ -108,6 +113,18 @@ def parse_body(raw: bytes) -> Any:
         why = "a string holds a lone surrogate escape (\\ud800 to \\udfff without its pair)"
         raise ApiError(400, f"{cannot}: {why}") from exc
     return body
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of the body, whose keys must differ: JSON leaves a repeated key's meaning
+    open and Python keeps the last, so `{"max_tokens": 2, "max_tokens": 3}` or a token
+    twice in `logit_bias` would drop a value the client sent without a word."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {json.dumps(twice)} appears twice in one object")
+    return obj
 
 
 class _TooLong:

@@ -1,7 +1,8 @@
 """Request ids: the `x-request-id` header in, the answer's id, and the headers out.
 
 A client, or a proxy in front of the gateway, may send `x-request-id`: 1 to 128
-visible ASCII characters (another value is left aside, as if none were sent).
+visible ASCII characters (another value, or the header sent twice, is left aside,
+as if none were sent).
 It is the base of the answer's `id` (`chatcmpl-<id>`, `cmpl-<id>`, `msg_<id>`,
 as vLLM builds them), which the fleet's log lines show as `req_id`; without
 one the base is a fresh uuid's hex. Every response carries `x-request-id`,
@@ -56,7 +57,8 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        given = _valid(headers.get(HEADER))
+        sent = headers.getlist(HEADER)  # twice is one value "a, b" (RFC 9110): no id
+        given = _valid(sent[0]) if len(sent) == 1 else None
         state = scope.setdefault("state", {})
         state[_GIVEN] = given
         anthropic = is_anthropic(scope["path"], headers.keys())

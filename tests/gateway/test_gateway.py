@@ -314,6 +314,9 @@ def test_every_response_carries_the_request_id_the_logs_show(
             assert f'"id":"{prefix}trace-42"' in text.replace(" ", "")
             anthropic = path == "/v1/messages"
             assert response.headers.get("request-id") == ("trace-42" if anthropic else None)
+    twice = [("Authorization", f"Bearer {KEY}"), ("x-request-id", "a"), ("x-request-id", "b")]
+    response = gateway.http.get("/v1/models/nope", headers=twice)  # one value "a, b": aside
+    assert re.fullmatch("req_[0-9a-f]{32}", response.headers["x-request-id"])
     # Not 1 to 128 visible ASCII characters: left aside. No answer: a req_ id of its own.
     for headers, path, status in (
         (auth | {"x-request-id": "has space"}, "/v1/models/nope", 404),
@@ -323,6 +326,23 @@ def test_every_response_carries_the_request_id_the_logs_show(
         response = gateway.http.get(path, headers=headers)
         assert response.status_code == status
         assert re.fullmatch("req_[0-9a-f]{32}", response.headers["x-request-id"])
+
+
+def test_a_body_that_repeats_a_key_is_a_400_naming_it(gateway: Gateway) -> None:
+    """Python's JSON keeps a repeated key's last value: the first would be dropped."""
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for path, body in (
+        ("/v1/chat/completions", '{"messages": [], "max_tokens": 2, "max_tokens": 3}'),
+        (
+            "/v1/messages",
+            '{"model": "m", "max_tokens": 2, "messages": [], "logit": {"28": 1, "28": 2}}',
+        ),
+    ):
+        response = gateway.http.post(path, content=body.encode(), headers=auth)
+        assert response.status_code == 400, response.text
+        key = "max_tokens" if "chat" in path else "28"
+        message = response.json()["error"]["message"]
+        assert message.endswith(f'the key "{key}" appears twice in one object'), message
 
 
 def test_api_keys(gateway: Gateway) -> None:

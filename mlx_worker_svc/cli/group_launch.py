@@ -32,6 +32,7 @@ from types import FrameType
 from typing import IO
 
 from mlx_worker_svc.cli.config_file import usage_error
+from mlx_worker_svc.core.flag_values import listening_socket
 from mlx_worker_svc.core.signals import STOP_SIGNALS
 
 # Every rank prints RANK_LINE once it has joined the group; rank 0 prints
@@ -230,6 +231,12 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     problem = backend_problem(args)
     if problem:
         return usage_error(args, problem)
+    port: int = getattr(args, "port", None) or 0
+    if port and not args.hostfile:  # rank 0 serves here: try its port now, not once both
+        try:  # ranks have started (its line then came among a broken group's)
+            listening_socket(args.host, port).close()
+        except OSError as exc:
+            return usage_error(args, exc)
     try:
         command = launch_command(args, argv)
     except (FileNotFoundError, OSError) as exc:

@@ -141,3 +141,21 @@ def test_rank_0_is_found_in_a_line_it_shares_with_another_ranks() -> None:
         assert group_launch.rank_zero_pid(line, "h") == 30049, line
     assert group_launch.rank_zero_pid(one + "\n", "h") is None
     assert group_launch.rank_zero_pid(zero, "other-host") is None  # rank 0 runs elsewhere
+
+
+def test_a_local_groups_port_in_use_is_one_line_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 found the port taken only once both ranks had started: its line came among
+    the ring's and a "group is broken" line. The launcher tries the port first."""
+    monkeypatch.setattr(group_launch, "launch_command", lambda *_: pytest.fail("launched"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = int(held.getsockname()[1])
+        args = _args(backend="ring", host="127.0.0.1", port=port, command="serve")
+        assert group_launch.run_group(args, []) == 2
+    assert capsys.readouterr().err == (
+        f"mlx-worker serve: --host 127.0.0.1 --port {port}: cannot listen there "
+        "(Address already in use)\n"
+    )

@@ -119,11 +119,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object of the body, whose keys must differ: JSON leaves a repeated key's meaning
     open and Python keeps the last, so `{"max_tokens": 2, "max_tokens": 3}` or a token
     twice in `logit_bias` would drop a value the client sent without a word."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-        raise ValueError(f"the key {json.dumps(twice)} appears twice in one object")
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"the key {json.dumps(key)} appears twice in one object")
+        obj[key] = value
     return obj
 
 

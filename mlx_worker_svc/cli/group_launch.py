@@ -231,10 +231,9 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     problem = backend_problem(args)
     if problem:
         return usage_error(args, problem)
-    port: int = getattr(args, "port", None) or 0
-    if port and not args.hostfile:  # rank 0 serves here: try its port now, not once both
-        try:  # ranks have started (its line then came among a broken group's)
-            listening_socket(args.host, port).close()
+    if args.port and not args.hostfile:  # rank 0 serves here: try its port now, not once
+        try:  # both ranks have started (its line then came among a broken group's)
+            listening_socket(args.host, args.port).close()
         except OSError as exc:
             return usage_error(args, exc)
     try:

@@ -19,6 +19,7 @@ from mlx_worker_svc.engine.memory import device
 
 def _args(**fields: object) -> argparse.Namespace:
     values: dict[str, object] = {"backend": "nccl", "hostfile": None, "world_size": 2}
+    values |= {"host": "127.0.0.1", "port": 0, "command": "serve"}  # serve's: any port
     values.update(fields)
     return argparse.Namespace(**values)
 

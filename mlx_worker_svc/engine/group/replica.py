@@ -211,8 +211,8 @@ class Replica:
     def _profile(self, **options: Any) -> MemoryProfile:
         loaded = self._model()
         ranks = self.device.ranks if self.device is not None else ()
-        here = [r for r in ranks if r.host == ranks[self.channel.rank].host] if ranks else []
-        share = max(len(here), 1)  # ranks on one machine share its memory
+        host = ranks[self.channel.rank].host if ranks else ""
+        share = sum(r.host == host for r in ranks) or 1  # ranks on one machine share it
         profile: MemoryProfile
         profile, profiles = self._together(
             lambda: memory.profile(loaded.model, loaded.info, host_share=share, **options),
